@@ -1,0 +1,11 @@
+# The two commands of the README's quick start. Both set the machine up first (idempotent).
+.PHONY: setup up test
+
+setup:
+	@scripts/setup.sh
+
+up: setup
+	.venv/bin/kvmesh up
+
+test: setup
+	.venv/bin/python -m pytest

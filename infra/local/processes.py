@@ -1,0 +1,136 @@
+"""Child processes of the local cluster: a redis-server of its own, and kvmesh services.
+
+Used by `kvmesh up`, by the tests (real Redis, real service processes on loopback) and by the
+benchmarks, so all three start things the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class StartError(RuntimeError):
+    pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex((host, port)) == 0
+
+
+@dataclass
+class Child:
+    """One supervised process: how to start it and how to tell it is ready."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    url: str = ""
+    process: subprocess.Popen | None = None
+    restarts: int = 0
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env={**os.environ, **self.env}, start_new_session=True)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def exited(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL if it has not gone within `timeout`."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            code = self.exited()
+            if code is not None:
+                raise StartError(f"{self.name} exited with code {code} while starting; see {self.log_path}:\n"
+                                 + tail(self.log_path))
+            if self.is_ready():
+                return
+            time.sleep(0.05)
+        raise StartError(f"{self.name} was not ready within {timeout:.0f}s; see {self.log_path}:\n" + tail(self.log_path))
+
+    def is_ready(self) -> bool:
+        if self.name == "redis":
+            return redis_answers(self.url)
+        return http_ok(self.url + "/ready")
+
+
+def redis_child(run_dir: Path, host: str = "127.0.0.1", port: int | None = None) -> Child:
+    """A redis-server on loopback with its own data directory and no persistence."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise StartError("redis-server is not installed: run scripts/setup.sh (it installs Debian's redis-server)")
+    port = port or free_port(host)
+    data = run_dir / "redis"
+    data.mkdir(parents=True, exist_ok=True)
+    argv = [binary, "--port", str(port), "--bind", host, "--dir", str(data), "--save", "", "--appendonly", "no",
+            "--daemonize", "no", "--protected-mode", "yes"]
+    return Child("redis", argv, run_dir / "logs" / "redis.log", url=f"redis://{host}:{port}/0")
+
+
+def service_child(name: str, run_dir: Path, url: str, env: dict[str, str], config: str | None = None) -> Child:
+    argv = [sys.executable, "-m", "kvmesh", "serve", name] + (["--config", config] if config else [])
+    return Child(name, argv, run_dir / "logs" / f"{name}.log", env=env, url=url)
+
+
+def redis_answers(url: str) -> bool:
+    host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=0.5) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def http_ok(url: str, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

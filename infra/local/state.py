@@ -1,0 +1,69 @@
+"""The run directory of a local cluster: its state file, token and logs; what `kvmesh status` reads."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+import msgspec
+
+DEFAULT_RUN_DIR = Path(os.environ.get("KVMESH_HOME", Path.home() / ".kvmesh")) / "run"
+
+
+class ChildState(msgspec.Struct, kw_only=True):
+    name: str
+    pid: int | None
+    url: str
+    log: str
+    restarts: int = 0
+
+
+class ClusterState(msgspec.Struct, kw_only=True):
+    launcher_pid: int
+    started_at: float
+    token_file: str
+    children: list[ChildState]
+
+
+def state_path(run_dir: Path) -> Path:
+    return run_dir / "state.json"
+
+
+def write_state(run_dir: Path, state: ClusterState) -> None:
+    path = state_path(run_dir)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(msgspec.json.format(msgspec.json.encode(state)))
+    tmp.replace(path)
+
+
+def read_state(run_dir: Path) -> ClusterState | None:
+    try:
+        return msgspec.json.decode(state_path(run_dir).read_bytes(), type=ClusterState)
+    except (OSError, msgspec.DecodeError):
+        return None
+
+
+def pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cluster_token(run_dir: Path, configured: str | None) -> tuple[str, Path]:
+    """The configured token, or the one this run directory already has, or a new one (mode 0600)."""
+    path = run_dir / "token"
+    if configured:
+        return configured, path
+    if path.exists():
+        return path.read_text().strip(), path
+    token = secrets.token_urlsafe(24)
+    path.touch(mode=0o600)
+    path.write_text(token + "\n")
+    return token, path

@@ -1,0 +1,76 @@
+"""The `kvmesh` command: run the local cluster, one service, or a benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+from kvmesh.infra.local.state import DEFAULT_RUN_DIR
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    up = commands.add_parser("up", help="start the whole cluster on this machine and supervise it")
+    up.add_argument("--config", help="TOML config file (default: embedded defaults, KVMESH_CONFIG)")
+    up.add_argument("--redis-url", help="use this Redis instead of starting a redis-server")
+    up.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help="state, token and logs (%(default)s)")
+
+    status = commands.add_parser("status", help="show what the local cluster runs")
+    status.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+
+    down = commands.add_parser("down", help="stop the local cluster")
+    down.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
+
+    serve = commands.add_parser("serve", help="run one service in the foreground")
+    serve.add_argument("service", help="kvmeta, ...")
+    serve.add_argument("--config", help="TOML config file")
+
+    bench = commands.add_parser("bench", help="run a benchmark and print its comparison")
+    bench.add_argument("name", help="kvmeta, ...")
+    bench.add_argument("--quick", action="store_true", help="reduced run, under a minute on 2 cores")
+    bench.add_argument("--json", dest="json_path", type=Path, help="also write the results here")
+
+    args = parser.parse_args(argv)
+    if args.command == "up":
+        from kvmesh.infra.local.launcher import up as run_up
+        from kvmesh.infra.local.processes import StartError
+        try:
+            return run_up(args.run_dir, args.config, args.redis_url)
+        except StartError as exc:
+            print(f"kvmesh up: {exc}", file=sys.stderr)
+            return 1
+    if args.command == "status":
+        from kvmesh.infra.local.status import print_status
+        return print_status(args.run_dir, args.json)
+    if args.command == "down":
+        from kvmesh.infra.local.status import down as run_down
+        return run_down(args.run_dir)
+    if args.command == "serve":
+        return _serve(args.service, args.config)
+    if args.command == "bench":
+        from kvmesh.bench.runner import run_bench
+        return run_bench(args.name, quick=args.quick, json_path=args.json_path)
+    return 2
+
+
+def _serve(name: str, config_path: str | None) -> int:
+    from kvmesh.libs.controlplane import ConfigError, load_config
+    from kvmesh.libs.controlplane.serve import run
+
+    try:
+        module = importlib.import_module(f"kvmesh.services.{name}.app")
+    except ModuleNotFoundError:
+        print(f"kvmesh serve: no service named {name!r}", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(module.Config, name, config_path)
+    except ConfigError as exc:
+        print(f"kvmesh serve {name}: {exc}", file=sys.stderr)
+        return 2
+    run(module.build_service(config))
+    return 0

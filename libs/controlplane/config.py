@@ -1,0 +1,90 @@
+"""Service configuration: embedded defaults, then a TOML file, then environment variables.
+
+Precedence, lowest first:
+  1. the defaults on the config struct;
+  2. top-level keys of the file (shared by every service: `cluster`, `token`, ...);
+  3. the file's table named after the service (`[kvmeta]`);
+  4. `KVMESH_<FIELD>` (shared), then `KVMESH_<SERVICE>_<FIELD>` (this service only).
+The file comes from `--config` or `KVMESH_CONFIG`. Values from the environment are strings; they are
+converted to the field's type (JSON for lists and tables), and a bad value is a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+C = TypeVar("C", bound="ServiceConfig")
+
+SECRET_FIELDS = frozenset({"token"})
+_URL_PASSWORD = re.compile(r"(://[^:/@]*:)[^@]*@")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class ServiceConfig(msgspec.Struct, kw_only=True):
+    """What every service reads; each service's config struct extends it."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    cluster: str = "default"
+    # Service token for internal endpoints. None leaves them open (`kvmesh up` always sets one).
+    token: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
+    log_level: str = "INFO"
+
+
+def load_config(cls: type[C], service: str, path: str | Path | None = None,
+                env: Mapping[str, str] = os.environ) -> C:
+    path = path or env.get("KVMESH_CONFIG")
+    fields = set(cls.__struct_fields__)
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            document = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from None
+        data.update({k: v for k, v in document.items() if k in fields and not isinstance(v, dict)})
+        own = document.get(service, {})
+        unknown = set(own) - fields
+        if unknown:
+            raise ConfigError(f"[{service}] in {path} has unknown keys: {', '.join(sorted(unknown))}")
+        data.update(own)
+    for prefix in ("KVMESH_", f"KVMESH_{service.upper()}_"):
+        for field in fields:
+            value = env.get(prefix + field.upper())
+            if value is not None:
+                data[field] = _from_env(value)
+    try:
+        return msgspec.convert(data, cls, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid {service} configuration: {exc}") from None
+
+
+def _from_env(value: str) -> Any:
+    if value[:1] in "[{":
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            pass
+    return value
+
+
+def effective(config: msgspec.Struct) -> dict[str, Any]:
+    """The config as a dict with secrets masked: what a service prints when it starts."""
+    shown = msgspec.to_builtins(config)
+    for key, value in shown.items():
+        if key in SECRET_FIELDS and value:
+            shown[key] = "***"
+        elif isinstance(value, str):
+            shown[key] = _URL_PASSWORD.sub(r"\1***@", value)
+    return shown

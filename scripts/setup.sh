@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Sets up a fresh machine for kvmesh; safe to run again (it only does what is missing).
+#  - redis-server from Debian's packages, when it is not on PATH;
+#  - a virtualenv in .venv with torch==2.13.0 first (the CPU wheel; a looser range would pull a
+#    CUDA build of several GB), then kvmesh itself, editable, with its dev extras.
+# pip runs again only when pyproject.toml or setup.py changed since the last install.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "setup: installing redis-server (Debian package)"
+  sudo=""
+  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq redis-server >/dev/null
+fi
+
+python=${PYTHON:-python3}
+if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "setup: kvmesh needs Python >= 3.11; $python is $("$python" --version 2>&1)" >&2
+  exit 1
+fi
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  "$python" -m venv .venv
+fi
+
+stamp=.venv/.kvmesh-installed
+want=$(cat pyproject.toml setup.py | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "setup: installing Python packages into .venv"
+  .venv/bin/pip install --quiet --disable-pip-version-check "torch==2.13.0"
+  .venv/bin/pip install --quiet --disable-pip-version-check -e ".[dev]"
+  echo "$want" > "$stamp"
+fi

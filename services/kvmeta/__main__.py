@@ -1,0 +1,5 @@
+import sys
+
+from kvmesh.cli import main
+
+sys.exit(main(["serve", "kvmeta", *sys.argv[1:]]))

@@ -1,0 +1,182 @@
+"""kvmeta: the only process that talks to Redis. REST over the worker registry, the cache table
+and the block map (see libs/kvmeta/messages.py for the bodies)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import msgspec
+from aiohttp import web
+from aiohttp_sse import sse_response
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from kvmesh.libs.controlplane import NotFound, Service, ServiceConfig, ServiceUnavailable
+from kvmesh.libs.kvmeta.messages import (BlockLease, BlockPath, BlockQuery, BlockRecord, BlockRecords, CacheEvict,
+                                         CachePublish, CacheScores, Count, Heartbeat, PrefixLookup, PrefixMatches,
+                                         Removed, Worker, WorkerEvent, WorkerList, WorkerPath, WorkerRegistration)
+
+from .store import KvmetaStore
+from .watch import WorkerEventHub
+
+log = logging.getLogger(__name__)
+
+
+class Config(ServiceConfig, kw_only=True):
+    port: int = 8103
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_timeout_s: float = 1.0
+    reap_interval_s: float = 0.25
+    watch_queue: int = 1024
+    watch_ping_s: float = 5.0
+
+
+def build_service(config: Config) -> Service:
+    service = Service("kvmeta", config)
+    redis = Redis.from_url(config.redis_url, socket_timeout=config.redis_timeout_s,
+                           socket_connect_timeout=config.redis_timeout_s, health_check_interval=10)
+    store = KvmetaStore(redis, config.cluster)
+    hub = WorkerEventHub(redis, store.events_channel, config.watch_queue)
+    where = config.redis_url.rpartition("@")[2]
+    service.translate(RedisConnectionError, lambda e: ServiceUnavailable(f"Redis at {where} is unreachable: {e}"))
+    service.translate(RedisTimeoutError, lambda e: ServiceUnavailable(f"Redis at {where} did not answer in time: {e}"))
+
+    @service.lifespan
+    async def background(app: web.Application) -> AsyncIterator[None]:
+        tasks = [asyncio.create_task(hub.run()), asyncio.create_task(_reap_forever(store, config.reap_interval_s))]
+        yield
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await redis.aclose()
+
+    @service.readiness
+    async def redis_answers() -> None:
+        await redis.ping()
+        if not hub.subscribed.is_set():
+            raise ServiceUnavailable("kvmeta is not yet subscribed to worker events")
+
+    # -- worker registry --------------------------------------------------------------------------
+
+    @service.route("POST", "/v1/workers", body=WorkerRegistration, response=Worker)
+    async def register(request: web.Request, body: WorkerRegistration) -> Worker:
+        """Register a worker (a restart: what kvmeta held for this id before is dropped)."""
+        return await store.register(body)
+
+    @service.route("GET", "/v1/workers", response=WorkerList)
+    async def list_workers(request: web.Request) -> WorkerList:
+        """Live workers with their last reported load."""
+        now, workers = await store.workers()
+        return WorkerList(workers=workers, now_ms=now)
+
+    @service.route("GET", "/v1/workers/watch")
+    async def watch(request: web.Request) -> web.StreamResponse:
+        """Server-sent events: a snapshot of the live workers, then every join and leave."""
+        if not hub.subscribed.is_set():
+            raise ServiceUnavailable("worker events are not available: kvmeta is not subscribed to Redis")
+        queue = hub.watch()  # before the snapshot, so no event falls between the two
+        try:
+            now, workers = await store.workers()
+            async with sse_response(request, ping_interval=config.watch_ping_s) as stream:
+                await stream.send(_text(WorkerEvent(kind="snapshot", at_ms=now, workers=workers)))
+                while stream.is_connected():
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        event = await asyncio.wait_for(queue.get(), timeout=config.watch_ping_s)
+                        if event is None:
+                            break
+                        await stream.send(_text(event))
+                stream.stop_streaming()
+            return stream
+        finally:
+            hub.unwatch(queue)
+
+    @service.route("GET", "/v1/workers/{worker_id}", params=WorkerPath, response=Worker)
+    async def get_worker(request: web.Request, params: WorkerPath) -> Worker:
+        """One live worker."""
+        _, workers = await store.workers(params.worker_id)
+        if not workers:
+            raise NotFound(f"worker {params.worker_id} is not registered")
+        return workers[0]
+
+    @service.route("PUT", "/v1/workers/{worker_id}/heartbeat", params=WorkerPath, body=Heartbeat, response=Count)
+    async def heartbeat(request: web.Request, params: WorkerPath, body: Heartbeat) -> Count:
+        """Extend a worker's TTL and record its load; 404 means it expired and must register again."""
+        return Count(count=await store.heartbeat(params.worker_id, body))
+
+    @service.route("DELETE", "/v1/workers/{worker_id}", params=WorkerPath, response=Removed)
+    async def deregister(request: web.Request, params: WorkerPath) -> Removed:
+        """Remove a worker with its cache entries and block leases; watchers see it leave."""
+        return Removed(removed=await store.deregister(params.worker_id))
+
+    # -- cache table ------------------------------------------------------------------------------
+
+    @service.route("POST", "/v1/cache/publish", body=CachePublish, response=Count)
+    async def publish(request: web.Request, body: CachePublish) -> Count:
+        """Record prefix blocks an engine holds (NodeID, tier, size, score); count is the new ones."""
+        return Count(count=await store.publish(body.engine, body.entries))
+
+    @service.route("POST", "/v1/cache/lookup", body=PrefixLookup, response=PrefixMatches)
+    async def lookup(request: web.Request, body: PrefixLookup) -> PrefixMatches:
+        """For a prompt's NodeIDs, each live holder and how many leading blocks it has, longest first."""
+        return PrefixMatches(matches=await store.lookup(body.node_ids))
+
+    @service.route("POST", "/v1/cache/evict", body=CacheEvict, response=Count)
+    async def evict(request: web.Request, body: CacheEvict) -> Count:
+        """Forget blocks an engine no longer holds; count is how many were known."""
+        return Count(count=await store.evict(body.engine, body.node_ids))
+
+    @service.route("POST", "/v1/cache/scores", body=CacheScores, response=Count)
+    async def scores(request: web.Request, body: CacheScores) -> Count:
+        """Add to the scores of an engine's entries (CaR replacement); count is how many exist."""
+        return Count(count=await store.scores(body.engine, body.deltas))
+
+    # -- block map --------------------------------------------------------------------------------
+
+    @service.route("GET", "/v1/blocks", query=BlockQuery, response=BlockRecords)
+    async def list_blocks(request: web.Request, query: BlockQuery) -> BlockRecords:
+        """Leases past their deadline (their blocks are to be reclaimed), or all, of one engine or all."""
+        now, records = await store.blocks("expired" if query.expired else "all", query.engine or "", query.limit)
+        return BlockRecords(records=records, now_ms=now)
+
+    @service.route("PUT", "/v1/blocks/{request_id}", params=BlockPath, body=BlockLease, response=BlockRecord)
+    async def put_blocks(request: web.Request, params: BlockPath, body: BlockLease) -> BlockRecord:
+        """Record (or renew) the blocks an engine holds for a request, with a lease."""
+        return await store.put_blocks(params.request_id, body)
+
+    @service.route("GET", "/v1/blocks/{request_id}", params=BlockPath, response=BlockRecord)
+    async def get_blocks(request: web.Request, params: BlockPath) -> BlockRecord:
+        """The blocks held for one request."""
+        _, records = await store.blocks("one", params.request_id, 1)
+        if not records:
+            raise NotFound(f"no blocks are recorded for request {params.request_id}")
+        return records[0]
+
+    @service.route("DELETE", "/v1/blocks/{request_id}", params=BlockPath, response=Removed)
+    async def delete_blocks(request: web.Request, params: BlockPath) -> Removed:
+        """Drop a request's record once its blocks are freed."""
+        return Removed(removed=await store.delete_blocks(params.request_id))
+
+    return service
+
+
+async def _reap_forever(store: KvmetaStore, interval: float) -> None:
+    """Announce expired workers. Every kvmeta replica may run this; the script announces each once."""
+    failing = False
+    while True:
+        try:
+            await store.reap()
+            failing = False
+        except (RedisError, OSError) as exc:
+            if not failing:
+                log.warning("reaper cannot reach Redis: %s", exc)
+            failing = True
+        await asyncio.sleep(interval)
+
+
+def _text(event: WorkerEvent) -> str:
+    return msgspec.json.encode(event).decode()
