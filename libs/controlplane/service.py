@@ -70,6 +70,7 @@ class Service:
         self.metrics = CollectorRegistry()
         self._readiness: list[ReadinessCheck] = []
         self._lifespans: list[Lifespan] = []
+        self._shutdown_hooks: list[Callable[[], Awaitable[None]]] = []
         self._translations: list[tuple[type[BaseException], Callable[[BaseException], KvmeshError]]] = []
         self._requests = Counter("kvmesh_http_requests", "HTTP requests served, by route and status",
                                  ["route", "method", "status"], registry=self.metrics)
@@ -107,6 +108,11 @@ class Service:
         self._lifespans.append(fn)
         return fn
 
+    def on_shutdown(self, hook: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+        """Run when shutdown starts, before in-flight requests are awaited: end long-lived streams here."""
+        self._shutdown_hooks.append(hook)
+        return hook
+
     def translate(self, exc_type: type[BaseException], to: Callable[[BaseException], KvmeshError]) -> None:
         """Map a library's exception (say, Redis unreachable) to a kvmesh error in one place."""
         self._translations.append((exc_type, to))
@@ -117,6 +123,8 @@ class Service:
         for route in self.routes:
             app.router.add_route(route.method, route.path, self._endpoint(route))
         app.cleanup_ctx.extend(self._lifespans)
+        for hook in self._shutdown_hooks:
+            app.on_shutdown.append(lambda _app, hook=hook: hook())
         return app
 
     # -- middlewares ------------------------------------------------------------------------------

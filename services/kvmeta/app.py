@@ -55,6 +55,10 @@ def build_service(config: Config) -> Service:
         await asyncio.gather(*tasks, return_exceptions=True)
         await redis.aclose()
 
+    @service.on_shutdown
+    async def end_watch_streams() -> None:
+        hub.end_all()
+
     @service.readiness
     async def redis_answers() -> None:
         await redis.ping()

@@ -53,9 +53,9 @@ class WorkerEventHub:
                 if self.subscribed.is_set():
                     log.warning("worker-event subscription lost (%s); ending %d watch streams", exc, len(self._watchers))
                 self.subscribed.clear()
-                self._end_all()
+                self.end_all()
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                delay = min(delay * 2, 0.5)
 
     def _fan_out(self, event: WorkerEvent) -> None:
         for queue in list(self._watchers):
@@ -65,7 +65,8 @@ class WorkerEventHub:
                 log.warning("a watcher fell %d events behind; ending its stream", self.queue_size)
                 self._end(queue)
 
-    def _end_all(self) -> None:
+    def end_all(self) -> None:
+        """End every watch stream (at shutdown, or when events may have been lost)."""
         for queue in list(self._watchers):
             self._end(queue)
 
