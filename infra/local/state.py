@@ -45,6 +45,7 @@ def read_state(run_dir: Path) -> ClusterState | None:
 
 
 def pid_alive(pid: int | None) -> bool:
+    """Whether the process runs; an exited one its parent has not reaped yet (a zombie) does not."""
     if not pid:
         return False
     try:
@@ -53,7 +54,10 @@ def pid_alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def cluster_token(run_dir: Path, configured: str | None) -> tuple[str, Path]:
