@@ -1,0 +1,62 @@
+"""The benchmark contract (ARCHITECTURE.md, Benchmarks): one result shape, printed and saved alike."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+
+class Row(msgspec.Struct, kw_only=True):
+    """One line of the comparison table: what was measured, over which path."""
+
+    compared: str
+    path: str
+    p50_ms: float
+    p99_ms: float
+    ops_per_s: float
+
+
+class BenchResult(msgspec.Struct, kw_only=True):
+    bench: str
+    quick: bool
+    ratios: dict[str, float]
+    targets: dict[str, float]
+    meets: dict[str, bool]
+    ceilings: dict[str, float]
+    config: dict[str, Any]
+    rows: list[Row]
+    headline: str
+    plots: list[str] = []
+
+
+def latency_row(compared: str, path: str, seconds: list[float], wall_s: float) -> Row:
+    ms = np.asarray(seconds) * 1e3
+    return Row(compared=compared, path=path, p50_ms=float(np.percentile(ms, 50)), p99_ms=float(np.percentile(ms, 99)),
+               ops_per_s=len(seconds) / wall_s)
+
+
+def show(result: BenchResult) -> None:
+    console = Console(highlight=False)
+    table = Table(title=f"kvmesh bench {result.bench}{' (quick)' if result.quick else ''}")
+    for column in ("compared", "path", "p50 ms", "p99 ms", "ops/s"):
+        table.add_column(column, justify="left" if column in ("compared", "path") else "right")
+    for row in result.rows:
+        table.add_row(row.compared, row.path, f"{row.p50_ms:.3f}", f"{row.p99_ms:.3f}", f"{row.ops_per_s:,.0f}")
+    console.print(table)
+    for key, value in result.ratios.items():
+        target = result.targets.get(key)
+        verdict = "" if target is None else f"  (target {target:g}: {'meets' if result.meets[key] else 'MISSES'})"
+        console.print(f"{key} = {value:.3f}{verdict}")
+    for plot in result.plots:
+        console.print(f"plot: {plot}")
+    console.print(result.headline)
+
+
+def save(result: BenchResult, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(msgspec.json.format(msgspec.json.encode(result)))

@@ -1,0 +1,27 @@
+"""`kvmesh bench kvmeta --quick --json` runs and writes the benchmark contract (values are not judged here)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+
+
+def test_kvmeta_bench_writes_the_contract(tmp_path: Path):
+    out = tmp_path / "kvmeta.json"
+    done = subprocess.run([sys.executable, "-m", "kvmesh", "bench", "kvmeta", "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    result = msgspec.json.decode(out.read_bytes())
+    assert result["bench"] == "kvmeta" and result["quick"] is True
+    assert {"hop_added_ms_p50", "hop_added_ms_p99", "lookup_ratio_http_vs_redis"} <= result["ratios"].keys()
+    assert set(result["meets"]) == set(result["targets"]) and "redis_ping_p50_ms" in result["ceilings"]
+    assert Path(tmp_path / result["plots"][0]).stat().st_size > 0
+    assert "HTTP hop alone adds" in done.stdout
+
+
+def test_unknown_bench_is_refused():
+    done = subprocess.run([sys.executable, "-m", "kvmesh", "bench", "nothing"], capture_output=True, text=True)
+    assert done.returncode == 2 and "no benchmark 'nothing'" in done.stderr
