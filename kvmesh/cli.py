@@ -72,5 +72,9 @@ def _serve(name: str, config_path: str | None) -> int:
     except ConfigError as exc:
         print(f"kvmesh serve {name}: {exc}", file=sys.stderr)
         return 2
-    run(module.build_service(config))
+    try:
+        run(module.build_service(config))
+    except OSError as exc:
+        print(f"kvmesh serve {name}: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
+        return 1
     return 0

@@ -38,7 +38,7 @@ def up(run_dir: Path, config: str | None = None, redis_url: str | None = None) -
     if previous is not None and pid_alive(previous.launcher_pid):
         raise StartError(f"a cluster already runs from {run_dir} (launcher pid {previous.launcher_pid}); "
                          "stop it with `kvmesh down` or pick another --run-dir")
-    shared = load_config(ServiceConfig, "cluster", config)
+    shared = load_config(ServiceConfig, None, config)
     token, token_file = cluster_token(run_dir, shared.token)
     env = {"KVMESH_TOKEN": token, "KVMESH_CLUSTER": shared.cluster}
     children: list[Child] = []

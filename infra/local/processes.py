@@ -82,15 +82,10 @@ class Child:
             if code is not None:
                 raise StartError(f"{self.name} exited with code {code} while starting; see {self.log_path}:\n"
                                  + tail(self.log_path))
-            if self.is_ready():
+            if is_ready(self.url):
                 return
             time.sleep(0.05)
         raise StartError(f"{self.name} was not ready within {timeout:.0f}s; see {self.log_path}:\n" + tail(self.log_path))
-
-    def is_ready(self) -> bool:
-        if self.name == "redis":
-            return redis_answers(self.url)
-        return http_ok(self.url + "/ready")
 
 
 def redis_child(run_dir: Path, host: str = "127.0.0.1", port: int | None = None) -> Child:
@@ -109,6 +104,11 @@ def redis_child(run_dir: Path, host: str = "127.0.0.1", port: int | None = None)
 def service_child(name: str, run_dir: Path, url: str, env: dict[str, str], config: str | None = None) -> Child:
     argv = [sys.executable, "-m", "kvmesh", "serve", name] + (["--config", config] if config else [])
     return Child(name, argv, run_dir / "logs" / f"{name}.log", env=env, url=url)
+
+
+def is_ready(url: str) -> bool:
+    """A Redis answers PING; a kvmesh service answers `GET /ready` with 200."""
+    return redis_answers(url) if url.startswith("redis://") else http_ok(url + "/ready")
 
 
 def redis_answers(url: str) -> bool:

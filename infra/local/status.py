@@ -11,7 +11,7 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from .processes import http_ok, redis_answers
+from .processes import is_ready
 from .state import pid_alive, read_state
 
 
@@ -38,7 +38,7 @@ def status(run_dir: Path) -> Status:
     children = []
     for child in state.children:
         running = pid_alive(child.pid)
-        ready = running and (redis_answers(child.url) if child.name == "redis" else http_ok(child.url + "/ready"))
+        ready = running and is_ready(child.url)
         children.append(ChildStatus(name=child.name, pid=child.pid, url=child.url, running=running, ready=ready,
                                     restarts=child.restarts, log=child.log))
     return Status(running=True, launcher_pid=state.launcher_pid, children=children)

@@ -43,8 +43,9 @@ class ServiceConfig(msgspec.Struct, kw_only=True):
     log_level: str = "INFO"
 
 
-def load_config(cls: type[C], service: str, path: str | Path | None = None,
+def load_config(cls: type[C], service: str | None, path: str | Path | None = None,
                 env: Mapping[str, str] = os.environ) -> C:
+    """The config of `service`; with None, only what all services share (top-level keys, KVMESH_<FIELD>)."""
     path = path or env.get("KVMESH_CONFIG")
     fields = set(cls.__struct_fields__)
     data: dict[str, Any] = {}
@@ -54,12 +55,12 @@ def load_config(cls: type[C], service: str, path: str | Path | None = None,
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read config file {path}: {exc}") from None
         data.update({k: v for k, v in document.items() if k in fields and not isinstance(v, dict)})
-        own = document.get(service, {})
+        own = document.get(service, {}) if service else {}
         unknown = set(own) - fields
         if unknown:
             raise ConfigError(f"[{service}] in {path} has unknown keys: {', '.join(sorted(unknown))}")
         data.update(own)
-    for prefix in ("KVMESH_", f"KVMESH_{service.upper()}_"):
+    for prefix in ("KVMESH_", f"KVMESH_{service.upper()}_") if service else ("KVMESH_",):
         for field in fields:
             value = env.get(prefix + field.upper())
             if value is not None:
@@ -67,7 +68,7 @@ def load_config(cls: type[C], service: str, path: str | Path | None = None,
     try:
         return msgspec.convert(data, cls, strict=False)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"invalid {service} configuration: {exc}") from None
+        raise ConfigError(f"invalid {service or 'shared'} configuration: {exc}") from None
 
 
 def _from_env(value: str) -> Any:

@@ -26,15 +26,13 @@ def openapi_document(service: str, routes: list[Route], secured: bool) -> dict[s
         operation: dict[str, Any] = {
             "summary": route.summary,
             "operationId": f"{route.method.lower()}_{re.sub(r'[^a-z0-9]+', '_', route.path.lower()).strip('_')}",
-            "responses": {"default": _content(schema_of[ErrorBody], "error")},
+            "responses": {"200": {"description": "success"},
+                          "default": {"description": "error", "content": _media(schema_of[ErrorBody])}},
         }
         if route.response is not None:
-            operation["responses"]["200"] = _content(schema_of[route.response], "success")
-        else:
-            operation["responses"]["200"] = {"description": "success"}
+            operation["responses"]["200"]["content"] = _media(schema_of[route.response])
         if route.body is not None:
-            operation["requestBody"] = {"required": True, **_content(schema_of[route.body], "")}
-            operation["requestBody"].pop("description")
+            operation["requestBody"] = {"required": True, "content": _media(schema_of[route.body])}
         parameters = _parameters(route.params, "path", components) + _parameters(route.query, "query", components)
         if parameters:
             operation["parameters"] = parameters
@@ -50,8 +48,8 @@ def openapi_document(service: str, routes: list[Route], secured: bool) -> dict[s
     }
 
 
-def _content(schema: dict[str, Any], description: str) -> dict[str, Any]:
-    return {"description": description, "content": {JSON: {"schema": schema}, MSGPACK: {"schema": schema}}}
+def _media(schema: dict[str, Any]) -> dict[str, Any]:
+    return {JSON: {"schema": schema}, MSGPACK: {"schema": schema}}
 
 
 def _parameters(struct: type | None, where: str, components: dict[str, Any]) -> list[dict[str, Any]]:

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from kvmesh.libs.controlplane import KvmeshError, RemoteError, ServiceClient
 
 from .messages import (BlockLease, BlockRecord, BlockRecords, CacheEntry, CacheEvict, CachePublish, CacheScores, Count,
-                       Heartbeat, Load, PrefixLookup, PrefixMatch, PrefixMatches, Removed, ScoreDelta, Worker,
+                       Heartbeat, HeartbeatAck, Load, PrefixLookup, PrefixMatch, PrefixMatches, Removed, ScoreDelta, Worker,
                        WorkerEvent, WorkerInfo, WorkerList, WorkerRegistration)
 
 log = logging.getLogger(__name__)
@@ -35,11 +35,10 @@ class KvmetaClient:
         return await self.http.call("POST", "/v1/workers", WorkerRegistration(worker=info, ttl_ms=ttl_ms),
                                     into=Worker, idempotent=True)
 
-    async def heartbeat(self, worker_id: str, load: Load | None = None, ttl_ms: int | None = None) -> int:
+    async def heartbeat(self, worker_id: str, load: Load | None = None, ttl_ms: int | None = None) -> HeartbeatAck:
         """Extend the TTL; raises RemoteError 404 when the worker expired and must register again."""
-        reply = await self.http.call("PUT", f"/v1/workers/{worker_id}/heartbeat", Heartbeat(load=load, ttl_ms=ttl_ms),
-                                     into=Count)
-        return reply.count
+        return await self.http.call("PUT", f"/v1/workers/{worker_id}/heartbeat", Heartbeat(load=load, ttl_ms=ttl_ms),
+                                    into=HeartbeatAck)
 
     async def deregister(self, worker_id: str) -> bool:
         return (await self.http.call("DELETE", f"/v1/workers/{worker_id}", into=Removed)).removed

@@ -81,6 +81,11 @@ class Heartbeat(Struct, kw_only=True, frozen=True):
     ttl_ms: TtlMs | None = None
 
 
+class HeartbeatAck(Struct, kw_only=True, frozen=True):
+    heartbeat_ms: int
+    deadline_ms: int
+
+
 class Worker(Struct, kw_only=True, frozen=True):
     """A live worker as the registry holds it. Times are Redis server time, ms since the epoch."""
 

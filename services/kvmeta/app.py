@@ -18,7 +18,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvmesh.libs.controlplane import NotFound, Service, ServiceConfig, ServiceUnavailable
 from kvmesh.libs.kvmeta.messages import (BlockLease, BlockPath, BlockQuery, BlockRecord, BlockRecords, CacheEvict,
-                                         CachePublish, CacheScores, Count, Heartbeat, PrefixLookup, PrefixMatches,
+                                         CachePublish, CacheScores, Count, Heartbeat, HeartbeatAck, PrefixLookup, PrefixMatches,
                                          Removed, Worker, WorkerEvent, WorkerList, WorkerPath, WorkerRegistration)
 
 from .store import KvmetaStore
@@ -107,10 +107,11 @@ def build_service(config: Config) -> Service:
             raise NotFound(f"worker {params.worker_id} is not registered")
         return workers[0]
 
-    @service.route("PUT", "/v1/workers/{worker_id}/heartbeat", params=WorkerPath, body=Heartbeat, response=Count)
-    async def heartbeat(request: web.Request, params: WorkerPath, body: Heartbeat) -> Count:
+    @service.route("PUT", "/v1/workers/{worker_id}/heartbeat", params=WorkerPath, body=Heartbeat,
+                   response=HeartbeatAck)
+    async def heartbeat(request: web.Request, params: WorkerPath, body: Heartbeat) -> HeartbeatAck:
         """Extend a worker's TTL and record its load; 404 means it expired and must register again."""
-        return Count(count=await store.heartbeat(params.worker_id, body))
+        return await store.heartbeat(params.worker_id, body)
 
     @service.route("DELETE", "/v1/workers/{worker_id}", params=WorkerPath, response=Removed)
     async def deregister(request: web.Request, params: WorkerPath) -> Removed:

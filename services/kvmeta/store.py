@@ -8,7 +8,7 @@ import msgspec
 from redis.asyncio import Redis
 
 from kvmesh.libs.controlplane import NotFound
-from kvmesh.libs.kvmeta.messages import (BlockLease, BlockRecord, CacheEntry, Heartbeat, Load, PrefixMatch, ScoreDelta,
+from kvmesh.libs.kvmeta.messages import (BlockLease, BlockRecord, CacheEntry, Heartbeat, HeartbeatAck, Load, PrefixMatch, ScoreDelta,
                                          Worker, WorkerInfo, WorkerRegistration)
 from kvmesh.libs.kvmeta.schema import SCRIPTS, key_prefix, script_source
 
@@ -38,12 +38,13 @@ class KvmetaStore:
         now = await self._run("register", info.id, _json.encode(info), _json.encode(Load()), ttl)
         return Worker(info=info, load=Load(), ttl_ms=ttl, registered_ms=now, heartbeat_ms=now, deadline_ms=now + ttl)
 
-    async def heartbeat(self, worker_id: str, heartbeat: Heartbeat) -> int:
+    async def heartbeat(self, worker_id: str, heartbeat: Heartbeat) -> HeartbeatAck:
         load = b"" if heartbeat.load is None else _json.encode(heartbeat.load)
-        now = await self._run("heartbeat", worker_id, load, heartbeat.ttl_ms or "")
-        if not now:
+        reply = await self._run("heartbeat", worker_id, load, heartbeat.ttl_ms or "")
+        if not reply:
             raise NotFound(f"worker {worker_id} is not registered (expired or never joined): register again")
-        return now
+        now, ttl = reply
+        return HeartbeatAck(heartbeat_ms=now, deadline_ms=now + ttl)
 
     async def deregister(self, worker_id: str) -> bool:
         return bool(await self._run("deregister", worker_id))

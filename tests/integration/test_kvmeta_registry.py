@@ -36,7 +36,8 @@ async def test_heartbeat_records_load_and_keeps_worker_alive(client: KvmetaClien
     load = Load(free_blocks={"device": 100, "cxl": 7}, waiting=3, running=2)
     for _ in range(6):
         await asyncio.sleep(0.15)
-        await client.heartbeat("decode-0", load)
+        ack = await client.heartbeat("decode-0", load)
+        assert ack.deadline_ms == ack.heartbeat_ms + 400
     worker = await client.worker("decode-0")
     assert worker.load == load and worker.heartbeat_ms > worker.registered_ms
 

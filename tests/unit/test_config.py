@@ -34,6 +34,12 @@ def test_precedence_defaults_file_section_shared_env_service_env(tmp_path: Path)
     assert load_config(DemoConfig, "demo", path, env={"KVMESH_PORT": "3", "KVMESH_DEMO_PORT": "4"}).port == 4
 
 
+def test_shared_config_ignores_service_tables_and_service_env(tmp_path: Path):
+    path = write(tmp_path, 'token = "t"\n[demo]\ntoken = "other"\n')
+    shared = load_config(ServiceConfig, None, path, env={"KVMESH_DEMO_CLUSTER": "x", "KVMESH_CLUSTER": "c"})
+    assert (shared.token, shared.cluster) == ("t", "c")
+
+
 def test_config_file_named_by_environment(tmp_path: Path):
     path = write(tmp_path, "[demo]\nport = 7\n")
     assert load_config(DemoConfig, "demo", env={"KVMESH_CONFIG": str(path)}).port == 7

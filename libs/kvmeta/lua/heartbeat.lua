@@ -1,5 +1,5 @@
--- ARGV: id, load (JSON, or '' to keep), ttl_ms (or '' to keep). Returns 0 for an unknown worker,
--- which must register again.
+-- ARGV: id, load (JSON, or '' to keep), ttl_ms (or '' to keep). Returns {now, ttl_ms}, or 0 for an
+-- unknown worker, which must register again.
 local id = ARGV[1]
 local key = P .. 'worker:' .. id
 if not is_live(id) then
@@ -16,4 +16,4 @@ local ttl = tonumber(redis.call('HGET', key, 'ttl_ms'))
 redis.call('HSET', key, 'heartbeat_ms', now)
 redis.call('PEXPIRE', key, ttl)
 redis.call('ZADD', P .. 'workers', now + ttl, id)
-return now
+return {now, ttl}
