@@ -27,7 +27,8 @@ def is_msgpack(content_type: str | None) -> bool:
 
 
 def decode(raw: bytes, content_type: str | None, into: type[T]) -> T:
-    """Decode and validate a body; malformed bytes are a 400, a wrong shape or type is a 422.
+    """Decode and validate a body; malformed bytes and a wrong shape or type are both a 400,
+    told apart by the error type (`invalid_request`, `validation_error`).
 
     Anything not labelled msgpack is read as JSON, so `curl -d '{...}'` works without a header."""
     msgpack = is_msgpack(content_type)

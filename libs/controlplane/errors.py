@@ -58,7 +58,9 @@ class PayloadTooLarge(KvmeshError):
 
 
 class ValidationFailed(KvmeshError):
-    status, type = 422, "validation_error"
+    """A body of the right encoding but the wrong shape, types or values (400, as OpenAI and vLLM answer)."""
+
+    status, type = 400, "validation_error"
 
 
 class ServiceUnavailable(KvmeshError):
@@ -83,7 +85,7 @@ class ServiceUnreachable(KvmeshError):
 
 
 _BY_STATUS = {cls.status: cls for cls in (BadRequest, Unauthorized, Forbidden, NotFound, MethodNotAllowed,
-                                           PayloadTooLarge, ValidationFailed,
+                                           PayloadTooLarge,
                                            ServiceUnavailable)}
 
 

@@ -2,7 +2,7 @@
 
 A `Service` holds typed routes; `build()` turns them into an aiohttp application that
 - decodes and validates bodies, query strings and path parameters against msgspec structs
-  (malformed bytes 400, wrong shape or type 422, oversize 413, unknown media type 415);
+  (malformed bytes 400 `invalid_request`, wrong shape or type 400 `validation_error`, oversize 413);
 - checks the service token on internal routes (missing 401, wrong 403);
 - answers every error as `{"error": {"type", "message", "code"}}`, never an HTML page or a bare 500;
 - carries W3C trace context from the incoming request into the handler, so calls it makes go on

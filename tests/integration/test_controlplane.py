@@ -99,7 +99,7 @@ async def test_msgpack_round_trip_with_validation(back):
         assert await client.call("POST", "/v1/items", Item("kv", 1), into=Item) == Item("KV", 2)
         with pytest.raises(RemoteError) as invalid:
             await client.call("POST", "/v1/items", {"name": "kv", "count": "one"}, into=Item)
-        assert (invalid.value.status, invalid.value.type) == (422, "validation_error")
+        assert (invalid.value.status, invalid.value.type) == (400, "validation_error")
         with pytest.raises(RemoteError) as negative:
             await client.call("POST", "/v1/items", Item("kv", -1), into=Item)
         assert negative.value.message == "count must not be negative"

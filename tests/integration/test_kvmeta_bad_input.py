@@ -37,11 +37,11 @@ def registration(**changes) -> dict:
 
 @pytest.mark.parametrize("raw, status, kind", [
     (b"\xc1\xff\x00", 400, "invalid_request"),                                   # not msgpack at all
-    (msgspec.msgpack.encode([1, 2, 3]), 422, "validation_error"),                # wrong shape
-    (msgspec.msgpack.encode(registration(role="janitor")), 422, "validation_error"),
-    (msgspec.msgpack.encode(registration(id="has space")), 422, "validation_error"),
-    (msgspec.msgpack.encode(registration(geometry={"block_size": "16"})), 422, "validation_error"),
-    (msgspec.msgpack.encode({"worker": msgspec.to_builtins(worker_info("p0")), "ttl_ms": 1}), 422, "validation_error"),
+    (msgspec.msgpack.encode([1, 2, 3]), 400, "validation_error"),                # wrong shape
+    (msgspec.msgpack.encode(registration(role="janitor")), 400, "validation_error"),
+    (msgspec.msgpack.encode(registration(id="has space")), 400, "validation_error"),
+    (msgspec.msgpack.encode(registration(geometry={"block_size": "16"})), 400, "validation_error"),
+    (msgspec.msgpack.encode({"worker": msgspec.to_builtins(worker_info("p0")), "ttl_ms": 1}), 400, "validation_error"),
     (b"", 400, "invalid_request"),
 ])
 async def test_malformed_or_mistyped_registration_is_refused(kvmeta: Kvmeta, client: KvmetaClient, http, raw, status,
@@ -55,7 +55,7 @@ async def test_malformed_or_mistyped_registration_is_refused(kvmeta: Kvmeta, cli
 
 async def test_validation_error_says_where(kvmeta: Kvmeta, http):
     async with http.post(kvmeta.url + "/v1/cache/lookup", json={"node_ids": ["ok", 5]}, headers=AUTH) as response:
-        assert response.status == 422
+        assert response.status == 400
         assert "$.node_ids[1]" in (await error_of(response))["message"]
 
 
@@ -92,11 +92,11 @@ async def test_health_metrics_and_openapi_need_no_token(kvmeta: Kvmeta, http):
     assert "PrefixLookup" in spec["components"]["schemas"]
 
 
-async def test_bad_path_and_query_parameters_are_422(kvmeta: Kvmeta, http):
+async def test_bad_path_and_query_parameters_are_400(kvmeta: Kvmeta, http):
     async with http.get(kvmeta.url + "/v1/blocks", params={"limit": "lots"}, headers=AUTH) as response:
-        assert response.status == 422 and "limit" in (await error_of(response))["message"]
+        assert response.status == 400 and "limit" in (await error_of(response))["message"]
     async with http.put(kvmeta.url + "/v1/workers/has%20space/heartbeat", json={}, headers=AUTH) as response:
-        assert response.status == 422
+        assert response.status == 400
 
 
 async def test_unknown_endpoint_and_method_are_structured_errors(kvmeta: Kvmeta, http):

@@ -1,0 +1,31 @@
+"""Policies by name, for config and for `PUT /v1/policy`; other packages add theirs through the
+`kvmesh.policies` entry-point group (entry name `HOOK:NAME`, value a function)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib.metadata import entry_points
+
+from . import admission, allocation, cache, preemption
+
+HOOKS: dict[str, dict[str, Callable]] = {
+    "prefill_admission": {"fcfs": admission.fcfs},
+    "kv_allocation": {"block_at_a_time": allocation.block_at_a_time},
+    "preemption_order": {"latest_arrival_first": preemption.latest_arrival_first},
+    "preemption_strategy": {"recompute": preemption.recompute, "swap": preemption.swap},
+    "cache_policy": {"lru": cache.lru},
+}
+
+DEFAULTS = {"prefill_admission": "fcfs", "kv_allocation": "block_at_a_time",
+            "preemption_order": "latest_arrival_first", "preemption_strategy": "recompute", "cache_policy": "lru"}
+
+
+def resolve(hook: str, name: str) -> Callable:
+    if hook not in HOOKS:
+        raise KeyError(f"unknown policy hook {hook!r}; hooks: {', '.join(HOOKS)}")
+    if name in HOOKS[hook]:
+        return HOOKS[hook][name]
+    for entry in entry_points(group="kvmesh.policies"):
+        if entry.name == f"{hook}:{name}":
+            return entry.load()
+    raise KeyError(f"no {hook} policy named {name!r}; known: {', '.join(HOOKS[hook])}")
