@@ -1,0 +1,74 @@
+"""Bodies of the engine's HTTP API."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+from msgspec import Meta, Struct, field
+
+from kvmesh.libs.controlplane import BadRequest
+from kvmesh.libs.kvmeta.messages import Id
+
+from .sampling import SamplingParams
+
+
+class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    """`POST /v1/generate`: a prompt (text or token ids) and how to sample its continuation."""
+
+    request_id: Id | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: Annotated[list[str], Meta(max_length=16)] = field(default_factory=list)
+    stop_token_ids: Annotated[list[int], Meta(max_length=64)] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def validated(self, tokenizer, vocab_size: int, max_model_len: int) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and the sampling parameters, or a 400 saying what is wrong."""
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise BadRequest("give exactly one of `prompt` and `prompt_token_ids`")
+        ids = tokenizer.encode(self.prompt) if self.prompt is not None else list(self.prompt_token_ids)
+        if not ids or (self.prompt is not None and not self.prompt):
+            raise BadRequest("the prompt is empty")
+        outside = [t for t in ids + self.stop_token_ids if not 0 <= t < vocab_size]
+        if outside:
+            raise BadRequest(f"token ids outside the vocabulary [0, {vocab_size}): {outside[:8]}")
+        if self.max_tokens <= 0:
+            raise BadRequest(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if len(ids) + self.max_tokens > max_model_len:
+            raise BadRequest(f"the prompt ({len(ids)} tokens) plus max_tokens ({self.max_tokens}) is over this "
+                             f"engine's context limit of {max_model_len} tokens")
+        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0):
+            raise BadRequest(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise BadRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise BadRequest(f"top_k must be 0 (off) or positive, got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise BadRequest("stop strings must not be empty")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise BadRequest(f"seed must be in [0, 2**63), got {self.seed}")
+        return ids, SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
+                                   top_p=self.top_p, seed=self.seed, stop_token_ids=tuple(self.stop_token_ids),
+                                   stop=tuple(self.stop), ignore_eos=self.ignore_eos, logprobs=self.logprobs)
+
+
+class AbortRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    request_id: Id
+
+
+class Aborted(Struct, kw_only=True):
+    aborted: bool
+
+
+class PolicyNames(Struct, kw_only=True, forbid_unknown_fields=True):
+    """Engine-level policies by hook: prefill_admission, kv_allocation, preemption_order,
+    preemption_strategy, cache_policy."""
+
+    policies: dict[str, str]

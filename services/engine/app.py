@@ -1,0 +1,123 @@
+"""The engine service: `POST /v1/generate` streams frames, `POST /v1/abort`, `GET /v1/state`,
+`PUT /v1/policy`; registers with kvmeta and heartbeats its load when configured."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+
+import msgspec
+from aiohttp import web
+
+from kvmesh.libs.controlplane import BadRequest, Service
+from kvmesh.libs.kvmeta.client import KvmetaClient, WorkerPresence
+from kvmesh.libs.kvmeta.messages import BlockGeometry, Capacity, Load, WorkerInfo
+
+from .api import Aborted, AbortRequest, GenerateRequest, PolicyNames
+from .engine import EngineLoop, EngineState, Frame
+from .factory import EngineConfig, build_engine, max_model_len
+
+Config = EngineConfig
+
+NDJSON = "application/x-ndjson"
+
+
+def build_service(config: EngineConfig) -> Service:
+    service = Service("engine", config)
+    engine = build_engine(config)
+    context_limit = max_model_len(config, engine)
+    model_config = engine.runner.model.config
+    streams: dict[str, asyncio.Queue[Frame]] = {}
+    main_loop: asyncio.AbstractEventLoop | None = None
+
+    def dispatch(frames: list[Frame]) -> None:
+        for frame in frames:
+            stream = streams.get(frame.request_id)
+            if stream is not None:
+                stream.put_nowait(frame)
+
+    loop = EngineLoop(engine, lambda frames: main_loop.call_soon_threadsafe(dispatch, frames))
+
+    @service.lifespan
+    async def run_engine(app: web.Application) -> AsyncIterator[None]:
+        nonlocal main_loop
+        main_loop = asyncio.get_running_loop()
+        loop.start()
+        async with contextlib.AsyncExitStack() as stack:
+            if config.kvmeta_url:
+                kvmeta = await stack.enter_async_context(KvmetaClient(config.kvmeta_url, config.token))
+                await stack.enter_async_context(WorkerPresence(kvmeta, _worker_info(config, engine),
+                                                               ttl_ms=config.heartbeat_ttl_ms,
+                                                               load=lambda: _load(loop.state)))
+            yield
+        await asyncio.to_thread(loop.stop)
+
+    @service.route("POST", "/v1/generate", body=GenerateRequest)
+    async def generate(request: web.Request, body: GenerateRequest) -> web.StreamResponse:
+        """Generate from a prompt; streams one frame per token (msgpack, or JSON lines on Accept: JSON)."""
+        ids, sampling = body.validated(engine.tokenizer, model_config.vocab_size, context_limit)
+        request_id = body.request_id or uuid.uuid4().hex
+        if request_id in streams:
+            raise BadRequest(f"request {request_id} is already running on this engine")
+        frames: asyncio.Queue[Frame] = asyncio.Queue()
+        streams[request_id] = frames
+        loop.submit(lambda: engine.add(request_id, ids, sampling) and None)
+        as_json = any(media in request.headers.get("Accept", "") for media in ("application/json", NDJSON))
+        response = web.StreamResponse(headers={"Content-Type": NDJSON if as_json else "application/msgpack"})
+        finished = False
+        try:
+            await response.prepare(request)
+            while not finished:
+                frame = await frames.get()
+                finished = frame.finish_reason is not None
+                await response.write(msgspec.json.encode(frame) + b"\n" if as_json else msgspec.msgpack.encode(frame))
+            await response.write_eof()
+        finally:
+            streams.pop(request_id, None)
+            if not finished:  # the client went away: free the request's blocks now
+                loop.submit(lambda: [f] if (f := engine.abort(request_id)) else [])
+        return response
+
+    @service.route("POST", "/v1/abort", body=AbortRequest, response=Aborted)
+    async def abort(request: web.Request, body: AbortRequest) -> Aborted:
+        """Stop a request and free its blocks; its stream ends with finish_reason `abort`."""
+        def stop() -> tuple[bool, list[Frame]]:
+            frame = engine.abort(body.request_id)
+            return frame is not None, [frame] if frame else []
+        return Aborted(aborted=await asyncio.wrap_future(loop.call(stop)))
+
+    @service.route("GET", "/v1/state", response=EngineState)
+    async def state(request: web.Request) -> EngineState:
+        """Free blocks per tier, queue lengths, recent time between tokens."""
+        return loop.state
+
+    @service.route("PUT", "/v1/policy", body=PolicyNames, response=PolicyNames)
+    async def set_policy(request: web.Request, body: PolicyNames) -> PolicyNames:
+        """Switch engine-level policies by name, between two steps."""
+        def switch() -> tuple[dict[str, str], list[Frame]]:
+            engine.scheduler.policies.set(body.policies)
+            return dict(engine.scheduler.policies.names), []
+        try:
+            return PolicyNames(policies=await asyncio.wrap_future(loop.call(switch)))
+        except KeyError as exc:
+            raise BadRequest(str(exc.args[0])) from None
+
+    return service
+
+
+def _worker_info(config: EngineConfig, engine) -> WorkerInfo:
+    spec = engine.runner.model.config
+    blocks = engine.blocks
+    return WorkerInfo(
+        id=config.engine_id, role=config.role, control_url=config.advertise_url or f"http://{config.host}:{config.port}",
+        model=config.model,
+        geometry=BlockGeometry(block_size=blocks.block_size, num_layers=spec.num_layers,
+                               num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=config.dtype),
+        capacity=Capacity(device_blocks=blocks.device.num_blocks,
+                          cxl_blocks=blocks.pools["cxl"].num_blocks if "cxl" in blocks.pools else 0))
+
+
+def _load(state: EngineState) -> Load:
+    return Load(free_blocks=state.free_blocks, waiting=state.waiting, running=state.running, swapped=state.swapped)

@@ -1,0 +1,220 @@
+"""Blocks of requests: per-layer block tables over the tier pools, the prefix cache, copy-on-write
+and swapping between tiers.
+
+Reference counts live in the pools: a block's count is the number of requests whose table holds
+it. A full block's content is named by its NodeID (chained hash of its parent's NodeID and its
+tokens, CaR); once named it joins the prefix cache, is never written again, and outlives the
+request: when no request holds it any more it stays, *evictable*, until the cache policy gives its
+space to someone else. A request about to write into a block that is shared or named gets its own
+copy first (copy-on-write).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.libs.kvmeta.nodeid import node_ids
+from kvmesh.policies.views import CachedBlockView, PoolView
+
+from .kv_pool import KVPool
+from .policy_set import Policies
+from .request import Request
+
+@dataclass
+class CachedNode:
+    node_id: str
+    blocks: list[int]     # one device block per layer
+    refs: int             # requests holding it
+    last_access: float
+    hits: int = 0
+
+
+class BlockManager:
+    def __init__(self, pools: dict[str, KVPool], num_layers: int, policies: Policies, model: str = "",
+                 prefix_caching: bool = True):
+        self.pools = pools
+        self.device = pools["device"]
+        self.num_layers = num_layers
+        self.block_size = self.device.shape.block_size
+        self.policies = policies
+        self.model = model
+        self.prefix_caching = prefix_caching
+        self.cached: dict[str, CachedNode] = {}
+        self.evictable: dict[str, CachedNode] = {}
+        self._named: set[int] = set()   # device blocks that belong to a cached node
+        self.hit_tokens = 0             # prompt tokens served from the prefix cache, all time
+
+    # -- accounting -------------------------------------------------------------------------------
+
+    def free(self, tier: str) -> int:
+        """Blocks of `tier` a request could get now (unused cached blocks count: they can be evicted)."""
+        extra = len(self.evictable) * self.num_layers if tier == "device" else 0
+        return self.pools[tier].free_count + extra
+
+    def pool_view(self) -> PoolView:
+        return PoolView(block_size=self.block_size, num_layers=self.num_layers,
+                        free={t: self.free(t) for t in self.pools},
+                        total={t: p.num_blocks for t, p in self.pools.items()})
+
+    # -- prefix cache -----------------------------------------------------------------------------
+
+    def attach_prefix(self, request: Request, now: float) -> int:
+        """Give a request with no blocks the longest cached prefix of its tokens; returns how many
+        tokens it need not compute. At least one token is always left to compute (its logits are
+        needed), so a fully cached prompt recomputes its last token into a copy of the last block."""
+        if not self.prefix_caching or request.blocks_per_layer:
+            return 0
+        self._name_full_blocks(request, request.num_tokens // self.block_size)
+        for node_id in request.node_ids:
+            node = self.cached.get(node_id)
+            if node is None:
+                break
+            self._hold(request, node, now)
+        request.num_committed = len(request.cached_nodes)
+        request.num_computed = min(request.num_committed * self.block_size, request.num_tokens - 1)
+        self.hit_tokens += request.num_computed
+        return request.num_computed
+
+    def commit(self, request: Request, now: float) -> None:
+        """Offer the request's blocks that became full to the prefix cache. A block whose content
+        another request cached first stays private."""
+        full = request.num_computed // self.block_size
+        if not self.prefix_caching or request.tier != "device" or full <= request.num_committed:
+            return
+        self._name_full_blocks(request, full)
+        for index in range(request.num_committed, full):
+            node_id = request.node_ids[index]
+            if node_id in self.cached:
+                continue
+            blocks = [layer.blocks[index] for layer in request.layers]
+            self.cached[node_id] = CachedNode(node_id, blocks, refs=1, last_access=now)
+            self._named.update(blocks)
+            request.cached_nodes.append(node_id)
+        request.num_committed = full
+
+    def _name_full_blocks(self, request: Request, full: int) -> None:
+        if len(request.node_ids) < full:
+            start = len(request.node_ids) * self.block_size
+            parent = request.node_ids[-1] if request.node_ids else None
+            request.node_ids += node_ids(request.all_ids[start:full * self.block_size], self.block_size, self.model,
+                                         parent)
+
+    def _hold(self, request: Request, node: CachedNode, now: float) -> None:
+        if node.refs == 0:
+            del self.evictable[node.node_id]
+        node.refs += 1
+        node.hits += 1
+        node.last_access = now
+        for layer, block in zip(request.layers, node.blocks):
+            self.device.incref(block)
+            layer.blocks.append(block)
+        request.cached_nodes.append(node.node_id)
+
+    def _let_go(self, node_id: str) -> None:
+        node = self.cached[node_id]
+        node.refs -= 1
+        if node.refs == 0:
+            self.evictable[node_id] = node
+
+    def _evict(self, nodes_needed: int) -> None:
+        candidates = [CachedBlockView(node_id=n.node_id, last_access=n.last_access, hits=n.hits)
+                      for n in self.evictable.values()]
+        for node_id in self.policies.cache_policy(candidates, nodes_needed):
+            node = self.evictable.pop(node_id)
+            del self.cached[node_id]
+            for block in node.blocks:
+                self._named.discard(block)
+                self.device.release(block)
+
+    # -- growing, writing, freeing ----------------------------------------------------------------
+
+    def reserve(self, request: Request, blocks_per_layer: int, new_tokens: int) -> bool:
+        """Make room for this step's `new_tokens`: bring every layer to `blocks_per_layer` device
+        blocks, and give the request its own copy of any shared or cached block it will write into
+        (copy-on-write). All or nothing: False, with nothing changed, if the pool can't."""
+        extra = max(0, blocks_per_layer - request.blocks_per_layer)
+        first = request.num_computed // self.block_size
+        last = min((request.num_computed + new_tokens - 1) // self.block_size, request.blocks_per_layer - 1)
+        shared = [i for i in range(first, last + 1) if any(self._shared(layer.blocks[i]) for layer in request.layers)]
+        if self.free("device") < (extra + len(shared)) * self.num_layers:
+            return False
+        fresh = iter(self._take((extra + len(shared)) * self.num_layers))
+        for index in shared:
+            for layer in request.layers:
+                old = layer.blocks[index]
+                layer.blocks[index] = next(fresh)
+                self.device.tensor[layer.blocks[index]].copy_(self.device.tensor[old])
+                self._drop(self.device, old)
+            node_id = request.node_ids[index]
+            if node_id in request.cached_nodes:
+                request.cached_nodes.remove(node_id)
+                self._let_go(node_id)
+        for layer in request.layers:
+            layer.blocks += [next(fresh) for _ in range(extra)]
+        return True
+
+    def release(self, request: Request) -> None:
+        """Give up every block the request holds, in any tier."""
+        for layer in request.layers:
+            pool = self.pools[layer.tier]
+            for block in layer.blocks:
+                self._drop(pool, block)
+            layer.blocks = []
+            layer.tier = "device"
+        for node_id in request.cached_nodes:
+            self._let_go(node_id)
+        request.cached_nodes = []
+        request.num_committed = 0
+
+    def _shared(self, block: int) -> bool:
+        return block in self._named or self.device.refs(block) > 1
+
+    def _drop(self, pool: KVPool, block: int) -> None:
+        if pool.decref(block) == 0 and not (pool is self.device and block in self._named):
+            pool.release(block)
+
+    def _take(self, n: int) -> list[int]:
+        short = n - self.device.free_count
+        if short > 0:
+            self._evict(-(-short // self.num_layers))
+        return self.device.allocate(n)
+
+    # -- swapping between tiers -------------------------------------------------------------------
+
+    def swap_out(self, request: Request) -> bool:
+        """Move a request's KV to the cxl tier and free its device blocks; False if cxl is full."""
+        cxl = self.pools.get("cxl")
+        n = request.blocks_per_layer * self.num_layers
+        if cxl is None or cxl.free_count < n:
+            return False
+        self._move(request, cxl.allocate(n), "cxl")
+        return True
+
+    def swap_in(self, request: Request) -> bool:
+        """Bring a swapped-out request's KV back to device blocks; False if the device can't hold it."""
+        n = request.blocks_per_layer * self.num_layers
+        if self.free("device") < n:
+            return False
+        self._move(request, self._take(n), "device")
+        return True
+
+    def _move(self, request: Request, destination: list[int], tier: str) -> None:
+        source_pool, target_pool = self.pools[request.tier], self.pools[tier]
+        source = [b for layer in request.layers for b in layer.blocks]
+        per_layer = request.blocks_per_layer
+        copy_blocks(source_pool, source, target_pool, destination)
+        self.release(request)
+        for i, layer in enumerate(request.layers):
+            layer.tier = tier
+            layer.blocks = destination[i * per_layer:(i + 1) * per_layer]
+
+
+def copy_blocks(source: KVPool, source_blocks: list[int], target: KVPool, target_blocks: list[int]) -> None:
+    """Copy whole blocks between pools (GPU<->CXL DMA when the pools are on different devices)."""
+    if not source_blocks:
+        return
+    src = torch.tensor(source_blocks, device=source.tensor.device)
+    dst = torch.tensor(target_blocks, device=target.tensor.device)
+    target.tensor.index_copy_(0, dst, source.tensor.index_select(0, src).to(target.tensor.device, non_blocking=True))

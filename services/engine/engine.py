@@ -1,0 +1,226 @@
+"""The engine: schedule, run the model, sample, and turn the results into frames for clients.
+
+`Engine.step()` is one iteration and touches engine state from one thread only; `EngineLoop` runs
+it on its own thread (torch releases the GIL while it computes, so the HTTP side stays responsive)
+and takes new requests and aborts through a queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import msgspec
+import torch
+
+from .block_manager import BlockManager
+from .detokenizer import advance_text
+from .model_runner import ModelRunner
+from .request import Request
+from .sampling import SamplingParams, sample
+from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class Frame(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a client receives after a step: the new tokens of one request."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    times: list[float]                    # unix time each token was produced
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None      # "stop", "length", "abort", "error"
+    usage: Usage | None = None
+
+
+class EngineState(msgspec.Struct, kw_only=True):
+    free_blocks: dict[str, int]
+    total_blocks: dict[str, int]
+    waiting: int
+    running: int
+    swapped: int
+    tbt_ms_p50: float | None
+    tbt_ms_p99: float | None
+    steps: int
+    preemptions: dict[str, int]
+    prefix_cache_hit_tokens: int
+    policies: dict[str, str]
+
+
+@dataclass
+class Engine:
+    runner: ModelRunner
+    blocks: BlockManager
+    scheduler: Scheduler
+    tokenizer: object
+    eos_token_ids: tuple[int, ...]
+    clock: Callable[[], float] = time.time
+    steps: int = 0
+    preemptions: dict[str, int] = field(default_factory=lambda: {"recompute": 0, "swap": 0})
+    _tbt: deque[float] = field(default_factory=lambda: deque(maxlen=512))
+
+    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> Request:
+        request = Request(request_id, list(prompt_ids), sampling, self.clock(), self.blocks.num_layers)
+        if sampling.seed is not None:
+            request.generator = torch.Generator(device=self.runner.device).manual_seed(sampling.seed)
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, request_id: str) -> Frame | None:
+        request = self.scheduler.find(request_id)
+        if request is None:
+            return None
+        self.scheduler.finish(request, "abort")
+        return self.final_frame(request)
+
+    def step(self) -> list[Frame]:
+        now = self.clock()
+        plan = self.scheduler.schedule(now)
+        for _victim, strategy in plan.preempted:
+            self.preemptions[strategy] += 1
+        if not plan.chunks:
+            return []
+        logits = self.runner.run(plan.chunks)
+        sampling = [c for c in plan.chunks if c.samples]
+        tokens, logprobs = sample(logits, [c.request.sampling for c in sampling],
+                                  [c.request.generator for c in sampling]) if sampling else ([], [])
+        done = self.clock()
+        for chunk in plan.chunks:
+            chunk.request.num_computed += chunk.num_tokens
+            self.blocks.commit(chunk.request, done)
+        self.steps += 1
+        return [self._emit(c.request, token, logprob, done) for c, token, logprob in zip(sampling, tokens, logprobs)]
+
+    def _emit(self, request: Request, token: int, logprob: float, now: float) -> Frame:
+        if request.output_times:
+            self._tbt.append(now - request.output_times[-1])
+        request.output_ids.append(token)
+        request.output_logprobs.append(logprob)
+        request.output_times.append(now)
+        params = request.sampling
+        reason = None
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+            reason = "stop"
+        elif len(request.output_ids) >= params.max_tokens:
+            reason = "length"
+        text, stopped = advance_text(request, self.tokenizer, final=reason is not None)
+        if stopped:
+            reason = "stop"
+        if reason is not None:
+            self.scheduler.finish(request, reason)
+        return self._frame(request, [token], [now], [logprob], text)
+
+    def final_frame(self, request: Request) -> Frame:
+        """The last frame of a request that ended without a new token (aborted, failed)."""
+        return self._frame(request, [], [], [], "")
+
+    def _frame(self, request: Request, tokens: list[int], times: list[float], logprobs: list[float],
+               text: str) -> Frame:
+        usage = None
+        if request.finished:
+            usage = Usage(prompt_tokens=len(request.prompt_ids), completion_tokens=len(request.output_ids),
+                          cached_tokens=request.num_cached)
+        return Frame(request_id=request.request_id, token_ids=tokens, text=text, times=times,
+                     logprobs=logprobs if request.sampling.logprobs else None,
+                     finish_reason=request.finish_reason, usage=usage)
+
+    def state(self) -> EngineState:
+        view = self.blocks.pool_view()
+        tbt = sorted(self._tbt)
+        return EngineState(free_blocks=dict(view.free), total_blocks=dict(view.total),
+                           waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
+                           swapped=len(self.scheduler.swapped),
+                           tbt_ms_p50=tbt[len(tbt) // 2] * 1e3 if tbt else None,
+                           tbt_ms_p99=tbt[min(len(tbt) - 1, int(len(tbt) * 0.99))] * 1e3 if tbt else None,
+                           steps=self.steps, preemptions=dict(self.preemptions),
+                           prefix_cache_hit_tokens=self.blocks.hit_tokens,
+                           policies=dict(self.scheduler.policies.names))
+
+
+class EngineLoop:
+    """Runs `Engine.step()` on its own thread; new requests, aborts and policy changes come in
+    through a queue and are applied between steps."""
+
+    def __init__(self, engine: Engine, deliver: Callable[[list[Frame]], None]):
+        self.engine = engine
+        self.deliver = deliver
+        self._commands: queue.SimpleQueue[Callable[[], list[Frame]]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.state = engine.state()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join()
+
+    def submit(self, command: Callable[[], list[Frame] | None]) -> None:
+        """Run `command` on the engine thread between steps; the frames it returns are delivered."""
+        self._commands.put(command)
+        self._wake.set()
+
+    def call(self, fn: Callable[[], tuple[T, list[Frame]]]) -> Future[T]:
+        """Like submit, for a command with a result: `fn` returns (result, frames to deliver)."""
+        future: Future[T] = Future()
+
+        def command() -> list[Frame]:
+            try:
+                result, frames = fn()
+            except Exception as exc:
+                future.set_exception(exc)
+                return []
+            future.set_result(result)
+            return frames
+
+        self.submit(command)
+        return future
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            frames: list[Frame] = []
+            while not self._commands.empty():
+                frames += self._commands.get() or []
+            if not self.engine.scheduler.has_work():
+                self.state = self.engine.state()
+                if frames:
+                    self.deliver(frames)
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                frames += self.engine.step()
+            except Exception:
+                log.exception("engine step failed; failing the running requests")
+                frames += self._fail_all()
+            self.state = self.engine.state()
+            if frames:
+                self.deliver(frames)
+
+    def _fail_all(self) -> list[Frame]:
+        scheduler = self.engine.scheduler
+        frames = []
+        for request in [*scheduler.running, *scheduler.waiting, *scheduler.swapped]:
+            scheduler.finish(request, "error")
+            frames.append(self.engine.final_frame(request))
+        return frames

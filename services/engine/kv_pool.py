@@ -1,0 +1,83 @@
+"""A tier's KV blocks: one tensor, and an allocator with reference counts.
+
+The tensor is `[num_blocks, 2, block_size, num_kv_heads, head_dim]` (docs/engine.md). `device` is
+the accelerator's memory, or on a CPU machine a capacity-limited RAM pool standing in for scarce
+HBM; `cxl` is host memory (pinned when there is a GPU to DMA from) or a file/DAX mapping by path.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+class OutOfBlocks(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes(self) -> int:
+        """One block: one layer's K and V for `block_size` tokens."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def blocks_in(self, capacity_bytes: int) -> int:
+        return capacity_bytes // self.bytes
+
+
+class KVPool:
+    def __init__(self, tier: str, num_blocks: int, shape: BlockShape, device: torch.device | str = "cpu",
+                 path: str | Path | None = None):
+        if num_blocks <= 0:
+            raise ValueError(f"the {tier} pool needs at least one block, got {num_blocks}")
+        self.tier, self.shape, self.num_blocks = tier, shape, num_blocks
+        dims = (num_blocks, 2, shape.block_size, shape.num_kv_heads, shape.head_dim)
+        if path is not None:
+            numel = num_blocks * 2 * shape.block_size * shape.num_kv_heads * shape.head_dim
+            self.tensor = torch.from_file(str(path), shared=True, size=numel, dtype=shape.dtype).view(dims)
+        else:
+            self.tensor = torch.zeros(dims, dtype=shape.dtype, device=device)
+            if tier == "cxl" and torch.cuda.is_available():
+                self.tensor = self.tensor.pin_memory()  # so GPU<->CXL copies are DMA, off the compute stream
+        self._free: deque[int] = deque(range(num_blocks))
+        self._refs = [0] * num_blocks
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocks(f"{self.tier} pool: {n} blocks asked, {len(self._free)} free")
+        blocks = [self._free.popleft() for _ in range(n)]
+        for b in blocks:
+            self._refs[b] = 1
+        return blocks
+
+    def incref(self, block: int) -> None:
+        self._refs[block] += 1
+
+    def decref(self, block: int) -> int:
+        """Drop one reference; returns the count left. The caller frees (or caches) at zero."""
+        self._refs[block] -= 1
+        if self._refs[block] < 0:
+            raise AssertionError(f"{self.tier} block {block} released more often than taken")
+        return self._refs[block]
+
+    def refs(self, block: int) -> int:
+        return self._refs[block]
+
+    def release(self, block: int) -> None:
+        """Return a block with no references to the free list."""
+        if self._refs[block]:
+            raise AssertionError(f"{self.tier} block {block} freed while still referenced")
+        self._free.append(block)

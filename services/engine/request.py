@@ -1,0 +1,72 @@
+"""A request's state inside the engine: tokens, how far its KV is computed, where its blocks are."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"      # queued, or preempted by recompute
+    RUNNING = "running"
+    SWAPPED = "swapped"      # preempted, KV in the cxl tier
+    FINISHED = "finished"
+
+
+@dataclass
+class LayerBlocks:
+    """One layer's blocks of a request, and the tier they are in (LayerKV moves layers one by one)."""
+
+    tier: str
+    blocks: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    arrival: float
+    num_layers: int
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_times: list[float] = field(default_factory=list)
+    num_computed: int = 0                  # tokens whose KV is in the cache
+    num_cached: int = 0                    # of the prompt, tokens reused from the prefix cache
+    status: Status = Status.WAITING
+    preemptions: int = 0
+    finish_reason: str | None = None
+    text: str = ""                         # detokenised output so far
+    sent_chars: int = 0                    # of `text`, how much the client has
+    node_ids: list[str] = field(default_factory=list)     # NodeIDs of the full blocks, in order
+    cached_nodes: list[str] = field(default_factory=list)  # prefix-cache nodes this request holds a ref on
+    num_committed: int = 0                 # leading full blocks already offered to the prefix cache
+    generator: torch.Generator | None = None
+    layers: list[LayerBlocks] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.layers = [LayerBlocks("device") for _ in range(self.num_layers)]
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def blocks_per_layer(self) -> int:
+        return len(self.layers[0].blocks)
+
+    @property
+    def tier(self) -> str:
+        return self.layers[0].tier
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,62 @@
+"""Sampling: greedy, temperature, top-k, top-p, per-request seeds, and the sampled token's logprob."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0       # 0 is greedy
+    top_k: int = 0                 # 0 keeps every token
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           generators: Sequence[torch.Generator | None]) -> tuple[list[int], list[float]]:
+    """One token per row of `logits` [S, vocab] (float32), and its log-probability under the model's
+    own distribution (before temperature, top-k and top-p, as vLLM reports it)."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    tokens = logits.argmax(dim=-1)
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled_rows:
+        rows = torch.tensor(sampled_rows, device=logits.device)
+        probs = _filtered_probs(logits[rows], [params[i] for i in sampled_rows])
+        for j, i in enumerate(sampled_rows):
+            tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i]).squeeze(0)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return tokens.tolist(), chosen.tolist()
+
+
+def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+    logits = logits / temperature.unsqueeze(1)
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        keep = torch.ones_like(sorted_logits, dtype=torch.bool)
+        if any(k > 0 for k in top_k):
+            k = torch.tensor([k if k > 0 else logits.shape[-1] for k in top_k], device=device)
+            keep &= torch.arange(logits.shape[-1], device=device).unsqueeze(0) < k.unsqueeze(1)
+        if any(p < 1.0 for p in top_p):
+            cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            p = torch.tensor(top_p, device=device, dtype=cumulative.dtype).unsqueeze(1)
+            keep &= (cumulative - sorted_logits.softmax(dim=-1)) < p  # keep the token that crosses p
+        sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    return logits.softmax(dim=-1)

@@ -1,0 +1,178 @@
+"""Block accounting of the scheduler and block manager, without a model: random add / step / abort
+sequences (hypothesis state machine) keep every reference count exact, and everything comes back."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvmesh.services.engine.block_manager import BlockManager
+from kvmesh.services.engine.kv_pool import BlockShape, KVPool
+from kvmesh.services.engine.policy_set import Policies
+from kvmesh.services.engine.request import Request, Status
+from kvmesh.services.engine.sampling import SamplingParams
+from kvmesh.services.engine.scheduler import Scheduler
+
+LAYERS, BLOCK = 2, 4
+SHAPE = BlockShape(block_size=BLOCK, num_kv_heads=1, head_dim=2, dtype=torch.float32)
+
+
+def make(strategy: str = "recompute", device_blocks: int = 24, cxl_blocks: int = 16, budget: int = 12):
+    pools = {"device": KVPool("device", device_blocks, SHAPE), "cxl": KVPool("cxl", cxl_blocks, SHAPE)}
+    policies = Policies({"preemption_strategy": strategy})
+    blocks = BlockManager(pools, LAYERS, policies)
+    return blocks, Scheduler(blocks, policies, max_num_seqs=4, token_budget=budget)
+
+
+def simulate_step(scheduler: Scheduler, now: float, rng: random.Random) -> None:
+    """What the engine does after the model ran: advance, commit full blocks, append a token."""
+    plan = scheduler.schedule(now)
+    for chunk in plan.chunks:
+        request = chunk.request
+        samples = chunk.samples
+        request.num_computed += chunk.num_tokens
+        scheduler.blocks.commit(request, now)
+        if samples:
+            request.output_ids.append(rng.randrange(3))
+            if len(request.output_ids) >= request.sampling.max_tokens:
+                scheduler.finish(request, "length")
+
+
+def live_requests(scheduler: Scheduler) -> list[Request]:
+    return [*scheduler.running, *scheduler.waiting, *scheduler.swapped]
+
+
+def assert_exact_accounting(blocks: BlockManager, scheduler: Scheduler) -> None:
+    held: dict[str, Counter] = {tier: Counter() for tier in blocks.pools}
+    node_refs: Counter = Counter()
+    for request in live_requests(scheduler):
+        for layer in request.layers:
+            held[layer.tier].update(layer.blocks)
+        node_refs.update(request.cached_nodes)
+        assert request.num_computed <= request.blocks_per_layer * BLOCK
+    idle_named = {b for node in blocks.evictable.values() for b in node.blocks}
+    for tier, pool in blocks.pools.items():
+        free = list(pool._free)
+        assert len(free) == len(set(free)), f"{tier}: a block is free twice"
+        for block in range(pool.num_blocks):
+            assert pool.refs(block) == held[tier][block], f"{tier} block {block}"
+        # Every block is exactly one of: free, held by requests, or cached and idle (device only).
+        parts = [set(free), set(held[tier]), idle_named if tier == "device" else set()]
+        assert sum(map(len, parts)) == len(set().union(*parts)) == pool.num_blocks, tier
+    for node in blocks.cached.values():
+        assert node.refs == node_refs[node.node_id]
+        assert (node.refs == 0) == (node.node_id in blocks.evictable)
+
+
+def assert_everything_returns(blocks: BlockManager, scheduler: Scheduler) -> None:
+    for request in live_requests(scheduler):
+        scheduler.finish(request, "abort")
+    view = blocks.pool_view()
+    assert view.free == view.total
+    blocks._evict(len(blocks.evictable))
+    assert all(pool.free_count == pool.num_blocks for pool in blocks.pools.values())
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.rng = random.Random(0)
+        self.blocks, self.scheduler = make(strategy=self.rng.choice(["recompute", "swap"]))
+        self.now = 0.0
+        self.count = 0
+
+    @rule(prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]]),
+          tail=st.lists(st.integers(0, 2), min_size=1, max_size=14), max_tokens=st.integers(1, 10))
+    def add(self, prefix, tail, max_tokens):
+        self.count += 1
+        self.scheduler.add(Request(f"r{self.count}", prefix + tail, SamplingParams(max_tokens=max_tokens),
+                                   self.now, LAYERS))
+
+    @precondition(lambda self: self.scheduler.has_work())
+    @rule(steps=st.integers(1, 4))
+    def step(self, steps):
+        for _ in range(steps):
+            self.now += 1.0
+            simulate_step(self.scheduler, self.now, self.rng)
+
+    @precondition(lambda self: live_requests(self.scheduler))
+    @rule(data=st.data())
+    def abort(self, data):
+        request = data.draw(st.sampled_from(live_requests(self.scheduler)))
+        self.scheduler.finish(request, "abort")
+
+    @invariant()
+    def accounting_is_exact(self):
+        assert_exact_accounting(self.blocks, self.scheduler)
+
+    def teardown(self):
+        assert_everything_returns(self.blocks, self.scheduler)
+
+
+TestAllocator = AllocatorMachine.TestCase
+TestAllocator.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_every_request_finishes_under_pressure_with_both_strategies():
+    for strategy in ("recompute", "swap"):
+        blocks, scheduler = make(strategy=strategy, device_blocks=12, budget=8)
+        rng = random.Random(1)
+        requests = [Request(f"r{i}", [rng.randrange(3) for _ in range(rng.randint(3, 9))],
+                            SamplingParams(max_tokens=rng.randint(3, 8)), float(i), LAYERS) for i in range(8)]
+        for request in requests:
+            scheduler.add(request)
+        for step in range(500):
+            if not scheduler.has_work():
+                break
+            simulate_step(scheduler, float(step), rng)
+            assert_exact_accounting(blocks, scheduler)
+        assert all(r.status is Status.FINISHED and r.finish_reason == "length" for r in requests)
+        assert sum(r.preemptions for r in requests) > 0, "the pool was meant to be too small to avoid preemption"
+        assert_everything_returns(blocks, scheduler)
+
+
+def test_fully_cached_prompt_writes_its_last_token_into_a_copy():
+    blocks, scheduler = make()
+    blocks.device.tensor.copy_(torch.arange(blocks.device.tensor.numel(), dtype=torch.float32).view_as(
+        blocks.device.tensor))
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]                      # two full blocks
+    first = Request("first", prompt, SamplingParams(max_tokens=1), 0.0, LAYERS)
+    scheduler.add(first)
+    simulate_step(scheduler, 1.0, random.Random(0))           # computes, caches both blocks, finishes
+    assert first.finish_reason == "length" and len(blocks.cached) == 2
+    cached_last = blocks.cached[first.node_ids[1]].blocks
+    before = blocks.device.tensor[cached_last].clone()
+
+    second = Request("second", prompt, SamplingParams(max_tokens=4), 2.0, LAYERS)
+    scheduler.add(second)
+    plan = scheduler.schedule(3.0)
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("second", 1)]  # only the last token
+    assert second.num_computed == 7 and blocks.hit_tokens == 7
+    own_last = [layer.blocks[1] for layer in second.layers]
+    assert set(own_last).isdisjoint(cached_last)                # copy-on-write gave it its own last block
+    assert torch.equal(blocks.device.tensor[own_last], before)  # ... holding the same KV
+    assert [layer.blocks[0] for layer in second.layers] == blocks.cached[first.node_ids[0]].blocks  # shared
+    assert_exact_accounting(blocks, scheduler)
+    assert_everything_returns(blocks, scheduler)
+
+
+def test_cache_policy_evicts_idle_prefixes_when_the_pool_needs_room():
+    blocks, scheduler = make(device_blocks=8)
+    rng = random.Random(0)
+    for i, prompt in enumerate(([1, 1, 1, 1, 2], [3, 3, 3, 3, 4])):
+        scheduler.add(Request(f"r{i}", prompt, SamplingParams(max_tokens=1), float(i), LAYERS))
+        simulate_step(scheduler, float(i), rng)
+    older, newer = list(blocks.evictable)
+    assert blocks.device.free_count == 4
+    big = Request("big", [9] * 13, SamplingParams(max_tokens=1), 5.0, LAYERS)   # needs 4 blocks per layer
+    scheduler.add(big)
+    simulate_step(scheduler, 6.0, rng)   # a 12-token chunk (the budget): 3 blocks per layer, LRU prefix evicted
+    assert list(blocks.evictable) == [newer]
+    simulate_step(scheduler, 7.0, rng)   # the last token: a 4th block per layer, the other prefix evicted
+    assert big.finish_reason == "length" and older not in blocks.cached and newer not in blocks.cached
+    assert_everything_returns(blocks, scheduler)
