@@ -71,5 +71,6 @@ def max_model_len(config: EngineConfig, engine: Engine) -> int:
     """The longest prompt + output one request may have: the model's limit, and what fits in the
     device tier with every other request gone."""
     capacity = engine.blocks.device.num_blocks // engine.blocks.num_layers * engine.blocks.block_size
-    limit = min(engine.runner.model.config.max_position_embeddings, capacity)
+    spec = engine.runner.model.config
+    limit = min(spec.max_position_embeddings, capacity, spec.sliding_window or capacity)  # no sliding window yet
     return min(limit, config.max_model_len) if config.max_model_len else limit
