@@ -2,7 +2,8 @@
 # Sets up a fresh machine for kvmesh; safe to run again (it only does what is missing).
 #  - redis-server from Debian's packages, when it is not on PATH;
 #  - a virtualenv in .venv with torch==2.13.0 first (the CPU wheel; a looser range would pull a
-#    CUDA build of several GB), then kvmesh itself, editable, with its dev extras.
+#    CUDA build of several GB), then kvmesh itself, editable, with its dev extras;
+#  - the engine's C++ paged-attention kernel, compiled into .venv.
 # pip runs again only when pyproject.toml or setup.py changed since the last install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,3 +34,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/pip install --quiet --disable-pip-version-check -e ".[dev]"
   echo "$want" > "$stamp"
 fi
+
+# The paged-attention CPU kernel compiles once (about 30 s) into .venv; later runs just load it.
+.venv/bin/python -m kvmesh.services.engine.attention.build >/dev/null || \
+  echo "setup: the C++ attention kernel did not build; the engine falls back to plain torch" >&2
