@@ -12,13 +12,11 @@ from rich.table import Table
 
 
 class Row(msgspec.Struct, kw_only=True):
-    """One line of the comparison table: what was measured, over which path."""
+    """One line of the comparison table: what was compared, over which path, and its figures."""
 
     compared: str
     path: str
-    p50_ms: float
-    p99_ms: float
-    ops_per_s: float
+    cells: dict[str, float]
 
 
 class BenchResult(msgspec.Struct, kw_only=True):
@@ -36,17 +34,21 @@ class BenchResult(msgspec.Struct, kw_only=True):
 
 def latency_row(compared: str, path: str, seconds: list[float], wall_s: float) -> Row:
     ms = np.asarray(seconds) * 1e3
-    return Row(compared=compared, path=path, p50_ms=float(np.percentile(ms, 50)), p99_ms=float(np.percentile(ms, 99)),
-               ops_per_s=len(seconds) / wall_s)
+    return Row(compared=compared, path=path, cells={"p50 ms": float(np.percentile(ms, 50)),
+                                                    "p99 ms": float(np.percentile(ms, 99)),
+                                                    "ops/s": len(seconds) / wall_s})
 
 
 def show(result: BenchResult) -> None:
     console = Console(highlight=False)
     table = Table(title=f"kvmesh bench {result.bench}{' (quick)' if result.quick else ''}")
-    for column in ("compared", "path", "p50 ms", "p99 ms", "ops/s"):
-        table.add_column(column, justify="left" if column in ("compared", "path") else "right")
+    columns = list(dict.fromkeys(key for row in result.rows for key in row.cells))
+    table.add_column("compared")
+    table.add_column("path")
+    for column in columns:
+        table.add_column(column, justify="right")
     for row in result.rows:
-        table.add_row(row.compared, row.path, f"{row.p50_ms:.3f}", f"{row.p99_ms:.3f}", f"{row.ops_per_s:,.0f}")
+        table.add_row(row.compared, row.path, *(_figure(row.cells.get(c)) for c in columns))
     console.print(table)
     for key, value in result.ratios.items():
         target = result.targets.get(key)
@@ -55,6 +57,12 @@ def show(result: BenchResult) -> None:
     for plot in result.plots:
         console.print(f"plot: {plot}")
     console.print(result.headline)
+
+
+def _figure(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3f}"
 
 
 def save(result: BenchResult, path: Path) -> None:

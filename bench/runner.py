@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .report import save, show
 
-BENCHES = ("kvmeta",)
+BENCHES = ("kvmeta", "engine")
 
 
 def run_bench(name: str, *, quick: bool, json_path: Path | None) -> int:

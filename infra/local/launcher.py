@@ -24,7 +24,7 @@ from .processes import Child, StartError, port_in_use, redis_child, service_chil
 from .state import ChildState, ClusterState, cluster_token, pid_alive, read_state, state_path, write_state
 
 # Started in this order; each later issue adds its service here.
-LOCAL_SERVICES = ("kvmeta",)
+LOCAL_SERVICES = ("kvmeta", "engine")
 
 STABLE_AFTER_S = 30.0  # a child that ran this long before dying restarts without delay growth
 MAX_BACKOFF_S = 30.0

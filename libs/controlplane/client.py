@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 import aiohttp
+import msgpack
 import msgspec
 from opentelemetry import propagate
 
@@ -116,6 +117,27 @@ class ServiceClient:
                         data = []
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
             raise ServiceUnreachable(f"event stream {url} broke: {type(exc).__name__}: {exc}") from exc
+
+    async def frames(self, path: str, body: Any, into: type[T]) -> AsyncIterator[T]:
+        """POST `body` and decode the streamed answer: msgpack values one after another, each into `into`.
+
+        Not retried (the call starts work on the server). Raises RemoteError or ServiceUnreachable
+        like call()."""
+        url = self.base_url + path
+        headers = self.headers({"Content-Type": codec.MSGPACK})
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.timeout.total, sock_read=None)
+        try:
+            async with self.session.post(url, data=codec.encode(body, codec.MSGPACK), headers=headers,
+                                         timeout=timeout) as response:
+                if response.status != 200:
+                    _answer(response, await response.read(), None, url)
+                unpacker = msgpack.Unpacker(raw=False)
+                async for chunk in response.content.iter_any():
+                    unpacker.feed(chunk)
+                    for value in unpacker:
+                        yield msgspec.convert(value, into)
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            raise ServiceUnreachable(f"stream {url} broke: {type(exc).__name__}: {exc}") from exc
 
     async def _sleep(self, attempt: int) -> None:
         await asyncio.sleep(random.uniform(0, self.backoff * 2 ** attempt))

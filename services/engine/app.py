@@ -63,7 +63,10 @@ def build_service(config: EngineConfig) -> Service:
             raise BadRequest(f"request {request_id} is already running on this engine")
         frames: asyncio.Queue[Frame] = asyncio.Queue()
         streams[request_id] = frames
-        loop.submit(lambda: engine.add(request_id, ids, sampling) and None)
+        def add() -> None:
+            engine.add(request_id, ids, sampling)
+
+        loop.submit(add)
         as_json = any(media in request.headers.get("Accept", "") for media in ("application/json", NDJSON))
         response = web.StreamResponse(headers={"Content-Type": NDJSON if as_json else "application/msgpack"})
         finished = False

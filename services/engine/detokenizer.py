@@ -1,7 +1,10 @@
 """Incremental detokenisation with stop strings: what text a client may be sent after each token.
 
-Until the output ends, text is held back while it could still be the start of a stop string, and
-while it ends in a partial UTF-8 character (the tokenizer shows those as U+FFFD)."""
+Each token is decoded with the one or two before it as context, and only the difference is kept
+(as vLLM does), so a step costs the same however long the output grows, and tokenizers that drop
+a word's leading space at the start of a decode still render it. A token that ends in a partial
+UTF-8 character waits for the next one. Until the output ends, text that could be the start of a
+stop string is held back."""
 
 from __future__ import annotations
 
@@ -9,21 +12,22 @@ from .request import Request
 
 
 def advance_text(request: Request, tokenizer, final: bool) -> tuple[str, bool]:
-    """Update `request.text` after a new token; returns (text to send now, whether a stop string
-    ended the output). On a stop, the text is cut before the stop string."""
+    """Extend `request.text` with the newest token; returns (text to send now, whether a stop
+    string ended the output). On a stop, the text is cut before the stop string."""
+    ids = request.output_ids
+    before = tokenizer.decode(ids[request.prefix_offset:request.read_offset], skip_special_tokens=True)
+    after = tokenizer.decode(ids[request.prefix_offset:], skip_special_tokens=True)
+    if final or (len(after) > len(before) and not after.endswith("\ufffd")):
+        request.text += after[len(before):]
+        request.prefix_offset, request.read_offset = request.read_offset, len(ids)
     stops = request.sampling.stop
-    text = tokenizer.decode(request.output_ids, skip_special_tokens=True)
     stopped = False
     for stop in stops:
-        at = text.find(stop, max(0, request.sent_chars - len(stop) + 1))
+        at = request.text.find(stop, max(0, request.sent_chars - len(stop) + 1))
         if at != -1:
-            text, stopped = text[:at], True
-    request.text = text
-    if stopped or final:
-        ready = len(text)
-    else:
-        ready = len(text.rstrip("\ufffd")) - max((len(s) - 1 for s in stops), default=0)
+            request.text, stopped = request.text[:at], True
+    ready = len(request.text) if stopped or final else len(request.text) - max((len(s) - 1 for s in stops), default=0)
     ready = max(ready, request.sent_chars)
-    delta = text[request.sent_chars:ready]
+    delta = request.text[request.sent_chars:ready]
     request.sent_chars = ready
     return delta, stopped

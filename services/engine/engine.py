@@ -198,24 +198,31 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            frames: list[Frame] = []
-            while not self._commands.empty():
-                frames += self._commands.get() or []
-            if not self.engine.scheduler.has_work():
-                self.state = self.engine.state()
-                if frames:
-                    self.deliver(frames)
-                self._wake.wait()
-                self._wake.clear()
-                continue
-            try:
-                frames += self.engine.step()
-            except Exception:
-                log.exception("engine step failed; failing the running requests")
-                frames += self._fail_all()
+            frames = self._drain()
+            if self.engine.scheduler.has_work():
+                try:
+                    frames += self.engine.step()
+                except Exception:
+                    log.exception("engine step failed; failing the requests it held")
+                    frames += self._fail_all()
             self.state = self.engine.state()
             if frames:
                 self.deliver(frames)
+            if not self.engine.scheduler.has_work():
+                self._wake.wait()   # a command submitted meanwhile has set it: the next drain takes it
+                self._wake.clear()
+
+    def _drain(self) -> list[Frame]:
+        frames: list[Frame] = []
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return frames
+            try:
+                frames += command() or []
+            except Exception:
+                log.exception("engine command failed")
 
     def _fail_all(self) -> list[Frame]:
         scheduler = self.engine.scheduler

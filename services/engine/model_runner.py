@@ -63,4 +63,4 @@ class ModelRunner:
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=device),
                             torch.from_numpy(positions).to(device), step)
         last = [query_start[i + 1] - 1 for i, c in enumerate(chunks) if c.samples]
-        return self.model.logits(hidden[torch.tensor(last, device=device)])
+        return self.model.logits(hidden[torch.tensor(last, dtype=torch.long, device=device)])

@@ -33,7 +33,7 @@ class Request:
     arrival: float
     num_layers: int
     output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
+    output_logprobs: list[float | None] = field(default_factory=list)
     output_times: list[float] = field(default_factory=list)
     num_computed: int = 0                  # tokens whose KV is in the cache
     num_cached: int = 0                    # of the prompt, tokens reused from the prefix cache
@@ -42,6 +42,8 @@ class Request:
     finish_reason: str | None = None
     text: str = ""                         # detokenised output so far
     sent_chars: int = 0                    # of `text`, how much the client has
+    prefix_offset: int = 0                 # output tokens decoded as context for the next one
+    read_offset: int = 0                   # output tokens whose text is in `text`
     node_ids: list[str] = field(default_factory=list)     # NodeIDs of the full blocks, in order
     cached_nodes: list[str] = field(default_factory=list)  # prefix-cache nodes this request holds a ref on
     num_committed: int = 0                 # leading full blocks already offered to the prefix cache

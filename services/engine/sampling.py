@@ -26,10 +26,10 @@ class SamplingParams:
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None]) -> tuple[list[int], list[float]]:
-    """One token per row of `logits` [S, vocab] (float32), and its log-probability under the model's
-    own distribution (before temperature, top-k and top-p, as vLLM reports it)."""
-    logprobs = torch.log_softmax(logits, dim=-1)
+           generators: Sequence[torch.Generator | None]) -> tuple[list[int], list[float | None]]:
+    """One token per row of `logits` [S, vocab] (float32) and, for the rows whose request asked,
+    its log-probability under the model's own distribution (before temperature, top-k and top-p,
+    as vLLM reports it)."""
     tokens = logits.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
@@ -37,8 +37,14 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         probs = _filtered_probs(logits[rows], [params[i] for i in sampled_rows])
         for j, i in enumerate(sampled_rows):
             tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i]).squeeze(0)
-    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    return tokens.tolist(), chosen.tolist()
+    logprobs: list[float | None] = [None] * len(params)
+    wanted = [i for i, p in enumerate(params) if p.logprobs]
+    if wanted:
+        rows = torch.tensor(wanted, device=logits.device)
+        chosen = torch.log_softmax(logits[rows], dim=-1).gather(1, tokens[rows].unsqueeze(1)).squeeze(1)
+        for i, value in zip(wanted, chosen.tolist()):
+            logprobs[i] = value
+    return tokens.tolist(), logprobs
 
 
 def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -16,6 +16,9 @@ import pytest
 from kvmesh.infra.local.processes import free_port, http_ok
 from kvmesh.infra.local.state import pid_alive
 from kvmesh.infra.local.status import Status
+from kvmesh.libs.controlplane import ServiceClient
+from kvmesh.libs.kvmeta.client import KvmetaClient
+from kvmesh.services.engine.engine import Frame
 
 
 def kvmesh(*args: str, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
@@ -40,11 +43,12 @@ def wait_for(predicate, timeout: float = 30.0):
 @pytest.fixture
 def cluster(tmp_path: Path):
     run_dir = tmp_path / "run"
-    env = {**os.environ, "KVMESH_KVMETA_PORT": str(free_port())}
+    env = {**os.environ, "KVMESH_KVMETA_PORT": str(free_port()), "KVMESH_ENGINE_PORT": str(free_port()),
+           "KVMESH_ENGINE_TORCH_THREADS": "1"}
     launcher = subprocess.Popen([sys.executable, "-m", "kvmesh", "up", "--run-dir", str(run_dir)], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_for(lambda: (s := status(run_dir)).running and len(s.children) == 2 and all(c.ready for c in s.children))
+        wait_for(lambda: (s := status(run_dir)).running and len(s.children) == 3 and all(c.ready for c in s.children))
         yield launcher, run_dir
     finally:
         if launcher.poll() is None:
@@ -55,11 +59,24 @@ def cluster(tmp_path: Path):
 def test_up_starts_redis_and_kvmeta_and_status_reports_them(cluster):
     launcher, run_dir = cluster
     current = status(run_dir)
-    assert [c.name for c in current.children] == ["redis", "kvmeta"]
+    assert [c.name for c in current.children] == ["redis", "kvmeta", "engine"]
     kvmeta = current.children[1]
     assert http_ok(kvmeta.url + "/ready")
     assert (run_dir / "token").stat().st_mode & 0o077 == 0  # the generated token is private
     assert kvmesh("status", "--run-dir", str(run_dir)).returncode == 0
+
+
+async def test_the_colocated_engine_serves_and_is_registered(cluster):
+    launcher, run_dir = cluster
+    token = (run_dir / "token").read_text().strip()
+    by_name = {c.name: c for c in status(run_dir).children}
+    async with KvmetaClient(by_name["kvmeta"].url, token) as kvmeta:
+        workers = await kvmeta.workers()
+    assert [(w.info.id, w.info.role) for w in workers] == [("engine-0", "both")]
+    async with ServiceClient(by_name["engine"].url, token=token) as engine:
+        frames = [f async for f in engine.frames("/v1/generate", {"prompt": "hello", "max_tokens": 4,
+                                                                  "ignore_eos": True}, Frame)]
+    assert frames[-1].finish_reason == "length" and frames[-1].usage.completion_tokens == 4
 
 
 def test_a_crashed_service_is_restarted(cluster):

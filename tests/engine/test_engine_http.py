@@ -1,0 +1,159 @@
+"""The engine service as a process on loopback: streamed generation, abort, state, policy, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import pytest
+
+from kvmesh.infra.local.processes import Child, free_port, service_child
+from kvmesh.libs.controlplane import RemoteError, ServiceClient
+from kvmesh.libs.kvmeta.client import KvmetaClient
+from kvmesh.services.engine.engine import EngineState, Frame
+
+from ..conftest import TOKEN, Kvmeta
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def start_engine(run_dir: Path, checkpoint: Path, **env: str) -> Child:
+    port = free_port()
+    child = service_child("engine", run_dir, f"http://127.0.0.1:{port}", {
+        "KVMESH_ENGINE_PORT": str(port), "KVMESH_ENGINE_MODEL": str(checkpoint), "KVMESH_TOKEN": TOKEN,
+        "KVMESH_ENGINE_TORCH_THREADS": "1", **env})
+    child.start()
+    child.wait_ready(timeout=120)
+    return child
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Child]:
+    child = start_engine(tmp_path_factory.mktemp("engine"), tiny_checkpoint)
+    yield child
+    child.stop()
+
+
+@pytest.fixture
+async def client(engine: Child):
+    async with ServiceClient(engine.url, token=TOKEN) as c:
+        yield c
+    # Every test ends with the engine's blocks all free.
+    async with ServiceClient(engine.url, token=TOKEN) as c:
+        for _ in range(50):
+            state = await c.call("GET", "/v1/state", into=EngineState)
+            if state.free_blocks == state.total_blocks and not state.running and not state.waiting:
+                break
+            await asyncio.sleep(0.05)
+        assert state.free_blocks == state.total_blocks
+
+
+async def generate(client: ServiceClient, **body) -> list[Frame]:
+    return [frame async for frame in client.frames("/v1/generate", body, Frame)]
+
+
+async def test_generate_streams_one_frame_per_token_with_usage(client):
+    frames = await generate(client, prompt="The cache holds", max_tokens=6, temperature=0.0, ignore_eos=True,
+                            logprobs=True)
+    assert len(frames) == 6 and all(len(f.token_ids) == 1 and len(f.times) == 1 for f in frames)
+    assert [f.finish_reason for f in frames] == [None] * 5 + ["length"]
+    assert frames[-1].usage.completion_tokens == 6 and frames[-1].usage.prompt_tokens > 0
+    assert all(f.logprobs[0] <= 0 for f in frames)
+    assert frames[0].times[0] <= frames[-1].times[0]
+
+
+async def test_greedy_is_deterministic_and_seeds_reproduce(client):
+    greedy = [await generate(client, prompt_token_ids=[5, 6, 7], max_tokens=5, temperature=0.0, ignore_eos=True)
+              for _ in range(2)]
+    assert [f.token_ids for f in greedy[0]] == [f.token_ids for f in greedy[1]]
+    seeded = [await generate(client, prompt_token_ids=[5, 6, 7], max_tokens=8, seed=11, ignore_eos=True)
+              for _ in range(2)]
+    assert [f.token_ids for f in seeded[0]] == [f.token_ids for f in seeded[1]]
+
+
+async def test_json_lines_for_curl(engine: Child, client):
+    async with aiohttp.ClientSession() as http:
+        async with http.post(engine.url + "/v1/generate", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True},
+                             headers={**AUTH, "Accept": "application/json"}) as response:
+            lines = (await response.read()).splitlines()
+    assert response.content_type == "application/x-ndjson" and len(lines) == 3
+    assert msgspec.json.decode(lines[-1])["finish_reason"] == "length"
+
+
+async def test_abort_ends_the_stream_and_frees_blocks(client):
+    async def consume() -> list[Frame]:
+        return await generate(client, request_id="long-one", prompt_token_ids=list(range(3, 40)), max_tokens=400,
+                              ignore_eos=True)
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.3)
+    aborted = await client.call("POST", "/v1/abort", {"request_id": "long-one"}, into=dict)
+    frames = await task
+    assert aborted == {"aborted": True} and frames[-1].finish_reason == "abort" and len(frames) < 400
+    assert await client.call("POST", "/v1/abort", {"request_id": "long-one"}, into=dict) == {"aborted": False}
+
+
+async def test_client_disconnect_frees_blocks(engine: Child, client):
+    async with aiohttp.ClientSession() as http:
+        for _ in range(5):
+            async with http.post(engine.url + "/v1/generate", headers=AUTH,
+                                 json={"prompt_token_ids": list(range(3, 30)), "max_tokens": 300,
+                                       "ignore_eos": True}) as response:
+                await response.content.read(10)  # a frame or so, then hang up
+    # The fixture checks that every block came back.
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": ""}, "empty"),
+    ({"prompt_token_ids": []}, "empty"),
+    ({}, "exactly one"),
+    ({"prompt": "a", "prompt_token_ids": [1]}, "exactly one"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt_token_ids": [1, 10**9]}, "outside the vocabulary"),
+    ({"prompt_token_ids": [-1]}, "outside the vocabulary"),
+    ({"prompt_token_ids": [1] * 5000}, "context limit"),
+    ({"prompt": "a", "temperature": -1}, "temperature"),
+    ({"prompt": "a", "top_p": 0}, "top_p"),
+    ({"prompt": "a", "stop": [""]}, "stop"),
+    ({"prompt": "a", "best_of": 3}, "unknown field"),
+    ({"prompt": "a", "max_tokens": "many"}, "Expected `int`"),
+])
+async def test_bad_input_is_400_with_a_reason(engine: Child, client, body, message):
+    async with aiohttp.ClientSession() as http:
+        async with http.post(engine.url + "/v1/generate", json=body, headers=AUTH) as response:
+            error = (await response.json())["error"]
+    assert response.status == 400 and message in error["message"]
+    state = await client.call("GET", "/v1/state", into=EngineState)
+    assert state.waiting == state.running == 0
+
+
+async def test_policies_switch_at_run_time_and_unknown_ones_are_refused(client):
+    names = await client.call("PUT", "/v1/policy", {"policies": {"preemption_strategy": "swap"}}, into=dict)
+    assert names["policies"]["preemption_strategy"] == "swap"
+    with pytest.raises(RemoteError) as unknown:
+        await client.call("PUT", "/v1/policy", {"policies": {"preemption_strategy": "teleport"}})
+    assert unknown.value.status == 400 and "teleport" in unknown.value.message
+    await client.call("PUT", "/v1/policy", {"policies": {"preemption_strategy": "recompute"}})
+
+
+async def test_engine_registers_with_kvmeta_and_reports_its_load(kvmeta: Kvmeta, tiny_checkpoint: Path,
+                                                                 tmp_path: Path):
+    child = start_engine(tmp_path, tiny_checkpoint, KVMESH_KVMETA_URL=kvmeta.url, KVMESH_CLUSTER=kvmeta.cluster,
+                         KVMESH_ENGINE_ENGINE_ID="engine-7", KVMESH_ENGINE_HEARTBEAT_TTL_MS="600")
+    try:
+        async with KvmetaClient(kvmeta.url, TOKEN) as registry:
+            for _ in range(40):
+                workers = await registry.workers()
+                if workers and workers[0].load.free_blocks:
+                    break
+                await asyncio.sleep(0.1)
+            worker = workers[0]
+            assert worker.info.id == "engine-7" and worker.info.role == "both"
+            assert worker.info.geometry.num_layers == 4 and worker.load.free_blocks["device"] > 0
+    finally:
+        child.stop()
+    async with KvmetaClient(kvmeta.url, TOKEN) as registry:
+        assert await registry.workers() == []  # deregistered on the way out
