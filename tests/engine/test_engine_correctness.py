@@ -70,3 +70,29 @@ def test_prefix_cache_hits_match_and_are_counted(tiny_checkpoint, reference):
     check(first + again, reference)
     assert [r.num_cached for r in again] == [48, 48, 47]
     assert_all_blocks_free(engine)
+
+
+def test_abort_at_every_phase_frees_every_block(tiny_checkpoint):
+    from kvmesh.services.engine.request import Status
+
+    # 64 blocks = 16 per layer = 256 tokens for everyone; each request grows to ~110 tokens.
+    engine = engine_for(tiny_checkpoint, device_blocks=64, token_budget=24, max_num_seqs=4,
+                        policies={"preemption_strategy": "swap"})
+    long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    requests = [engine.add(f"r{i}", p, long) for i, p in enumerate(prompts(8, seed=4, lengths=(40, 60)))]
+    seen: dict[Status, str] = {}
+    for _ in range(400):
+        engine.step()
+        for request in requests:
+            phase = request.status
+            if request.status is Status.RUNNING and request.num_computed < len(request.prompt_ids):
+                phase = "prefill"
+            if phase not in seen and not request.finished:
+                seen[phase] = request.request_id
+                engine.abort(request.request_id)  # abort one request in each phase it is first seen in
+        if not engine.scheduler.has_work():
+            break
+    assert set(seen) >= {Status.WAITING, "prefill", Status.RUNNING, Status.SWAPPED}
+    assert all(r.finished for r in requests)
+    assert sum(r.finish_reason == "abort" for r in requests) == len(seen)
+    assert_all_blocks_free(engine)
