@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+STATE_EVERY_S = 0.05  # how stale GET /v1/state and the heartbeat load may be while the engine is busy
+
 
 class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int
@@ -197,6 +199,7 @@ class EngineLoop:
         return future
 
     def _run(self) -> None:
+        published = 0.0
         while not self._stop.is_set():
             frames = self._drain()
             if self.engine.scheduler.has_work():
@@ -205,10 +208,12 @@ class EngineLoop:
                 except Exception:
                     log.exception("engine step failed; failing the requests it held")
                     frames += self._fail_all()
-            self.state = self.engine.state()
+            idle = not self.engine.scheduler.has_work()
+            if idle or time.monotonic() - published > STATE_EVERY_S:  # not every step: it is the hot loop
+                self.state, published = self.engine.state(), time.monotonic()
             if frames:
                 self.deliver(frames)
-            if not self.engine.scheduler.has_work():
+            if idle:
                 self._wake.wait()   # a command submitted meanwhile has set it: the next drain takes it
                 self._wake.clear()
 

@@ -62,6 +62,15 @@ def test_preemption_keeps_outputs_identical(tiny_checkpoint, reference, strategy
     assert_all_blocks_free(engine)
 
 
+def test_swap_to_a_file_backed_cxl_tier(tiny_checkpoint, reference, tmp_path):
+    engine = engine_for(tiny_checkpoint, device_blocks=96, cxl_blocks=256, cxl_path=str(tmp_path / "cxl.pool"),
+                        prefix_caching=False, policies={"preemption_strategy": "swap"})
+    check(run_all(engine, prompts(6, seed=2, lengths=(30, 60)), GREEDY), reference)
+    assert engine.preemptions["swap"] > 0
+    assert (tmp_path / "cxl.pool").stat().st_size == 256 * engine.blocks.pools["cxl"].shape.bytes
+    assert_all_blocks_free(engine)
+
+
 def test_prefix_cache_hits_match_and_are_counted(tiny_checkpoint, reference):
     engine = engine_for(tiny_checkpoint)
     shared = prompts(1, seed=3, lengths=(48, 48))[0]                # three full blocks
