@@ -54,6 +54,13 @@ def build_service(config: EngineConfig) -> Service:
             yield
         await asyncio.to_thread(loop.stop)
 
+    @service.on_shutdown
+    async def end_streams() -> None:
+        """Abort what is running, so every open stream ends with finish_reason `abort`."""
+        def abort_all() -> tuple[None, list[Frame]]:
+            return None, [frame for request_id in list(streams) if (frame := engine.abort(request_id))]
+        await asyncio.wrap_future(loop.call(abort_all))
+
     @service.route("POST", "/v1/generate", body=GenerateRequest)
     async def generate(request: web.Request, body: GenerateRequest) -> web.StreamResponse:
         """Generate from a prompt; streams one frame per token (msgpack, or JSON lines on Accept: JSON)."""

@@ -157,3 +157,20 @@ async def test_engine_registers_with_kvmeta_and_reports_its_load(kvmeta: Kvmeta,
         child.stop()
     async with KvmetaClient(kvmeta.url, TOKEN) as registry:
         assert await registry.workers() == []  # deregistered on the way out
+
+
+async def test_shutdown_ends_open_streams_with_abort(tiny_checkpoint: Path, tmp_path: Path):
+    child = start_engine(tmp_path, tiny_checkpoint)
+    try:
+        async with ServiceClient(child.url, token=TOKEN) as client:
+            async def consume() -> list[Frame]:
+                return await generate(client, prompt_token_ids=[5, 6, 7], max_tokens=2000, ignore_eos=True)
+
+            task = asyncio.create_task(consume())
+            await asyncio.sleep(0.5)
+            child.process.terminate()
+            frames = await asyncio.wait_for(task, 10)
+        assert frames[-1].finish_reason == "abort"
+        assert child.process.wait(10) == 0
+    finally:
+        child.stop()
