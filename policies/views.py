@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Mapping
-
-EMPTY: Mapping[str, int] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
