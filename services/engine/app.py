@@ -58,7 +58,7 @@ def build_service(config: EngineConfig) -> Service:
     async def end_streams() -> None:
         """Abort what is running, so every open stream ends with finish_reason `abort`."""
         def abort_all() -> tuple[None, list[Frame]]:
-            return None, [frame for request_id in list(streams) if (frame := engine.abort(request_id))]
+            return None, [frame for request_id in list(streams) for frame in engine.abort(request_id)]
         await asyncio.wrap_future(loop.call(abort_all))
 
     @service.route("POST", "/v1/generate", body=GenerateRequest)
@@ -70,6 +70,7 @@ def build_service(config: EngineConfig) -> Service:
             raise BadRequest(f"request {request_id} is already running on this engine")
         frames: asyncio.Queue[Frame] = asyncio.Queue()
         streams[request_id] = frames
+
         def add() -> None:
             engine.add(request_id, ids, sampling)
 
@@ -87,15 +88,15 @@ def build_service(config: EngineConfig) -> Service:
         finally:
             streams.pop(request_id, None)
             if not finished:  # the client went away: free the request's blocks now
-                loop.submit(lambda: [f] if (f := engine.abort(request_id)) else [])
+                loop.submit(lambda: engine.abort(request_id))
         return response
 
     @service.route("POST", "/v1/abort", body=AbortRequest, response=Aborted)
     async def abort(request: web.Request, body: AbortRequest) -> Aborted:
         """Stop a request and free its blocks; its stream ends with finish_reason `abort`."""
         def stop() -> tuple[bool, list[Frame]]:
-            frame = engine.abort(body.request_id)
-            return frame is not None, [frame] if frame else []
+            frames = engine.abort(body.request_id)
+            return bool(frames), frames
         return Aborted(aborted=await asyncio.wrap_future(loop.call(stop)))
 
     @service.route("GET", "/v1/state", response=EngineState)

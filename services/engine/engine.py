@@ -85,12 +85,13 @@ class Engine:
         self.scheduler.add(request)
         return request
 
-    def abort(self, request_id: str) -> Frame | None:
+    def abort(self, request_id: str, reason: str = "abort") -> list[Frame]:
+        """End a request wherever it is and free its blocks; its last frame, or none if it is unknown."""
         request = self.scheduler.find(request_id)
         if request is None:
-            return None
-        self.scheduler.finish(request, "abort")
-        return self.final_frame(request)
+            return []
+        self.scheduler.finish(request, reason)
+        return [self._frame(request, [], [], [], "")]
 
     def step(self) -> list[Frame]:
         now = self.clock()
@@ -128,10 +129,6 @@ class Engine:
         if reason is not None:
             self.scheduler.finish(request, reason)
         return self._frame(request, [token], [now], [logprob], text)
-
-    def final_frame(self, request: Request) -> Frame:
-        """The last frame of a request that ended without a new token (aborted, failed)."""
-        return self._frame(request, [], [], [], "")
 
     def _frame(self, request: Request, tokens: list[int], times: list[float], logprobs: list[float],
                text: str) -> Frame:
@@ -231,8 +228,5 @@ class EngineLoop:
 
     def _fail_all(self) -> list[Frame]:
         scheduler = self.engine.scheduler
-        frames = []
-        for request in [*scheduler.running, *scheduler.waiting, *scheduler.swapped]:
-            scheduler.finish(request, "error")
-            frames.append(self.engine.final_frame(request))
-        return frames
+        requests = [*scheduler.running, *scheduler.waiting, *scheduler.swapped]
+        return [frame for r in requests for frame in self.engine.abort(r.request_id, "error")]

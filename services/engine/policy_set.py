@@ -8,20 +8,21 @@ from kvmesh.policies import registry
 
 
 class Policies:
-    """The engine-level decisions by name; switchable at run time."""
-
-    def __init__(self, names: dict[str, str] | None = None):
-        self.names = dict(registry.DEFAULTS)
-        self.set(names or {})
-
-    def set(self, names: dict[str, str]) -> None:
-        resolved = {hook: registry.resolve(hook, name) for hook, name in names.items()}  # all or nothing
-        self.names.update(names)
-        for hook, name in self.names.items():
-            setattr(self, hook, resolved.get(hook) or registry.resolve(hook, name))
+    """Each hook's function, as attributes, and their names in `names`."""
 
     prefill_admission: Callable
     kv_allocation: Callable
     preemption_order: Callable
     preemption_strategy: Callable
     cache_policy: Callable
+
+    def __init__(self, names: dict[str, str] | None = None):
+        self.names: dict[str, str] = {}
+        self.set({**registry.DEFAULTS, **(names or {})})
+
+    def set(self, names: dict[str, str]) -> None:
+        """Switch the named hooks; all or nothing (KeyError for an unknown hook or name)."""
+        resolved = {hook: registry.resolve(hook, name) for hook, name in names.items()}
+        self.names.update(names)
+        for hook, function in resolved.items():
+            setattr(self, hook, function)
