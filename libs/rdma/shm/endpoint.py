@@ -1,0 +1,158 @@
+"""The shm backend: the tcp backend's connection and two-sided messages, with one-sided work done
+by the requester itself: it maps the owner's registered file once and a READ or WRITE is a copy.
+
+The owner keeps control of its memory: a peer learns where region `rkey` lives only by asking
+(QUERY), which the owner refuses (and counts) for an unknown key, and a peer's access outside a
+region it was shown is refused locally and reported (VIOLATION) so the owner counts it and drops
+the connection, as a NIC would.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from ..memory import MemoryRegion, RemoteRegion
+from ..work import Completion, ConnectRefused, Opcode, RegistrationError, Segments, Status
+from ..tcp.endpoint import TcpEndpoint
+from ..tcp.queue_pair import TcpQueuePair
+from ..tcp.wire import Kind, header, recv_exact
+from .shared import FileSpan, file_span
+
+QUERY_TIMEOUT_S = 5.0
+
+
+def host_identity() -> str:
+    """Equal for two processes only if they share a kernel (and so /dev/shm)."""
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip() + "@" + socket.gethostname()
+
+
+class ShmQueuePair(TcpQueuePair):
+    def __init__(self, endpoint: ShmEndpoint, peer: str, cq, sock):
+        self._mapped: dict[int, tuple[RemoteRegion, memoryview]] = {}
+        self._queries: dict[int, concurrent.futures.Future] = {}
+        self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"shm-{peer}")
+        super().__init__(endpoint, peer, cq, sock)
+
+    def _frame_handlers(self):
+        return {**super()._frame_handlers(), Kind.QUERY: self._serve_query, Kind.REGION: self._land_region,
+                Kind.VIOLATION: self._reported_violation}
+
+    # one-sided work: a copy on our own thread, in posting order
+
+    def _post_read(self, wr_id: int, local: MemoryRegion, segments: Segments, rkey: int) -> None:
+        self._copier.submit(self._copy, wr_id, Opcode.READ, local, segments, rkey)
+
+    def _post_write(self, wr_id: int, local: MemoryRegion, segments: Segments, rkey: int) -> None:
+        self._copier.submit(self._copy, wr_id, Opcode.WRITE, local, segments, rkey)
+
+    def _copy(self, wr_id: int, opcode: Opcode, local: MemoryRegion, segments: Segments, rkey: int) -> None:
+        if not self.usable:
+            self.cq.deliver(Completion(wr_id, opcode, Status.FLUSHED, 0, self.error or ""))
+            return
+        try:
+            remote, peer_view = self._peer_region(rkey)
+        except (OSError, ValueError, TimeoutError, concurrent.futures.CancelledError) as exc:
+            self.cq.deliver(Completion(wr_id, opcode, Status.TRANSPORT_ERROR, 0, str(exc)))
+            self.fail(f"mapping the peer's region {rkey} failed: {exc}")
+            return
+        if remote is None:
+            self.cq.deliver(Completion(wr_id, opcode, Status.REMOTE_ACCESS_ERROR, 0, f"{self.peer} refused key {rkey}"))
+            return  # the owner already dropped the connection
+        remote_offsets = segments.remote_addrs - remote.addr
+        if (remote_offsets < 0).any() or (remote_offsets + segments.lengths > remote.length).any():
+            reason = f"access outside region rkey={rkey} [{remote.addr:#x}, +{remote.length})"
+            self.link.send([header(Kind.VIOLATION, key=rkey)])
+            self.cq.deliver(Completion(wr_id, opcode, Status.REMOTE_ACCESS_ERROR, 0, reason))
+            self.fail(f"refused a local {opcode.name}: {reason}")
+            return
+        mine = local.view
+        if opcode is Opcode.READ:
+            _copy_segments(mine, segments.local_offsets, peer_view, remote_offsets, segments.lengths)
+        else:
+            _copy_segments(peer_view, remote_offsets, mine, segments.local_offsets, segments.lengths)
+        self.cq.deliver(Completion(wr_id, opcode, Status.SUCCESS, segments.total_bytes))
+
+    def _peer_region(self, rkey: int) -> tuple[RemoteRegion | None, memoryview | None]:
+        if rkey not in self._mapped:
+            future = self._queries[rkey] = concurrent.futures.Future()
+            self.link.send([header(Kind.QUERY, key=rkey)])
+            info = future.result(QUERY_TIMEOUT_S)
+            if info is None:
+                return None, None
+            region = RemoteRegion(addr=info["addr"], length=info["length"], rkey=rkey)
+            mapping = np.memmap(info["path"], dtype=np.uint8, mode="r+", offset=info["offset"], shape=(info["length"],))
+            self._mapped[rkey] = (region, memoryview(mapping))
+        return self._mapped[rkey]
+
+    # frames (reader thread)
+
+    def _serve_query(self, status: int, rkey: int, wr_id: int, n: int) -> None:
+        span = self.endpoint.spans.get(rkey)
+        region = self.endpoint.regions.get(rkey)
+        if span is None or region is None:
+            reason = f"unknown remote key {rkey}"
+            self.endpoint.refuse_access(self.peer, reason)
+            self.link.send([header(Kind.REGION, key=rkey, status=Status.REMOTE_ACCESS_ERROR)],
+                           after=lambda: self.fail(f"refused the peer's access: {reason}"))
+            return
+        body = msgpack.packb({"addr": region.addr, "length": region.length, "path": span.path, "offset": span.offset})
+        self.link.send([header(Kind.REGION, key=rkey, n=len(body)), body])
+
+    def _land_region(self, status: int, rkey: int, wr_id: int, n: int) -> None:
+        info = msgpack.unpackb(recv_exact(self.link.sock, n)) if status == Status.SUCCESS else None
+        future = self._queries.pop(rkey, None)
+        if future is not None:
+            future.set_result(info)
+
+    def _reported_violation(self, status: int, rkey: int, wr_id: int, n: int) -> None:
+        self.endpoint.refuse_access(self.peer, f"access outside region rkey={rkey}")
+        self.fail("the peer accessed outside a region")
+
+    def _teardown(self) -> None:
+        super()._teardown()
+        for future in list(self._queries.values()):
+            future.cancel()
+        self._copier.shutdown(wait=False, cancel_futures=False)
+
+
+class ShmEndpoint(TcpEndpoint):
+    backend = "shm"
+    queue_pair_class = ShmQueuePair
+
+    def __init__(self, token: str, host: str = "127.0.0.1", port: int = 0):
+        super().__init__(token, host, port)
+        self.spans: dict[int, FileSpan] = {}
+
+    def _register(self, region: MemoryRegion) -> MemoryRegion:
+        region = super()._register(region)
+        span = file_span(region.addr, region.length)
+        if span is None:
+            raise RegistrationError(
+                "the shm backend registers only memory in a shared file mapping (allocate it with "
+                "kvmesh.libs.rdma.shm.shared.shared_tensor/shared_buffer, or torch.from_file(path, shared=True)); "
+                f"the buffer at {region.addr:#x} is private memory")
+        self.spans[region.rkey] = span
+        return region
+
+    def _deregister(self, region: MemoryRegion) -> None:
+        self.spans.pop(region.rkey, None)
+
+    def welcome(self) -> dict[str, Any]:
+        return {"host": host_identity()}
+
+    def check_welcome(self, welcome: dict[str, Any]) -> None:
+        if welcome.get("host") != host_identity():
+            raise ConnectRefused("the shm backend connects only to endpoints on this host")
+
+
+def _copy_segments(dst: memoryview, dst_offsets: np.ndarray, src: memoryview, src_offsets: np.ndarray,
+                   lengths: np.ndarray) -> None:
+    # Slice assignment is one memcpy per segment; measured faster than numpy fancy indexing here.
+    for d, s, n in zip(dst_offsets.tolist(), src_offsets.tolist(), lengths.tolist()):
+        dst[d:d + n] = src[s:s + n]

@@ -1,0 +1,66 @@
+"""Memory a peer process can map: files in /dev/shm, and finding the file behind a mapping.
+
+The shm backend registers only memory that lives in a shared file mapping (MAP_SHARED), because the
+peer reaches it by mapping the same file. `shared_buffer`/`shared_tensor` allocate such memory; a
+pool made with `torch.from_file(path, shared=True)` (the engine's file-backed tiers) qualifies as is.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+SHM_DIR = Path("/dev/shm")
+
+
+@dataclass(frozen=True)
+class FileSpan:
+    path: str
+    offset: int  # of the region's first byte in the file
+
+
+def shared_buffer(nbytes: int) -> np.ndarray:
+    """A zeroed byte array in a fresh /dev/shm file, removed when the array (and its views) are gone."""
+    if nbytes <= 0:
+        raise ValueError(f"shared_buffer: nbytes must be positive, got {nbytes}")
+    path = SHM_DIR / f"kvmesh-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    with open(path, "xb") as file:
+        file.truncate(nbytes)
+    array = np.memmap(path, dtype=np.uint8, mode="r+", shape=(nbytes,))
+    weakref.finalize(array, _unlink, path)
+    return array
+
+
+def shared_tensor(shape: tuple[int, ...], dtype):
+    """A zeroed torch tensor in shared memory (the layout of a KV pool that a peer maps)."""
+    import torch
+
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(shared_buffer(nbytes)).view(dtype).view(shape)
+
+
+def file_span(addr: int, length: int) -> FileSpan | None:
+    """The shared file mapping that holds [addr, addr+length) in this process, if there is one."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if not start <= addr < end:
+                continue
+            path = fields[5].strip() if len(fields) == 6 else ""
+            if addr + length > end or fields[1][3] != "s" or not path.startswith("/") or path.endswith("(deleted)"):
+                return None
+            return FileSpan(path, int(fields[2], 16) + addr - start)
+    return None
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
