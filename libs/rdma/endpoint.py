@@ -29,7 +29,8 @@ import numpy as np
 
 from .completion import CompletionQueue
 from .memory import MemoryRegion, RemoteRegion, locate
-from .work import Completion, LocalAccessError, QueuePairError, RegistrationError, Segments, TransferFailed
+from .work import (Completion, LocalAccessError, PeerUnreachable, QueuePairError, RegistrationError, Segments,
+                   TransferFailed)
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +229,10 @@ class Endpoint(ABC):
         """A reliable connection to the endpoint at `address`; raises ConnectRefused on a bad token."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        qp = await asyncio.wait_for(self._connect(address, CompletionQueue(self._loop)), timeout)
+        try:
+            qp = await asyncio.wait_for(self._connect(address, CompletionQueue(self._loop)), timeout)
+        except (OSError, TimeoutError) as exc:
+            raise PeerUnreachable(f"cannot connect to {address}: {exc or 'timed out'}") from exc
         self.queue_pairs.add(qp)
         return qp
 

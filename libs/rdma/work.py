@@ -55,7 +55,11 @@ class LocalAccessError(RdmaError):
 
 
 class ConnectRefused(RdmaError):
-    pass
+    """The peer answered CONNECT with no (wrong token, other backend, other host)."""
+
+
+class PeerUnreachable(RdmaError):
+    """Nothing answered at the peer's address (it is gone, or not yet up)."""
 
 
 class QueuePairError(RdmaError):
