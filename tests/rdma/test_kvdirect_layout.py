@@ -1,4 +1,4 @@
-"""Descriptor arithmetic and coalescing, against the paper's worked example and by property."""
+"""Descriptor arithmetic and coalescing (Segments.coalesced), against the paper's worked example and by property."""
 
 from __future__ import annotations
 
@@ -8,8 +8,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmesh.libs.rdma.kvdirect.coalesce import coalesce
 from kvmesh.libs.rdma.kvdirect.descriptor import TensorDescriptor, describe
+from kvmesh.libs.rdma.work import Segments
+
+
+def coalesce(remote, local, sizes):
+    merged = Segments(local, remote, sizes).coalesced()
+    return merged.remote_addrs, merged.local_offsets, merged.lengths
 
 # KVDirect Fig. 5: cache[B][KV][L][H][D], B=10 KV=2 L=16 H=2 D=128, K of all blocks before all V, bf16.
 PAPER = TensorDescriptor(name="cache", addr=0x7F06F40000, rkey=1, dims=("B", "KV", "L", "H", "D"),
@@ -37,6 +42,12 @@ def test_engine_pool_layout_is_one_piece_per_block():
     offsets, size = desc.extents(np.array([3, 4, 0]))
     assert size == 2 * 16 * 2 * 64 * 2 and offsets.tolist() == [3 * size, 4 * size, 0]
     assert desc.num_blocks == 6 and desc.same_layout(desc)
+
+
+def test_size_one_dimensions_do_not_split_a_block():
+    pool = torch.zeros(8, 2, 16, 1, 64, dtype=torch.bfloat16)  # one KV head: H has size 1, stride 64 like L
+    desc = describe("device", pool, ("B", "KV", "L", "H", "D"), addr=pool.data_ptr(), rkey=9)
+    assert desc.piece_bytes() == 4096 and desc.piece_offsets().tolist() == [0]
 
 
 def test_block_ids_out_of_range_are_refused():

@@ -75,7 +75,9 @@ def describe(name: str, tensor, dims: tuple[str, ...], addr: int, rkey: int) -> 
 
 def _dense_inner(desc: TensorDescriptor) -> tuple[int, list[int]]:
     """(elements in the dense run of inner dimensions, the other inner dimensions)."""
-    inner = sorted((d for d, name in enumerate(desc.dims) if name != BLOCK_DIM), key=lambda d: desc.stride[d])
+    # A dimension of size 1 adds no bytes and its stride is arbitrary (torch keeps any), so skip it.
+    inner = sorted((d for d, name in enumerate(desc.dims) if name != BLOCK_DIM and desc.shape[d] > 1),
+                   key=lambda d: desc.stride[d])
     run, dense = 1, 0
     for d in inner:
         if desc.stride[d] != run:

@@ -26,7 +26,6 @@ import numpy as np
 from ..endpoint import Endpoint, QueuePair
 from ..memory import MemoryRegion
 from ..work import RdmaError, Segments
-from .coalesce import coalesce
 from .descriptor import TensorDescriptor, describe
 from .messages import Ack, Complete, Connect, ControlChannel
 
@@ -159,19 +158,19 @@ class PullConnection:
         for read in reads:
             groups.setdefault((read.remote.name, read.local[1].name), []).append(read)
         for group in groups.values():
-            remote_offsets = np.concatenate([r.remote_offsets for r in group])
-            local_offsets = np.concatenate([r.local_offsets for r in group])
-            sizes = np.concatenate([np.full(len(r.remote_offsets), r.size, dtype=np.int64) for r in group])
-            if self.coalescing:
-                remote_offsets, local_offsets, sizes = coalesce(remote_offsets, local_offsets, sizes)
             remote, (region, _) = group[0].remote, group[0].local
+            segments = Segments(np.concatenate([r.local_offsets for r in group]),
+                                remote.addr + np.concatenate([r.remote_offsets for r in group]),
+                                np.concatenate([np.full(len(r.remote_offsets), r.size, dtype=np.int64) for r in group]))
+            if self.coalescing:
+                segments = segments.coalesced()
             wr_id = self.qp.endpoint.next_wr_id()
-            self.qp.post_read(wr_id, region, Segments(local_offsets, remote.addr + remote_offsets, sizes), remote.rkey)
+            self.qp.post_read(wr_id, region, segments, remote.rkey)
             batch = asyncio.ensure_future(self.qp.finish(wr_id, self.timeout))
             for request_id in {r.request_id for r in group}:
                 request = self._requests[request_id]
                 request.batches.append(batch)
-                request.report.reads_posted += len(sizes)
+                request.report.reads_posted += len(segments)
 
     async def _finish(self, ending: _Complete) -> None:
         request = self._requests.pop(ending.request_id)

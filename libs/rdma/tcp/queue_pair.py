@@ -131,16 +131,20 @@ class TcpQueuePair(QueuePair):
             posted = self._recvs.popleft() if self._recvs else None
         if posted is None:
             message = recv_exact(self.link.sock, n)
-            with self._lock:
-                self._early_messages.append(message)
+            with self._lock:  # a receive may have been posted while the message was read
+                posted = self._recvs.popleft() if self._recvs else None
+                if posted is None:
+                    self._early_messages.append(message)
+                    return
+            self._fill_recv(posted, n, lambda dest: dest.__setitem__(slice(None), message))
             return
         self._fill_recv(posted, n, lambda dest: self.link.recv_into([dest]))
 
     def _fill_recv(self, posted: _PostedRecv, n: int, fill: Callable[[memoryview], None]) -> None:
         if n > posted.view.nbytes:
-            fill(memoryview(bytearray(n)))  # drain it to keep the stream in step
-            self.cq.deliver(Completion(posted.wr_id, Opcode.RECV, Status.LENGTH_ERROR, n,
-                                       f"message of {n} bytes, receive buffer of {posted.view.nbytes}"))
+            reason = f"message of {n} bytes, receive buffer of {posted.view.nbytes}"
+            self.cq.deliver(Completion(posted.wr_id, Opcode.RECV, Status.LENGTH_ERROR, n, reason))
+            self.fail(reason)  # as an RC queue pair does: both sides end up in the error state
             return
         fill(posted.view[:n])
         self.cq.deliver(Completion(posted.wr_id, Opcode.RECV, Status.SUCCESS, n))
