@@ -1,5 +1,5 @@
 # The two commands of the README's quick start. Both set the machine up first (idempotent).
-.PHONY: setup up test
+.PHONY: setup up test peers
 
 setup:
 	@scripts/setup.sh
@@ -9,3 +9,7 @@ up: setup
 
 test: setup
 	.venv/bin/python -m pytest
+
+# Optional: the peer libraries `kvmesh bench transfer` compares against (Mooncake, NIXL).
+peers: setup
+	@scripts/setup.sh --peers

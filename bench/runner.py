@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .report import save, show
 
-BENCHES = ("kvmeta", "engine")
+BENCHES = ("kvmeta", "engine", "transfer")
 
 
 def run_bench(name: str, *, quick: bool, json_path: Path | None) -> int:

@@ -5,15 +5,21 @@
 #    CUDA build of several GB), then kvmesh itself, editable, with its dev extras;
 #  - the engine's C++ paged-attention kernel, compiled into .venv.
 # pip runs again only when pyproject.toml or setup.py changed since the last install.
+# `scripts/setup.sh --peers` also installs the transfer benchmark's optional peer libraries
+# (Mooncake Transfer Engine, NIXL; the `peers` extra) and libibverbs, which Mooncake's wheel loads.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v redis-server >/dev/null 2>&1; then
-  echo "setup: installing redis-server (Debian package)"
-  sudo=""
+apt_install() {  # apt_install PACKAGE: from Debian's packages
+  echo "setup: installing $1 (Debian package)"
+  local sudo=""
   if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
   $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq redis-server >/dev/null
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$1" >/dev/null
+}
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  apt_install redis-server
 fi
 
 python=${PYTHON:-python3}
@@ -38,3 +44,8 @@ fi
 # The paged-attention CPU kernel compiles once (about 30 s) into .venv; later runs just load it.
 .venv/bin/python -m kvmesh.services.engine.attention.build >/dev/null || \
   echo "setup: the C++ attention kernel did not build; the engine falls back to plain torch" >&2
+
+if [ "${1:-}" = "--peers" ]; then
+  if ! ldconfig -p | grep -q 'libibverbs\.so\.1'; then apt_install libibverbs1; fi
+  .venv/bin/pip install --quiet --disable-pip-version-check -e ".[dev,peers]"
+fi
