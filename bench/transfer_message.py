@@ -18,6 +18,7 @@ import numpy as np
 
 from kvmesh.libs.rdma.endpoint import Endpoint, QueuePair
 from kvmesh.libs.rdma.shm.shared import shared_buffer
+from kvmesh.libs.rdma.work import RdmaError
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +74,8 @@ async def _serve_one(qp: QueuePair, buffers: _Buffers, pools: dict[str, np.ndarr
             wr_id = qp.endpoint.next_wr_id()
             qp.post_send(wr_id, buffers.region, 2 * CONTROL_BYTES, staged.nbytes)
             await qp.finish(wr_id, TIMEOUT_S)
-    except Exception:
-        log.exception("message server: connection from %s ends", qp.peer)
+    except RdmaError as exc:  # the decode side went away
+        log.debug("message server: connection from %s ends: %s", qp.peer, exc)
         await qp.close()
 
 

@@ -120,6 +120,13 @@ class QueuePair(ABC):
             log.warning("queue pair to %s failed: %s", self.peer, reason)
         self._teardown()
 
+    def closed_by_peer(self) -> None:
+        """The peer closed the connection on purpose: outstanding work is flushed, nothing failed."""
+        if self.state is QpState.RTS:
+            self.state, self.error = QpState.CLOSED, f"{self.peer} closed the connection"
+            log.debug("queue pair to %s closed by the peer", self.peer)
+        self._teardown()
+
     async def close(self) -> None:
         if self.state is not QpState.CLOSED:
             self.state = QpState.CLOSED

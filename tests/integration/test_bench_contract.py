@@ -25,3 +25,16 @@ def test_kvmeta_bench_writes_the_contract(tmp_path: Path):
 def test_unknown_bench_is_refused():
     done = subprocess.run([sys.executable, "-m", "kvmesh", "bench", "nothing"], capture_output=True, text=True)
     assert done.returncode == 2 and "no benchmark 'nothing'" in done.stderr
+
+
+def test_transfer_bench_writes_the_contract(tmp_path: Path):
+    out = tmp_path / "transfer.json"
+    done = subprocess.run([sys.executable, "-m", "kvmesh", "bench", "transfer", "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    result = msgspec.json.decode(out.read_bytes())
+    assert result["bench"] == "transfer" and result["quick"] is True
+    assert {"pull_vs_message_4k", "pull_vs_nocoalesce_4k", "tcp_frac_of_ceiling", "shm_frac_of_ceiling"} <= result["ratios"].keys()
+    assert {"memcpy_gbps", "socket_gbps"} <= result["ceilings"].keys()
+    assert set(result["meets"]) == set(result["targets"])
+    assert Path(tmp_path / result["plots"][0]).stat().st_size > 0

@@ -190,6 +190,24 @@ async def test_a_killed_peer_fails_transfers_within_a_timeout_and_a_new_one_serv
     assert np.array_equal(dst, pattern(nbytes, 6))
 
 
+async def test_a_peer_killed_mid_read_ends_the_read_in_time(backend, endpoints, buffer, peer_process):
+    _, reader = endpoints
+    nbytes = 64 << 20
+    peer = peer_process(backend, nbytes, seed=7)
+    local = reader.register(buffer(nbytes))
+    qp = await reader.connect(peer.address)
+    wr_id = reader.next_wr_id()
+    qp.post_read(wr_id, local, Segments.one(0, peer.region.addr, nbytes), peer.region.rkey)
+    peer.kill()
+    killed = time.monotonic()
+    try:  # the read may have finished before the kill (shm copies need no peer); it must not hang
+        await qp.finish(wr_id, timeout=5)
+    except TransferFailed:
+        pass
+    assert time.monotonic() - killed < 6
+    await _until(lambda: not qp.usable)
+
+
 async def _until(predicate, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():

@@ -50,7 +50,7 @@ class TcpQueuePair(QueuePair):
         """What to do with each kind of frame from the peer: (status, key, wr_id, n) -> None."""
         return {Kind.READ: self._serve_read, Kind.READ_DATA: self._land_read,
                 Kind.WRITE: self._serve_write, Kind.WRITE_DONE: self._land_write,
-                Kind.SEND: self._land_send}
+                Kind.SEND: self._land_send, Kind.BYE: lambda *_: self.closed_by_peer()}
 
     # requester side
 
@@ -166,6 +166,8 @@ class TcpQueuePair(QueuePair):
     # teardown
 
     def _teardown(self) -> None:
+        if self.state is QpState.CLOSED:
+            self.link.send([header(Kind.BYE)])  # queued before close(), so it goes out first
         self.link.close()
         status = Status.FLUSHED if self.state is QpState.CLOSED else Status.TRANSPORT_ERROR
         with self._lock:

@@ -7,6 +7,7 @@ READ_DATA status, wr_id of the READ, n=bytes; then the bytes (none when refused)
 WRITE    key=rkey, n=segments; then the (addr, length) table, then the bytes.
 WRITE_DONE status, wr_id of the WRITE.
 SEND     n=bytes; then the bytes.
+BYE      the sender closes the connection (a clean close, not a failure).
 HELLO / WELCOME / REFUSE: the handshake; n=bytes of a msgpack body.
 """
 
@@ -36,6 +37,7 @@ class Kind(enum.IntEnum):
     QUERY = 15  # shm: where is region `key`
     REGION = 16  # shm: the answer
     VIOLATION = 17  # shm: the peer reports an access it refused on our behalf
+    BYE = 18  # the peer closes the connection on purpose
 
 
 class PeerClosed(ConnectionError):
