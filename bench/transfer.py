@@ -44,6 +44,9 @@ TOKEN = "bench-transfer"
 BACKENDS = ("tcp", "shm")
 POOL_BLOCKS = 8192  # per block size: room for 4x the largest transfer (transfer_pattern.POOL_FACTOR)
 BATCHED_BLOCKS = 32  # the baseline's buffer in its batched form
+# Each peer is compared with our backend of the same kind: Mooncake's TCP and NIXL over UCX tcp
+# with tcp, NIXL over UCX shared memory with shm.
+PEER_BACKEND = {"mooncake_tcp": "tcp", "nixl": "shm", "nixl_tcp": "tcp"}
 MODES = ("pull", "pull_nocoalesce", "message", "message_batched")
 MODE_NAMES = {"pull": "(a) KVDirect pull, coalesced", "pull_nocoalesce": "(b) KVDirect pull, no coalescing",
               "message": "(c) message passing, per block (Fig. 3)",
@@ -79,8 +82,7 @@ def run(quick: bool) -> BenchResult:
               "tcp_frac_of_ceiling": pool_sized["tcp"] / ceilings["socket_gbps"],
               "shm_frac_of_ceiling": pool_sized["shm"] / ceilings["memcpy_gbps"]}
     targets = {"pull_vs_message_4k": 5.0, "tcp_frac_of_ceiling": 0.7, "shm_frac_of_ceiling": 0.7}
-    # Each peer against our backend of the same kind: Mooncake's TCP against tcp, NIXL (UCX shared memory) against shm.
-    for peer, ours in (("mooncake_tcp", "tcp"), ("nixl", "shm"), ("nixl_tcp", "tcp")):
+    for peer, ours in PEER_BACKEND.items():
         if all((peer, s) in peers for s in sizes):
             per_size = [at(ours, "pull", s) / peers[(peer, s)] for s in sizes]
             ratios[f"pull_vs_{peer}_4k"], ratios[f"pull_vs_{peer}_min"] = per_size[0], min(per_size)
@@ -326,9 +328,8 @@ def _plot(measured, pool_sized, peers, ceilings, sizes, count) -> None:
     for ax, backend in zip(axes, BACKENDS):
         for mode in MODES:
             ax.plot(kb, [measured[(backend, mode, s, count)][0] for s in sizes], marker="o", label=MODE_NAMES[mode])
-        for peer in sorted({p for p, _ in peers}):
-            if (peer == "mooncake_tcp") == (backend == "tcp") or peer == "nixl_tcp" and backend == "tcp":
-                ax.plot(kb, [peers.get((peer, s), np.nan) for s in sizes], marker="s", linestyle=":", label=f"peer: {peer}")
+        for peer in sorted({p for p, _ in peers if PEER_BACKEND.get(p) == backend}):
+            ax.plot(kb, [peers.get((peer, s), np.nan) for s in sizes], marker="s", linestyle=":", label=f"peer: {peer}")
         ceiling = "socket_gbps" if backend == "tcp" else "memcpy_gbps"
         ax.axhline(ceilings[ceiling], color="grey", linestyle="--", label=f"ceiling: {ceiling[:-5]}")
         ax.axhline(pool_sized[backend], color="black", linestyle="-.", label="(a) pool-sized")
@@ -337,7 +338,8 @@ def _plot(measured, pool_sized, peers, ceilings, sizes, count) -> None:
         ax.set_xlabel("block size (KB)")
         ax.set_ylabel("GB/s")
         ax.set_title(f"{backend}: {count} scattered blocks, two processes")
-        ax.legend(fontsize=7)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7, loc="center right")
     fig.tight_layout()
     fig.savefig(PLOT, dpi=120)
     plt.close(fig)
