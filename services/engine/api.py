@@ -72,3 +72,14 @@ class PolicyNames(Struct, kw_only=True, forbid_unknown_fields=True):
     preemption_strategy, cache_policy."""
 
     policies: dict[str, str]
+
+
+class TokenizerSpec(Struct, kw_only=True):
+    """`GET /v1/tokenizer`: what a front door needs to tokenize for this engine's model itself."""
+
+    model: str
+    tokenizer_json: str                   # the `tokenizers` library's serialisation
+    chat_template: str | None
+    special_tokens: dict[str, str]        # bos_token, eos_token, unk_token, pad_token when set
+    eos_token_ids: list[int]
+    max_model_len: int

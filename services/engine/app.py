@@ -15,7 +15,7 @@ from kvmesh.libs.controlplane import BadRequest, Service
 from kvmesh.libs.kvmeta.client import KvmetaClient, WorkerPresence
 from kvmesh.libs.kvmeta.messages import BlockGeometry, Capacity, Load, WorkerInfo
 
-from .api import Aborted, AbortRequest, GenerateRequest, PolicyNames
+from .api import Aborted, AbortRequest, GenerateRequest, PolicyNames, TokenizerSpec
 from .engine import EngineLoop, EngineState, Frame
 from .factory import EngineConfig, build_engine, max_model_len
 
@@ -104,6 +104,13 @@ def build_service(config: EngineConfig) -> Service:
         """Free blocks per tier, queue lengths, recent time between tokens."""
         return loop.state
 
+    tokenizer_spec = _tokenizer_spec(config, engine, context_limit)
+
+    @service.route("GET", "/v1/tokenizer", response=TokenizerSpec)
+    async def tokenizer(request: web.Request) -> TokenizerSpec:
+        """The model's tokenizer, chat template and context limit (admission tokenizes with it)."""
+        return tokenizer_spec
+
     @service.route("PUT", "/v1/policy", body=PolicyNames, response=PolicyNames)
     async def set_policy(request: web.Request, body: PolicyNames) -> PolicyNames:
         """Switch engine-level policies by name, between two steps."""
@@ -128,6 +135,15 @@ def _worker_info(config: EngineConfig, engine) -> WorkerInfo:
                                num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=config.dtype),
         capacity=Capacity(device_blocks=blocks.device.num_blocks,
                           cxl_blocks=blocks.pools["cxl"].num_blocks if "cxl" in blocks.pools else 0))
+
+
+def _tokenizer_spec(config: EngineConfig, engine, context_limit: int) -> TokenizerSpec:
+    tok = engine.tokenizer
+    special = {name: value for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+               if isinstance(value := getattr(tok, name, None), str)}
+    return TokenizerSpec(model=config.model, tokenizer_json=tok.backend_tokenizer.to_str(),
+                         chat_template=getattr(tok, "chat_template", None), special_tokens=special,
+                         eos_token_ids=list(engine.eos_token_ids), max_model_len=context_limit)
 
 
 def _load(state: EngineState) -> Load:

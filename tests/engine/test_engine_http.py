@@ -174,3 +174,15 @@ async def test_shutdown_ends_open_streams_with_abort(tiny_checkpoint: Path, tmp_
         assert child.process.wait(10) == 0
     finally:
         child.stop()
+
+
+async def test_tokenizer_spec_rebuilds_the_engines_tokenizer(client):
+    from tokenizers import Tokenizer
+
+    from kvmesh.services.engine.api import TokenizerSpec
+
+    spec = await client.call("GET", "/v1/tokenizer", into=TokenizerSpec)
+    rebuilt = Tokenizer.from_str(spec.tokenizer_json)
+    frames = await generate(client, prompt="The cache holds", max_tokens=1, temperature=0.0)
+    assert frames[-1].usage.prompt_tokens == len(rebuilt.encode("The cache holds").ids)  # with BOS, as the engine encodes
+    assert spec.eos_token_ids and spec.max_model_len > 0 and "eos_token" in spec.special_tokens
