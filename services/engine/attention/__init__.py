@@ -1,5 +1,6 @@
-"""Paged attention over the KV pool: a C++ CPU kernel reading blocks in place, and a plain-torch
-path for any device (docs/engine.md, "Paged attention kernel")."""
+"""The CPU kernels of the engine, each with a plain-torch path for any device: paged attention over
+the KV pool, reading blocks in place (docs/engine.md, "Paged attention kernel"), and the fused
+elementwise steps of a decoder layer (fused.py)."""
 
 from .paged import backend, paged_attention, write_kv
 

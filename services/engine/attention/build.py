@@ -1,4 +1,5 @@
-"""Compiles and loads the C++ paged-attention kernel (csrc/) with torch's extension builder.
+"""Compiles and loads the C++ CPU kernels (csrc/: paged attention, and the elementwise steps of a
+decoder layer) with torch's extension builder.
 
 The build lives under the virtualenv (sys.prefix/torch_extensions/kvmesh_paged_attention, or
 $KVMESH_EXT_DIR), so setup builds it once (`python -m kvmesh.services.engine.attention.build`)
@@ -22,7 +23,8 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 NAME = "kvmesh_paged_attention"
-SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp"]
 
 
 def build_directory() -> Path:
@@ -31,8 +33,10 @@ def build_directory() -> Path:
 
 def cflags() -> list[str]:
     # -march=native ties the binary to this CPU; naming the CPU in a define makes torch's build
-    # hash differ on another one (a copied virtualenv), so it rebuilds instead of crashing.
-    return ["-O3", "-march=native", "-fopenmp", f"-DKVMESH_CPU={_cpu_fingerprint()}"]
+    # hash differ on another one (a copied virtualenv), so it rebuilds instead of crashing. torch
+    # hashes the sources but not the headers they include, hence their own define.
+    return ["-O3", "-march=native", "-fopenmp", f"-DKVMESH_CPU={_cpu_fingerprint()}",
+            f"-DKVMESH_HEADERS={_headers_fingerprint()}"]
 
 
 @functools.cache
@@ -65,6 +69,10 @@ def _cpu_fingerprint() -> str:
     except (OSError, StopIteration):
         flags = platform.processor() or platform.machine()
     return hashlib.sha256(flags.encode()).hexdigest()[:12]
+
+
+def _headers_fingerprint() -> str:
+    return hashlib.sha256(b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))).hexdigest()[:12]
 
 
 def main() -> int:

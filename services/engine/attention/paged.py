@@ -31,7 +31,7 @@ def write_kv(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping:
     _check_device(pool, k)
     kernel = _kernel() if pool.is_cpu else None
     if kernel is not None:
-        kernel.write_kv(pool, k.contiguous(), v.contiguous(), slot_mapping.contiguous())
+        kernel.write_kv(pool, _token_rows(k), _token_rows(v), slot_mapping.contiguous())
         return
     block_size = pool.shape[2]
     # In the pool viewed as rows of [Hkv, D], the K row of a slot is 2 * L * block + offset; V is L further.
@@ -64,7 +64,7 @@ def paged_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Tens
     _check_device(pool, q)
     kernel = _kernel() if pool.is_cpu else None  # the kernel checks that its index tensors are on the CPU too
     if kernel is not None:
-        return kernel.paged_attention(q.contiguous(), pool, block_table.contiguous(), seq_lens.contiguous(),
+        return kernel.paged_attention(_token_rows(q), pool, block_table.contiguous(), seq_lens.contiguous(),
                                       query_start_loc.contiguous(), float(scale))
     return _torch_paged_attention(q, pool, block_table, seq_lens, query_start_loc, float(scale))
 
@@ -88,6 +88,12 @@ def _kernel() -> ModuleType | None:
     if kernel is None and choice == "cpp":
         raise RuntimeError("KVMESH_ATTENTION=cpp but the C++ paged-attention kernel did not build (see the log)")
     return kernel
+
+
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] as the kernel reads it: each token's heads contiguous, tokens any stride apart (so
+    views into the fused qkv projection go in without a copy)."""
+    return x if x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2]) else x.contiguous()
 
 
 def _check_pool(pool: torch.Tensor) -> None:

@@ -2,9 +2,9 @@
 
 The model is stateless: each layer hands q, k, v of the step's T tokens to the `attention` callable,
 which owns the KV cache (docs/engine.md, "Attention call"). Per-op overhead dominates small models, so a
-layer makes twelve compute calls besides attention: RMSNorm, one qkv matmul, rotary on q and k together
-(mul, roll, mul, add), o_proj fused with the residual add (addmm), RMSNorm, one gate/up matmul, SiLU, mul,
-and down_proj fused with the residual add.
+layer makes nine compute calls besides attention, the elementwise ones fused (attention/fused.py: one C++
+pass each on CPU): RMSNorm, one qkv matmul, rotary on q and k together, o_proj fused with the residual
+add, RMSNorm, one gate/up matmul, SiLU-and-mul, and down_proj fused with the residual add.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..attention.fused import linear, rms_norm, rotary, silu_mul
 from .config import ModelConfig
-from .rope import RotaryEmbedding, apply_rotary
+from .rope import RotaryEmbedding
 
 # attention(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
 Attention = Callable[[int, Tensor, Tensor, Tensor], Tensor]
@@ -52,19 +53,17 @@ class DecoderLayer(nn.Module):
         self.down_proj = param(hidden, config.intermediate_size)
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attention: Attention) -> Tensor:
-        t, hidden = h.shape
-        x = F.rms_norm(h, (hidden,), self.input_layernorm, self.eps)
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        t = h.shape[0]
+        qkv = linear(rms_norm(h, self.input_layernorm, self.eps), self.qkv_proj, self.qkv_bias)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], -1)
         # q and k are adjacent in qkv, so one rotary pass covers both
-        q, k = apply_rotary(qk.view(t, -1, self.head_dim), cos, sin).split([self.num_heads, self.num_kv_heads], 1)
+        q, k = rotary(qk.view(t, -1, self.head_dim), cos, sin).split([self.num_heads, self.num_kv_heads], 1)
         o = attention(self.index, q, k, v.view(t, self.num_kv_heads, self.head_dim))
-        h = torch.addmm(h, o.reshape(t, self.q_size), self.o_proj.t())
+        h = linear(o.reshape(t, self.q_size), self.o_proj, residual=h)
         if self.o_bias is not None:
             h = h + self.o_bias
-        x = F.rms_norm(h, (hidden,), self.post_attention_layernorm, self.eps)
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, -1)
-        return torch.addmm(h, F.silu(gate) * up, self.down_proj.t())
+        gate_up = linear(rms_norm(h, self.post_attention_layernorm, self.eps), self.gate_up_proj)
+        return linear(silu_mul(gate_up), self.down_proj, residual=h)
 
     def hf_names(self) -> dict[str, tuple[tuple[str, int], ...]]:
         """Our parameter -> the Hugging Face tensors concatenated (along dim 0) into it, with their rows."""
@@ -115,11 +114,11 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary(positions, h.dtype)
         for layer in self.layers:
             h = layer(h, cos, sin, attention)
-        return F.rms_norm(h, (h.shape[-1],), self.norm, self.config.rms_norm_eps)
+        return rms_norm(h, self.norm, self.config.rms_norm_eps)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """[N, hidden] -> [N, vocab] float32 (the matmul runs in the model's dtype)."""
-        return F.linear(hidden, self.embed_tokens if self.lm_head is None else self.lm_head).float()
+        return linear(hidden, self.embed_tokens if self.lm_head is None else self.lm_head).float()
 
     def hf_names(self) -> dict[str, tuple[tuple[str, int], ...]]:
         """Our parameter name -> ((Hugging Face tensor name, rows), ...) concatenated into it along dim 0."""

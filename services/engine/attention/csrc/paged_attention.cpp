@@ -3,16 +3,22 @@
 // A work item is one sequence's tile of queries against one KV head (prefill), or against all
 // its KV heads (decode: few queries, so each block is read front to back once). Its rows are
 // (query, query head) pairs, so each K/V block loaded serves all of them, GQA included. Each row
-// keeps a flash-style online softmax (running max m, sum l, accumulator acc) over the sequence's
-// blocks, in float32. Two layouts of the scores:
-//  - few rows: per row, a dot product per key vectorised along head_dim, then W of them reduced
-//    at once (transpose_sum); bf16 is widened in registers;
+// keeps a flash-style online softmax (running max m, sum l, accumulator acc) in float32. Two
+// layouts of the scores:
+//  - few rows (decodes): keys in tiles of up to kKeyTile across blocks; per row, a dot product
+//    per key vectorised along head_dim, W of them reduced at once (transpose_sum), then p.V with
+//    each V row loaded once for all the rows of its KV head. With AVX512-BF16, bf16 q.k and p.V
+//    run on its pairwise dot product (p rounded to bf16, as a bf16 matmul would); otherwise bf16
+//    is widened in registers;
 //  - many rows (prefill tiles): rows in vector lanes, so no horizontal sums at all; bf16 blocks
 //    (and head_dims that are not whole pairs of vectors) are widened into a per-thread buffer,
 //    once per block for all rows.
 // Items are handed out to at::parallel_for's threads dynamically, largest first.
 // Needs GCC >= 12 or Clang (vector extensions with __builtin_shufflevector), little-endian.
 #include <torch/extension.h>
+
+#include "layer_ops.h"
+#include "vec.h"
 
 #include <ATen/Parallel.h>
 
@@ -26,44 +32,18 @@
 #include <utility>
 #include <vector>
 
-#define HOT [[gnu::always_inline]]  // hot-loop helpers must inline whatever the optimiser thinks
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
-// A vector of W floats (GCC/Clang vector extension), lowered to the widest registers -march allows.
-#if defined(__AVX512F__)
-constexpr int W = 16;
-#elif defined(__AVX__)
-constexpr int W = 8;
-#else
-constexpr int W = 4;
-#endif
-template <int N>
-struct Lanes {
-  typedef float type __attribute__((vector_size(N * sizeof(float))));
-};
-typedef Lanes<W>::type vfloat;
-typedef int32_t vint __attribute__((vector_size(W * sizeof(int32_t))));
+using namespace kvmesh;
 
 constexpr int kMaxRowVecs = 4;  // a prefill tile has up to kMaxRowVecs * W rows
 constexpr int64_t kMinCostPerThread = 4096;  // (query row, key) pairs, a few microseconds of work
 constexpr int64_t kMaxPosition = 1 << 24;  // positions are compared as floats, exact up to here
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-template <size_t... I>
-HOT inline vfloat splat(float x, std::index_sequence<I...>) { return vfloat{((void)I, x)...}; }  // one broadcast
-HOT inline vfloat splat(float x) { return splat(x, std::make_index_sequence<W>{}); }
-HOT inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
-template <size_t... I>
-constexpr vfloat iota(std::index_sequence<I...>) { return vfloat{float(I)...}; }
-constexpr vfloat kLaneIndex = iota(std::make_index_sequence<W>{});
-HOT inline vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-HOT inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 
 // C vectors of a row read in place. For bf16 (float = bf16 bits << 16), 2W elements load as W
 // 32-bit words whose low halves are the even elements and high halves the odd ones, so one load
@@ -115,36 +95,43 @@ HOT inline float hmax(vfloat v) {
   return reduce<W>(v, [](auto a, auto b) { return a > b ? a : b; }, std::make_index_sequence<W / 2>{});
 }
 
-// exp for softmax arguments (x <= 0), Cephes polynomial, relative error ~1e-7; exactly 0 below -87,
-// which covers -inf (masked keys).
-HOT inline vfloat vexp(vfloat x) {
-  const auto tiny = x < splat(-87.0f);
-  x = tiny ? splat(-87.0f) : x;
-  const vfloat n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest integer
-  const vfloat r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vfloat p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
-  return tiny ? vfloat{} : p * reinterpret_cast<vfloat>(bits);
-}
-
-// Lane sums of the dot product a . b (its hsum is the dot product).
-template <typename E>
-HOT inline vfloat dot_lanes(const float* a, const E* b, int64_t dp) {
-  vfloat s[2] = {};
-  for (int64_t i = 0; i < dp; i += 2 * W) {
-    vfloat row[2];
-    load_row<2>(b + i, row);
-    s[0] += load(a + i) * row[0];
-    s[1] += load(a + i + W) * row[1];
+// NC chunks of 2W elements of a query row, held in registers, and their lane-wise dot product
+// with a K row (its hsum is the dot product): float q times float or widened bf16 K (in
+// load_row's order), or with AVX512-BF16, bf16 q and K on its pairwise dot product (products of
+// two bf16 are exact in float, and the sums are float).
+template <int NC, typename Q>
+struct QChunks {
+  vfloat q[2 * NC];
+  explicit QChunks(const float* p) { load_row<2 * NC>(p, q); }
+  template <typename E>
+  HOT vfloat dot(const E* k) const {
+    vfloat s[2] = {};
+    for (int c = 0; c < NC; ++c) {
+      vfloat row[2];
+      load_row<2>(k + c * 2 * W, row);
+      s[0] += q[2 * c] * row[0];
+      s[1] += q[2 * c + 1] * row[1];
+    }
+    return s[0] + s[1];
   }
-  return s[0] + s[1];
-}
+};
+
+#if defined(__AVX512BF16__)
+HOT inline __m512bh load_bf16(const at::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+template <int NC>
+struct QChunks<NC, at::BFloat16> {
+  __m512bh q[NC];
+  explicit QChunks(const at::BFloat16* p) {
+    for (int c = 0; c < NC; ++c) q[c] = load_bf16(p + c * 2 * W);
+  }
+  HOT vfloat dot(const at::BFloat16* k) const {
+    __m512 s = _mm512_setzero_ps();
+    for (int c = 0; c < NC; ++c) s = _mm512_dpbf16_ps(s, q[c], load_bf16(k + c * 2 * W));
+    return s;
+  }
+};
+#endif
 
 // Horizontal sums of W vectors at once: lane t of the result is the sum of p[t]'s lanes, in about
 // 3 shuffle/add operations per vector instead of 2 log2(W). Round S pairs p[i] with p[i + S/2] and
@@ -197,6 +184,128 @@ inline void pv(float* acc, float alpha, const float* p, int64_t p_stride, const 
   }
 }
 
+// p.V for R rows at once over C vectors of the head dimension: each V row (at v + off[t]) is
+// loaded once for all R rows. acc[r] = acc[r] * alpha[r] + sum_{t < n} p[r][t] v_t.
+template <int R, int C, typename E>
+HOT inline void pv_rows(float* acc, int64_t acc_stride, const float* alpha, const float* p, int64_t p_stride,
+                        const E* v, const int64_t* off, int64_t n) {
+  vfloat a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = load(acc + r * acc_stride + c * W) * alpha[r];
+  for (int64_t t = 0; t < n; ++t) {
+    vfloat row[C];
+    load_row<C>(v + off[t], row);
+    for (int r = 0; r < R; ++r) {
+      const vfloat pt = splat(p[r * p_stride + t]);
+      for (int c = 0; c < C; ++c) a[r][c] += pt * row[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) store(acc + r * acc_stride + c * W, a[r][c]);
+}
+
+#if defined(__AVX512BF16__)
+// The same on AVX512-BF16: p in bf16, two keys per dot product. Interleaving the 16-bit elements
+// of V rows t and t + 1 (unpacklo/hi, within 128-bit lanes) pairs them up, and leaves each group
+// of 2W accumulators in "unpack order" (unpack_order). n is even and p is padded with zeros.
+template <int R, int C>
+HOT inline void pv_rows(float* acc, int64_t acc_stride, const float* alpha, const at::BFloat16* p, int64_t p_stride,
+                        const at::BFloat16* v, const int64_t* off, int64_t n) {
+  static_assert(C % 2 == 0, "bf16 rows load in pairs of vectors");
+  __m512 a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = load(acc + r * acc_stride + c * W) * alpha[r];
+  for (int64_t t = 0; t < n; t += 2) {
+    __m512i pairs[C];
+    for (int c = 0; c < C; c += 2) {
+      const __m512i x = _mm512_loadu_si512(v + off[t] + c * W), y = _mm512_loadu_si512(v + off[t + 1] + c * W);
+      pairs[c] = _mm512_unpacklo_epi16(x, y);
+      pairs[c + 1] = _mm512_unpackhi_epi16(x, y);
+    }
+    for (int r = 0; r < R; ++r) {
+      int32_t pt;
+      std::memcpy(&pt, p + r * p_stride + t, sizeof pt);  // p[t] and p[t + 1]
+      const __m512bh pp = (__m512bh)_mm512_set1_epi32(pt);
+      for (int c = 0; c < C; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], (__m512bh)pairs[c], pp);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) store(acc + r * acc_stride + c * W, a[r][c]);
+}
+#endif
+
+// Where element d of a row sits among the accumulators of the AVX512-BF16 p.V (pv_rows above):
+// in each group of 2W = 32, element 8k + i (i < 8) is at (i / 4) * 16 + 4k + i % 4.
+inline int64_t unpack_order(int64_t d) {
+  const int64_t o = d % 32;
+  return d - o + (o % 8 / 4) * 16 + o / 8 * 4 + o % 4;
+}
+
+// Scaled scores of one row for keys 0..n (n a multiple of W, key t at k + off[t], at position
+// first + t), -inf past the row's position. dp is a multiple of NC chunks of 2W, usually equal.
+template <int NC, typename Q, typename E>
+HOT inline void row_scores(const Q* q, const E* k, const int64_t* off, int64_t n, int64_t dp, float scale,
+                           float first, float position, float* s) {
+  constexpr int64_t step = NC * 2 * W;
+  const QChunks<NC, Q> head(q);
+  for (int64_t c = 0; c < n; c += W) {
+    vfloat part[W];
+    for (int t = 0; t < W; ++t) part[t] = head.dot(k + off[c + t]);
+    for (int64_t d = step; d < dp; d += step) {
+      const QChunks<NC, Q> more(q + d);
+      for (int t = 0; t < W; ++t) part[t] += more.dot(k + off[c + t] + d);
+    }
+    const vfloat scores = transpose_sum(part) * scale;
+    store(s + c, splat(first + c) + kLaneIndex <= splat(position) ? scores : splat(kNegInf));
+  }
+}
+
+// One online-softmax step of a row over n scores (a multiple of W): s becomes p = exp(s - m'),
+// m becomes m' and l is rescaled and grown; returns the rescaling alpha = exp(m - m') of acc.
+// m' is finite: every row sees key 0, in its first tile.
+HOT inline float softmax_step(float* s, int64_t n, float& m, float& l) {
+  vfloat mx = splat(m);
+  for (int64_t c = 0; c < n; c += W) mx = vmax(mx, load(s + c));
+  const float m_new = hmax(mx);
+  const float alpha = vexp(splat(m - m_new))[0];  // 0 on the first tile (m = -inf)
+  vfloat sum{};
+  for (int64_t c = 0; c < n; c += W) {
+    const vfloat p = vexp(load(s + c) - m_new);
+    store(s + c, p);
+    sum += p;
+  }
+  m = m_new;
+  l = l * alpha + hsum(sum);
+  return alpha;
+}
+
+// Calls f(std::integral_constant<int, NC>) for the largest NC <= 4 that divides chunks.
+template <typename F>
+inline void with_chunks(int64_t chunks, F&& f) {
+  if (chunks % 4 == 0) return f(std::integral_constant<int, 4>{});
+  if (chunks % 3 == 0) return f(std::integral_constant<int, 3>{});
+  if (chunks % 2 == 0) return f(std::integral_constant<int, 2>{});
+  return f(std::integral_constant<int, 1>{});
+}
+
+// Calls f(std::integral_constant<int, R>) for R = r, 1 <= r <= 4.
+template <typename F>
+inline void with_rows(int64_t r, F&& f) {
+  switch (r) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    default: return f(std::integral_constant<int, 4>{});
+  }
+}
+
+#if defined(__AVX512BF16__)
+// n floats (a multiple of 2W) to bf16, rounding to nearest even.
+HOT inline void to_bf16(const float* s, at::BFloat16* p, int64_t n) {
+  for (int64_t c = 0; c < n; c += 2 * W) _mm512_storeu_si512(p + c, (__m512i)_mm512_cvtne2ps_pbh(load(s + c + W), load(s + c)));
+}
+#endif
+
 // Scores of NT consecutive keys for RV vectors of rows (rows in lanes), masked causally.
 template <int RV, int NT>
 HOT inline void lane_scores(const float* qT, int64_t rp, const float* k, int64_t stride, int64_t D, float* out,
@@ -221,23 +330,41 @@ struct Item {
   int64_t cost;
 };
 
+constexpr int64_t kKeyTile = 256;  // keys per online-softmax step of the few-rows path, a multiple of 2W
+
 // Per-thread buffers, kept across calls (the OpenMP threads persist) and grown on demand.
 struct Scratch {
   std::vector<float> q, acc, m, l, pos, alpha, scores, k, v;
+  std::vector<at::BFloat16> qb, pb;  // q and p in bf16, for AVX512-BF16
+  std::vector<int64_t> off;          // where each key of a tile starts
   void reserve(int64_t rows, int64_t dp, int64_t block, int64_t heads) {
+    const int64_t keys = std::max(round_up(block, W), kKeyTile);
     for (auto* b : {&q, &acc}) grow(*b, rows * dp);
     for (auto* b : {&m, &l, &pos, &alpha}) grow(*b, rows);
-    grow(scores, round_up(block, W) * rows);
-    for (auto* b : {&k, &v}) grow(*b, block * heads * dp);
+    grow(scores, keys * rows);
+    for (auto* b : {&k, &v}) grow(*b, keys * heads * dp);
+    grow(qb, rows * dp);
+    grow(pb, rows * kKeyTile);
+    grow(off, kKeyTile);
   }
-  static void grow(std::vector<float>& b, int64_t n) {
+  template <typename T>
+  static void grow(std::vector<T>& b, int64_t n) {
     if (int64_t(b.size()) < n) b.resize(n);
   }
+};
+
+// A tile's K and V rows: key t of KV head h (relative to the item's first) at k + off[t] + h * head_stride.
+template <typename E>
+struct TileRows {
+  const E* k;
+  const E* v;
+  int64_t head_stride;
 };
 
 template <typename scalar_t>
 struct PagedAttention {
   const scalar_t* q;
+  int64_t q_stride;  // between tokens of q, whose heads are contiguous
   const scalar_t* pool;
   scalar_t* out;
   const int32_t* table;
@@ -247,31 +374,155 @@ struct PagedAttention {
   int64_t Dp;  // D rounded up to whole pairs of vectors; rows of other lengths are widened and padded
   float scale;
 
-  // Rows are (query, query head) pairs, query-major as in q: row r is query r / HG and query head
-  // head * G + r % HG, where HG = heads * G. They are padded to whole vectors with copies of the
-  // last row's position, which keeps their softmax finite.
   void run(const Item& it, Scratch& sc) const {
-    const int64_t q0 = starts[it.seq];
-    const int64_t first = seq_lens[it.seq] - (starts[it.seq + 1] - q0);  // position of query 0
-    const int64_t HG = it.heads * G, rows = (it.end - it.begin) * HG, rp = round_up(rows, W);
-    const bool lanes = it.heads == 1 && rows >= W && rows <= kMaxRowVecs * W;
-    // Blocks read in place, or widened into sc.k / sc.v; in place bf16 rows are in pair order.
-    const bool in_place = D == Dp && (!lanes || std::is_same_v<scalar_t, float>);
-    const bool paired = in_place && !lanes && !std::is_same_v<scalar_t, float>;
-    float* qs = sc.q.data();
-    std::fill(qs, qs + rp * Dp, 0.0f);
+    const int64_t rows = (it.end - it.begin) * it.heads * G;
+    if (it.heads == 1 && rows >= W && rows <= kMaxRowVecs * W) {
+      run_lanes(it, sc);
+    } else if constexpr (std::is_same_v<scalar_t, float>) {
+      run_rows<float, float>(it, sc);
+    } else if (D != Dp) {
+      run_rows<float, float>(it, sc);  // widened
+    } else {
+#if defined(__AVX512BF16__)
+      run_rows<at::BFloat16, at::BFloat16>(it, sc);
+#else
+      run_rows<float, at::BFloat16>(it, sc);
+#endif
+    }
+  }
+
+  // Few rows (decodes, and prefill chunks of under W rows per KV head), head-major: row
+  // h * RG + i * G + g is query it.begin + i and query head (it.head + h) * G + g. Keys come in
+  // tiles of kKeyTile across blocks; per tile and KV head: each row's scores (W dot products
+  // reduced at once), its online-softmax step, then p.V with each V row loaded once for all the
+  // head's rows. Q is how q (and p) are held: float, or bf16 for AVX512-BF16; E is how K/V rows are
+  // read: in place, or widened to float.
+  template <typename Q, typename E>
+  void run_rows(const Item& it, Scratch& sc) const {
+    constexpr bool native_bf16 = std::is_same_v<Q, at::BFloat16>;
+    constexpr bool paired = std::is_same_v<Q, float> && std::is_same_v<E, at::BFloat16>;  // load_row's order
+    const int64_t q0 = starts[it.seq], nq = it.end - it.begin;
+    const int64_t first = seq_lens[it.seq] - (starts[it.seq + 1] - q0) + it.begin;  // position of query it.begin
+    const int64_t RG = nq * G, rows = it.heads * RG;
+    const auto token = [&](int64_t r) { return q0 + it.begin + r % RG / G; };
+    const auto head = [&](int64_t r) { return (it.head + r / RG) * G + r % G; };
+    Q* qs;
+    if constexpr (native_bf16) {
+      qs = sc.qb.data();
+    } else {
+      qs = sc.q.data();
+    }
+    std::fill(qs, qs + rows * Dp, Q(0));
     for (int64_t r = 0; r < rows; ++r) {
-      const scalar_t* src = q + ((q0 + it.begin + r / HG) * Hq + it.head * G + r % HG) * D;
-      for (int64_t d = 0; d < D; ++d) {
-        const float x = static_cast<float>(src[d]) * scale;
-        if (lanes) {
-          qs[d * rp + r] = x;  // transposed: [D][rp]
+      const scalar_t* src = q + token(r) * q_stride + head(r) * D;
+      for (int64_t d = 0; d < D; ++d) qs[r * Dp + (paired ? pair_order(d) : d)] = static_cast<Q>(src[d]);
+      sc.pos[r] = float(first + r % RG / G);
+    }
+    std::fill(sc.acc.begin(), sc.acc.begin() + rows * Dp, 0.0f);
+    std::fill(sc.m.begin(), sc.m.begin() + rows, kNegInf);
+    std::fill(sc.l.begin(), sc.l.begin() + rows, 0.0f);
+
+    const int64_t keys = first + nq;  // keys visible to the last query
+    for (int64_t t0 = 0; t0 < keys; t0 += kKeyTile) {
+      const int64_t tb = std::min(kKeyTile, keys - t0), n = round_up(tb, 2 * W);
+      const TileRows<E> tile = tile_rows<E>(it, t0, tb, n, sc);
+      for (int64_t h = 0; h < it.heads; ++h) {
+        const int64_t r0 = h * RG;
+        for (int64_t r = r0; r < r0 + RG; ++r) {
+          float* s = sc.scores.data() + r * kKeyTile;
+          with_chunks(Dp / (2 * W), [&](auto NC) {
+            row_scores<decltype(NC)::value>(qs + r * Dp, tile.k + h * tile.head_stride, sc.off.data(), n, Dp,
+                                            scale, float(t0), sc.pos[r], s);
+          });
+          sc.alpha[r] = softmax_step(s, n, sc.m[r], sc.l[r]);
+#if defined(__AVX512BF16__)
+          if constexpr (native_bf16) to_bf16(s, sc.pb.data() + r * kKeyTile, n);
+#endif
+        }
+        const Q* p;
+        if constexpr (native_bf16) {
+          p = sc.pb.data();
         } else {
-          qs[r * Dp + (paired ? pair_order(d) : d)] = x;
+          p = sc.scores.data();
+        }
+        for (int64_t r = r0; r < r0 + RG; r += 4) {
+          with_rows(std::min<int64_t>(4, r0 + RG - r), [&](auto R) {
+            constexpr int kRows = decltype(R)::value;
+            for (int64_t d = 0; d < Dp; d += 4 * W) {
+              float* acc = sc.acc.data() + r * Dp + d;
+              const E* v = tile.v + h * tile.head_stride + d;
+              if (Dp - d >= 4 * W) {
+                pv_rows<kRows, 4>(acc, Dp, sc.alpha.data() + r, p + r * kKeyTile, kKeyTile, v, sc.off.data(), n);
+              } else {
+                pv_rows<kRows, 2>(acc, Dp, sc.alpha.data() + r, p + r * kKeyTile, kKeyTile, v, sc.off.data(), n);
+              }
+            }
+          });
         }
       }
     }
-    for (int64_t r = 0; r < rp; ++r) sc.pos[r] = float(first + it.begin + std::min(r, rows - 1) / HG);
+
+    for (int64_t r = 0; r < rows; ++r) {
+      const float inv = 1.0f / sc.l[r];
+      const float* acc = sc.acc.data() + r * Dp;
+      scalar_t* dst = out + (token(r) * Hq + head(r)) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const int64_t i = native_bf16 ? unpack_order(d) : paired ? pair_order(d) : d;
+        dst[d] = static_cast<scalar_t>(acc[i] * inv);
+      }
+    }
+  }
+
+  // The rows of keys t0 .. t0 + n of the item's sequence; keys past tb repeat the last one, so that
+  // padding reads real data (never uninitialised memory, which could be NaN and poison 0 * V).
+  template <typename E>
+  TileRows<E> tile_rows(const Item& it, int64_t t0, int64_t tb, int64_t n, Scratch& sc) const {
+    const int64_t token_stride = Hkv * D;  // between consecutive tokens of one head in a block
+    int64_t* off = sc.off.data();
+    for (int64_t t = 0; t < tb;) {  // block by block
+      const int64_t p = t0 + t, end = std::min(tb, t + L - p % L);
+      for (int64_t o = (int64_t(table[it.seq * M + p / L]) * 2 * L + p % L) * token_stride; t < end; ++t)
+        off[t] = o, o += token_stride;
+    }
+    std::fill(off + tb, off + n, off[tb - 1]);
+    if constexpr (std::is_same_v<E, scalar_t>) {
+      if (D == Dp) return {pool + it.head * D, pool + L * token_stride + it.head * D, D};
+    }
+    if constexpr (std::is_same_v<E, float>) {  // widened to [key][head][Dp], zero-padded
+      for (int64_t t = 0; t < tb; ++t) {
+        for (int64_t h = 0; h < it.heads; ++h) {
+          const scalar_t* k = pool + off[t] + (it.head + h) * D;
+          float* kd = sc.k.data() + (t * it.heads + h) * Dp;
+          float* vd = sc.v.data() + (t * it.heads + h) * Dp;
+          widen(k, kd, D);
+          widen(k + L * token_stride, vd, D);
+          std::fill(kd + D, kd + Dp, 0.0f);
+          std::fill(vd + D, vd + Dp, 0.0f);
+        }
+      }
+      for (int64_t t = 0; t < n; ++t) off[t] = std::min(t, tb - 1) * it.heads * Dp;
+      return {sc.k.data(), sc.v.data(), Dp};
+    } else {
+      __builtin_unreachable();  // bf16 rows are read in place only
+    }
+  }
+
+  // Many rows (prefill tiles of one KV head): rows in vector lanes, query-major (row r is query
+  // it.begin + r / G and query head it.head * G + r % G), padded to whole vectors with copies of
+  // the last row's position, which keeps their softmax finite. float blocks are read in place;
+  // bf16 ones (and rows of other lengths) are widened into sc.k / sc.v, once per block.
+  void run_lanes(const Item& it, Scratch& sc) const {
+    const int64_t q0 = starts[it.seq];
+    const int64_t first = seq_lens[it.seq] - (starts[it.seq + 1] - q0);  // position of query 0
+    const int64_t rows = (it.end - it.begin) * G, rp = round_up(rows, W);
+    const bool in_place = std::is_same_v<scalar_t, float> && D == Dp;
+    float* qs = sc.q.data();  // transposed: [D][rp]
+    std::fill(qs, qs + rp * Dp, 0.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+      const scalar_t* src = q + (q0 + it.begin + r / G) * q_stride + (it.head * G + r % G) * D;
+      for (int64_t d = 0; d < D; ++d) qs[d * rp + r] = static_cast<float>(src[d]) * scale;
+    }
+    for (int64_t r = 0; r < rp; ++r) sc.pos[r] = float(first + it.begin + std::min(r, rows - 1) / G);
     std::fill(sc.acc.begin(), sc.acc.begin() + rp * Dp, 0.0f);
     std::fill(sc.m.begin(), sc.m.begin() + rp, kNegInf);
     std::fill(sc.l.begin(), sc.l.begin() + rp, 0.0f);
@@ -282,77 +533,33 @@ struct PagedAttention {
       const int64_t tb = std::min(L, keys - t0);
       const scalar_t* kb = pool + (int64_t(table[it.seq * M + t0 / L]) * 2 * L * Hkv + it.head) * D;
       const scalar_t* vb = kb + L * token_stride;
-      if (!in_place) {  // to [token][head][Dp]
-        for (int64_t t = 0; t < tb * it.heads; ++t) {
-          const int64_t src = (t / it.heads) * token_stride + (t % it.heads) * D;
-          widen(kb + src, sc.k.data() + t * Dp, D);
-          widen(vb + src, sc.v.data() + t * Dp, D);
+      const float* k = sc.k.data();
+      const float* v = sc.v.data();
+      int64_t stride = Dp;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (in_place) k = kb, v = vb, stride = token_stride;
+      }
+      if (!in_place) {  // to [token][Dp]
+        for (int64_t t = 0; t < tb; ++t) {
+          widen(kb + t * token_stride, sc.k.data() + t * Dp, D);
+          widen(vb + t * token_stride, sc.v.data() + t * Dp, D);
           std::fill(sc.k.data() + t * Dp + D, sc.k.data() + (t + 1) * Dp, 0.0f);
           std::fill(sc.v.data() + t * Dp + D, sc.v.data() + (t + 1) * Dp, 0.0f);
         }
       }
-      if (lanes) {
-        const float* k = sc.k.data();
-        const float* v = sc.v.data();
-        int64_t stride = Dp;
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          if (in_place) k = kb, v = vb, stride = token_stride;
-        }
-        switch (rp / W) {
-          case 1: lane_block<1>(k, v, stride, t0, tb, rows, sc); break;
-          case 2: lane_block<2>(k, v, stride, t0, tb, rows, sc); break;
-          case 3: lane_block<3>(k, v, stride, t0, tb, rows, sc); break;
-          default: lane_block<4>(k, v, stride, t0, tb, rows, sc); break;
-        }
-      } else if (in_place) {
-        row_block(kb, vb, token_stride, D, HG, t0, tb, rows, sc);
-      } else {
-        row_block<float>(sc.k.data(), sc.v.data(), it.heads * Dp, Dp, HG, t0, tb, rows, sc);
+      switch (rp / W) {
+        case 1: lane_block<1>(k, v, stride, t0, tb, rows, sc); break;
+        case 2: lane_block<2>(k, v, stride, t0, tb, rows, sc); break;
+        case 3: lane_block<3>(k, v, stride, t0, tb, rows, sc); break;
+        default: lane_block<4>(k, v, stride, t0, tb, rows, sc); break;
       }
     }
 
     for (int64_t r = 0; r < rows; ++r) {
       const float inv = 1.0f / sc.l[r];
       const float* acc = sc.acc.data() + r * Dp;
-      scalar_t* dst = out + ((q0 + it.begin + r / HG) * Hq + it.head * G + r % HG) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[paired ? pair_order(d) : d] * inv);
-    }
-  }
-
-  // Few rows: each row takes its dot products and online-softmax update on its own. Row r reads
-  // the keys of head (r % HG) / G, head_stride apart.
-  template <typename E>
-  void row_block(const E* k, const E* v, int64_t stride, int64_t head_stride, int64_t HG, int64_t t0, int64_t tb,
-                 int64_t rows, Scratch& sc) const {
-    float* s = sc.scores.data();
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t n = std::min<int64_t>(tb, int64_t(sc.pos[r]) + 1 - t0);  // causal: keys <= position
-      if (n <= 0) continue;
-      const float* qr = sc.q.data() + r * Dp;
-      const E* kr = k + (r % HG) / G * head_stride;
-      const int64_t np = round_up(n, W);
-      vfloat mx = splat(sc.m[r]);
-      for (int64_t c = 0; c < n; c += W) {  // W scores at a time
-        const int64_t m = std::min<int64_t>(W, n - c);
-        vfloat part[W];
-        for (int64_t t = 0; t < m; ++t) part[t] = dot_lanes(qr, kr + (c + t) * stride, Dp);
-        for (int64_t t = m; t < W; ++t) part[t] = vfloat{};
-        vfloat scores = transpose_sum(part);
-        if (m < W) scores = kLaneIndex < splat(float(m)) ? scores : splat(kNegInf);
-        store(s + c, scores);
-        mx = vmax(mx, scores);
-      }
-      const float m_new = hmax(mx);
-      const float alpha = vexp(splat(sc.m[r] - m_new))[0];  // 0 on the first block (m = -inf)
-      vfloat sum{};
-      for (int64_t t = 0; t < np; t += W) {
-        const vfloat p = vexp(load(s + t) - m_new);
-        store(s + t, p);
-        sum += p;
-      }
-      sc.m[r] = m_new;
-      sc.l[r] = sc.l[r] * alpha + hsum(sum);
-      pv(sc.acc.data() + r * Dp, alpha, s, 1, v + (r % HG) / G * head_stride, stride, n, Dp);
+      scalar_t* dst = out + ((q0 + it.begin + r / G) * Hq + it.head * G + r % G) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv);
     }
   }
 
@@ -394,7 +601,7 @@ void launch(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& table
             const at::Tensor& starts, double scale, at::Tensor& out) {
   const int64_t S = table.size(0), L = pool.size(2), Hkv = pool.size(3), Hq = q.size(1), D = q.size(2);
   const int64_t G = Hq / Hkv, tile = std::max<int64_t>(1, kMaxRowVecs * W / G);
-  const PagedAttention<scalar_t> pa{q.data_ptr<scalar_t>(), pool.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+  const PagedAttention<scalar_t> pa{q.data_ptr<scalar_t>(), q.stride(0), pool.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
                                     table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), starts.data_ptr<int32_t>(),
                                     table.size(1), L, Hq, Hkv, G, D, round_up(D, 2 * W), static_cast<float>(scale)};
   // Sequences with few rows (decodes) take all KV heads in one item, so that each block is read
@@ -435,8 +642,14 @@ void launch(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& table
   if (helpers > 1) {
     at::parallel_for(0, helpers, 1, work);
   } else {
-    work(0, 1);
+    work(0, 2);
   }
+}
+
+// [T, H, D] whose tokens may be strided but each token's heads are contiguous, as in a view of
+// the fused qkv projection.
+bool rows_contiguous(const at::Tensor& x) {
+  return x.dim() == 3 && x.stride(2) == 1 && (x.size(1) == 1 || x.stride(1) == x.size(2));
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& table, const at::Tensor& seq_lens,
@@ -445,9 +658,9 @@ void check_inputs(const at::Tensor& q, const at::Tensor& pool, const at::Tensor&
                         seq_lens.device().is_cpu() && starts.device().is_cpu(),
                     "paged_attention kernel: CPU tensors only");
   TORCH_CHECK_VALUE(q.dim() == 3 && pool.dim() == 5 && table.dim() == 2, "paged_attention: bad ranks");
-  TORCH_CHECK_VALUE(q.is_contiguous() && pool.is_contiguous() && table.is_contiguous() &&
+  TORCH_CHECK_VALUE(rows_contiguous(q) && pool.is_contiguous() && table.is_contiguous() &&
                         seq_lens.is_contiguous() && starts.is_contiguous(),
-                    "paged_attention: tensors must be contiguous");
+                    "paged_attention: tensors must be contiguous (q: each token's heads)");
   TORCH_CHECK_VALUE(q.scalar_type() == pool.scalar_type(), "paged_attention: q and pool dtypes differ");
   TORCH_CHECK_VALUE(table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                         starts.scalar_type() == at::kInt,
@@ -493,8 +706,8 @@ void write_kv(at::Tensor& pool, const at::Tensor& k, const at::Tensor& v, const 
   TORCH_CHECK_VALUE(pool.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && slots.device().is_cpu(),
                     "write_kv kernel: CPU tensors only");
   TORCH_CHECK_VALUE(pool.dim() == 5 && pool.size(1) == 2 && pool.is_contiguous(), "write_kv: bad pool");
-  TORCH_CHECK_VALUE(k.is_contiguous() && v.is_contiguous() && slots.is_contiguous(),
-                    "write_kv: tensors must be contiguous");
+  TORCH_CHECK_VALUE(rows_contiguous(k) && rows_contiguous(v) && slots.is_contiguous(),
+                    "write_kv: tensors must be contiguous (k, v: each token's heads)");
   TORCH_CHECK_VALUE(k.scalar_type() == pool.scalar_type() && v.scalar_type() == pool.scalar_type(),
                     "write_kv: k, v and pool dtypes differ");
   TORCH_CHECK_VALUE(slots.scalar_type() == at::kLong, "write_kv: slot_mapping must be int64");
@@ -509,11 +722,12 @@ void write_kv(at::Tensor& pool, const at::Tensor& k, const at::Tensor& v, const 
   char* dst = static_cast<char*>(pool.data_ptr());
   const char* ks = static_cast<const char*>(k.data_ptr());
   const char* vs = static_cast<const char*>(v.data_ptr());
+  const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
   at::parallel_for(0, T, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t block = s[t] / L, offset = s[t] % L;
-      std::memcpy(dst + (block * 2 * L + offset) * bytes, ks + t * bytes, bytes);
-      std::memcpy(dst + ((block * 2 + 1) * L + offset) * bytes, vs + t * bytes, bytes);
+      std::memcpy(dst + (block * 2 * L + offset) * bytes, ks + t * k_stride, bytes);
+      std::memcpy(dst + ((block * 2 + 1) * L + offset) * bytes, vs + t * v_stride, bytes);
     }
   });
 }
@@ -526,4 +740,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("write_kv", &write_kv, "Write k and v into the pool at slot_mapping",
         py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &kvmesh::rms_norm, "RMSNorm of each row", py::call_guard<py::gil_scoped_release>());
+  m.def("rotary", &kvmesh::rotary, "Rotary embedding of q and k", py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &kvmesh::silu_mul, "silu(gate) * up", py::call_guard<py::gil_scoped_release>());
 }
