@@ -10,6 +10,7 @@ from msgspec import Meta, Struct, field
 from kvmesh.libs.controlplane import BadRequest
 from kvmesh.libs.kvmeta.messages import Id
 
+from .handoff import KVHandle, KVTransfer
 from .sampling import SamplingParams
 
 
@@ -28,6 +29,8 @@ class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     stop_token_ids: Annotated[list[int], Meta(max_length=64)] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    kv_transfer: KVTransfer | None = None  # prefill role: keep the prompt's KV for a decode engine
+    kv_source: KVHandle | None = None      # decode role: the prompt's KV (all but its last token) is there
 
     def validated(self, tokenizer, vocab_size: int, max_model_len: int) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and the sampling parameters, or a 400 saying what is wrong."""
@@ -54,6 +57,11 @@ class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True):
             raise BadRequest("stop strings must not be empty")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise BadRequest(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.kv_transfer is not None and self.max_tokens != 1:
+            raise BadRequest("kv_transfer: a prefill engine samples only the first token (max_tokens 1); "
+                             "the decode engine samples the rest")
+        if self.kv_source is not None and len(ids) < 2:
+            raise BadRequest("kv_source: the prompt must be the prefilled tokens plus the first sampled token")
         return ids, SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
                                    top_p=self.top_p, seed=self.seed, stop_token_ids=tuple(self.stop_token_ids),
                                    stop=tuple(self.stop), ignore_eos=self.ignore_eos, logprobs=self.logprobs)

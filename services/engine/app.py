@@ -13,11 +13,12 @@ from aiohttp import web
 
 from kvmesh.libs.controlplane import BadRequest, Service
 from kvmesh.libs.kvmeta.client import KvmetaClient, WorkerPresence
-from kvmesh.libs.kvmeta.messages import BlockGeometry, Capacity, Load, WorkerInfo
+from kvmesh.libs.kvmeta.messages import BlockGeometry, Capacity, GpuNic, Load, WorkerInfo
 
 from .api import Aborted, AbortRequest, GenerateRequest, PolicyNames, TokenizerSpec
 from .engine import EngineLoop, EngineState, Frame
 from .factory import EngineConfig, build_engine, max_model_len
+from .handoff_service import KVHandoff
 
 Config = EngineConfig
 
@@ -34,25 +35,31 @@ def build_service(config: EngineConfig) -> Service:
 
     def dispatch(frames: list[Frame]) -> None:
         for frame in frames:
+            if frame.kv_handle is not None:
+                handoff.held(frame.kv_handle)
             stream = streams.get(frame.request_id)
             if stream is not None:
                 stream.put_nowait(frame)
 
     loop = EngineLoop(engine, lambda frames: main_loop.call_soon_threadsafe(dispatch, frames))
+    handoff = KVHandoff(config, engine, loop)
 
     @service.lifespan
     async def run_engine(app: web.Application) -> AsyncIterator[None]:
         nonlocal main_loop
         main_loop = asyncio.get_running_loop()
-        loop.start()
         async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(handoff)  # before the loop runs: handles carry its address
+            loop.start()
+            stack.push_async_callback(asyncio.to_thread, loop.stop)
             if config.kvmeta_url:
                 kvmeta = await stack.enter_async_context(KvmetaClient(config.kvmeta_url, config.token))
+                handoff.kvmeta = kvmeta
                 await stack.enter_async_context(WorkerPresence(kvmeta, _worker_info(config, engine),
                                                                ttl_ms=config.heartbeat_ttl_ms,
                                                                load=lambda: _load(loop.state)))
+                await stack.enter_async_context(handoff.following(kvmeta))
             yield
-        await asyncio.to_thread(loop.stop)
 
     @service.on_shutdown
     async def end_streams() -> None:
@@ -71,8 +78,10 @@ def build_service(config: EngineConfig) -> Service:
         frames: asyncio.Queue[Frame] = asyncio.Queue()
         streams[request_id] = frames
 
+        handoff.check(body, ids)
+
         def add() -> None:
-            engine.add(request_id, ids, sampling)
+            engine.add(request_id, ids, sampling, hold_kv=body.kv_transfer is not None, kv_source=body.kv_source)
 
         loop.submit(add)
         as_json = any(media in request.headers.get("Accept", "") for media in ("application/json", NDJSON))
@@ -96,7 +105,7 @@ def build_service(config: EngineConfig) -> Service:
         """Stop a request and free its blocks; its stream ends with finish_reason `abort`."""
         def stop() -> tuple[bool, list[Frame]]:
             frames = engine.abort(body.request_id)
-            return bool(frames), frames
+            return engine.release_held(body.request_id) or bool(frames), frames
         return Aborted(aborted=await asyncio.wrap_future(loop.call(stop)))
 
     @service.route("GET", "/v1/state", response=EngineState)
@@ -130,7 +139,8 @@ def _worker_info(config: EngineConfig, engine) -> WorkerInfo:
     blocks = engine.blocks
     return WorkerInfo(
         id=config.engine_id, role=config.role, control_url=config.advertise_url or f"http://{config.host}:{config.port}",
-        model=config.model,
+        model=config.model, data_address=engine.data_address,
+        pairing=[GpuNic(gpu=0, nic=config.dataplane, address=engine.data_address)] if engine.data_address else [],
         geometry=BlockGeometry(block_size=blocks.block_size, num_layers=spec.num_layers,
                                num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=config.dtype),
         capacity=Capacity(device_blocks=blocks.device.num_blocks,

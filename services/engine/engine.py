@@ -22,6 +22,7 @@ import torch
 
 from .block_manager import BlockManager
 from .detokenizer import advance_text
+from .handoff import KVHandle
 from .model_runner import ModelRunner
 from .request import Request
 from .sampling import SamplingParams, sample
@@ -50,6 +51,7 @@ class Frame(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: list[float] | None = None
     finish_reason: str | None = None      # "stop", "length", "abort", "error"
     usage: Usage | None = None
+    kv_handle: KVHandle | None = None     # prefill role: where the prompt's KV waits for a decode engine
 
 
 class EngineState(msgspec.Struct, kw_only=True):
@@ -58,6 +60,8 @@ class EngineState(msgspec.Struct, kw_only=True):
     waiting: int
     running: int
     swapped: int
+    pulling: int
+    held_kv: int
     tbt_ms_p50: float | None
     tbt_ms_p99: float | None
     steps: int
@@ -76,28 +80,71 @@ class Engine:
     clock: Callable[[], float] = time.time
     steps: int = 0
     preemptions: dict[str, int] = field(default_factory=lambda: {"recompute": 0, "swap": 0})
+    # The KV hand-off (docs/serving.md): who we are on the data plane, how long held KV waits for its
+    # decode engine, and the service's hooks for starting a pull and for KV given up.
+    engine_id: str = "engine-0"
+    data_address: str = ""
+    kv_lease_s: float = 30.0
+    on_pull: Callable[[Request], None] = lambda request: None
+    on_kv_released: Callable[[str], None] = lambda request_id: None
+    held: dict[str, tuple[Request, float]] = field(default_factory=dict)  # request id -> (request, deadline)
     _tbt: deque[float] = field(default_factory=lambda: deque(maxlen=512))
 
-    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> Request:
-        request = Request(request_id, list(prompt_ids), sampling, self.clock(), self.blocks.num_layers)
+    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, *, hold_kv: bool = False,
+            kv_source: KVHandle | None = None) -> Request:
+        request = Request(request_id, list(prompt_ids), sampling, self.clock(), self.blocks.num_layers,
+                          hold_kv=hold_kv, kv_source=kv_source)
         if sampling.seed is not None:
             request.generator = torch.Generator(device=self.runner.device).manual_seed(sampling.seed)
         self.scheduler.add(request)
         return request
 
     def abort(self, request_id: str, reason: str = "abort") -> list[Frame]:
-        """End a request wherever it is and free its blocks; its last frame, or none if it is unknown."""
+        """End a request wherever it is and free its blocks; its last frame, or none if it is unknown.
+        A request whose KV is being pulled keeps its blocks until the pull has ended (`pull_done`)."""
         request = self.scheduler.find(request_id)
         if request is None:
             return []
-        self.scheduler.finish(request, reason)
+        self.scheduler.finish(request, reason, release=request.kv_source is None)
         return [self._frame(request, [], [], [], "")]
+
+    def pull_done(self, request_id: str, error: str | None = None) -> list[Frame]:
+        """A pull has ended: the request decodes on, or (failed, or aborted meanwhile) it is freed."""
+        request = next((r for r in self.scheduler.pulling if r.request_id == request_id), None)
+        if request is None:  # aborted while pulling: its blocks were kept until now
+            return []
+        if error is None:
+            self.scheduler.pulled(request, self.clock())
+            return []
+        log.warning("pulling the KV of %s failed: %s", request_id, error)
+        self.scheduler.finish(request, "error")
+        return [self._frame(request, [], [], [], "")]
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the KV held for a decode engine (its COMPLETE, an abort, or the lease running out)."""
+        entry = self.held.pop(request_id, None)
+        if entry is None:
+            return False
+        self.blocks.release(entry[0])
+        self.on_kv_released(request_id)
+        return True
+
+    def expire_leases(self, now: float) -> float | None:
+        """Free held KV whose lease ran out; the seconds until the next deadline, if any is left."""
+        for request_id in [r for r, (_, deadline) in self.held.items() if deadline <= now]:
+            log.warning("no decode engine pulled the KV of %s within its lease: freed", request_id)
+            self.release_held(request_id)
+        if not self.held:
+            return None
+        return min(deadline for _, deadline in self.held.values()) - now
 
     def step(self) -> list[Frame]:
         now = self.clock()
         plan = self.scheduler.schedule(now)
         for _victim, strategy in plan.preempted:
             self.preemptions[strategy] += 1
+        for request in plan.pulls:
+            self.on_pull(request)
         if not plan.chunks:
             return []
         logits = self.runner.run(plan.chunks)
@@ -126,9 +173,24 @@ class Engine:
         text, stopped = advance_text(request, self.tokenizer, final=reason is not None)
         if stopped:
             reason = "stop"
-        if reason is not None:
+        handle = None
+        if reason == "length" and request.hold_kv:  # the decode engine takes it from here
+            self.scheduler.finish(request, reason, release=False)
+            self.held[request.request_id] = (request, now + self.kv_lease_s)
+            handle = self._handle(request)
+        elif reason is not None:
             self.scheduler.finish(request, reason)
-        return self._frame(request, [token], [now], [logprob], text)
+        frame = self._frame(request, [token], [now], [logprob], text)
+        if handle is not None:
+            frame.kv_handle = handle
+        return frame
+
+    def _handle(self, request: Request) -> KVHandle:
+        kv_tokens = request.num_tokens - 1  # the sampled token's KV is the decode engine's first step
+        per_layer = -(-kv_tokens // self.blocks.block_size)
+        return KVHandle(engine=self.engine_id, data_address=self.data_address, request_id=request.request_id,
+                        num_tokens=kv_tokens, block_size=self.blocks.block_size,
+                        layers=[layer.blocks[:per_layer] for layer in request.layers])
 
     def _frame(self, request: Request, tokens: list[int], times: list[float], logprobs: list[float],
                text: str) -> Frame:
@@ -145,7 +207,8 @@ class Engine:
         tbt = sorted(self._tbt)
         return EngineState(free_blocks=dict(view.free), total_blocks=dict(view.total),
                            waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
-                           swapped=len(self.scheduler.swapped),
+                           swapped=len(self.scheduler.swapped), pulling=len(self.scheduler.pulling),
+                           held_kv=len(self.held),
                            tbt_ms_p50=tbt[len(tbt) // 2] * 1e3 if tbt else None,
                            tbt_ms_p99=tbt[min(len(tbt) - 1, int(len(tbt) * 0.99))] * 1e3 if tbt else None,
                            steps=self.steps, preemptions=dict(self.preemptions),
@@ -205,13 +268,16 @@ class EngineLoop:
                 except Exception:
                     log.exception("engine step failed; failing the requests it held")
                     frames += self._fail_all()
+            next_lease = self.engine.expire_leases(self.engine.clock())
             idle = not self.engine.scheduler.has_work()
             if idle or time.monotonic() - published > STATE_EVERY_S:  # not every step: it is the hot loop
                 self.state, published = self.engine.state(), time.monotonic()
             if frames:
                 self.deliver(frames)
             if idle:
-                self._wake.wait()   # a command submitted meanwhile has set it: the next drain takes it
+                # A command submitted meanwhile has set it: the next drain takes it. Held KV is
+                # checked again when its lease runs out.
+                self._wake.wait(next_lease)
                 self._wake.clear()
 
     def _drain(self) -> list[Frame]:
@@ -228,5 +294,5 @@ class EngineLoop:
 
     def _fail_all(self) -> list[Frame]:
         scheduler = self.engine.scheduler
-        requests = [*scheduler.running, *scheduler.waiting, *scheduler.swapped]
+        requests = [*scheduler.running, *scheduler.waiting, *scheduler.swapped, *scheduler.pulling]
         return [frame for r in requests for frame in self.engine.abort(r.request_id, "error")]

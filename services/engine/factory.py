@@ -3,6 +3,7 @@ scheduler and the runner."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -38,6 +39,11 @@ class EngineConfig(ServiceConfig, kw_only=True):
     prefix_caching: bool = True
     policies: dict[str, str] = {}
     torch_threads: int = 0             # 0: torch's default
+    dataplane: str = "tcp"             # KV hand-off between engines: tcp | shm | verbs | none
+    data_host: str = "127.0.0.1"       # where this engine's data-plane endpoint listens
+    data_port: int = 0                 # 0: any free port
+    kv_lease_ms: int = 30_000          # prefill role: how long held KV waits for its decode engine
+    kv_timeout_ms: int = 5_000         # a pull (or its COMPLETE) with no progress this long fails
     kvmeta_url: str | None = None      # register with kvmeta and heartbeat when set
     advertise_url: str | None = None   # the control URL others reach this engine at
     heartbeat_ttl_ms: int = 3_000
@@ -54,8 +60,10 @@ def build_engine(config: EngineConfig) -> Engine:
     model.eval()
     spec = model.config
     shape = BlockShape(config.block_size, spec.num_kv_heads, spec.head_dim, dtype)
+    # The shm data plane maps a peer's pool from a file, so the device pool lives in one then.
+    shared = config.dataplane == "shm"
     pools = {"device": KVPool("device", config.device_blocks or shape.blocks_in(config.device_bytes), shape,
-                              config.device)}
+                              config.device, device_pool_path(config) if shared else None)}
     cxl_blocks = config.cxl_blocks or shape.blocks_in(config.cxl_bytes)
     if cxl_blocks:
         pools["cxl"] = KVPool("cxl", cxl_blocks, shape, "cpu", config.cxl_path)
@@ -64,7 +72,13 @@ def build_engine(config: EngineConfig) -> Engine:
                           prefix_caching=config.prefix_caching)
     scheduler = Scheduler(blocks, policies, config.max_num_seqs, config.token_budget)
     runner = ModelRunner(model, pools["device"], spec.num_layers, spec.head_dim)
-    return Engine(runner, blocks, scheduler, tokenizer, tuple(spec.eos_token_ids))
+    return Engine(runner, blocks, scheduler, tokenizer, tuple(spec.eos_token_ids), engine_id=config.engine_id,
+                  kv_lease_s=config.kv_lease_ms / 1e3)
+
+
+def device_pool_path(config: EngineConfig) -> Path:
+    """The file behind the device pool when the shm data plane maps it (removed at shutdown)."""
+    return Path("/dev/shm") / f"kvmesh-{config.engine_id}-{os.getpid()}-device"
 
 
 def max_model_len(config: EngineConfig, engine: Engine) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .handoff import KVHandle
 from .sampling import SamplingParams
 
 
@@ -14,6 +15,7 @@ class Status(enum.Enum):
     WAITING = "waiting"      # queued, or preempted by recompute
     RUNNING = "running"
     SWAPPED = "swapped"      # preempted, KV in the cxl tier
+    PULLING = "pulling"      # decode role: blocks given, the prompt's KV on its way from a prefill engine
     FINISHED = "finished"
 
 
@@ -48,6 +50,8 @@ class Request:
     cached_nodes: list[str] = field(default_factory=list)  # prefix-cache nodes this request holds a ref on
     num_committed: int = 0                 # leading full blocks already offered to the prefix cache
     generator: torch.Generator | None = None
+    hold_kv: bool = False                  # prefill role: keep the prompt's KV for a decode engine when done
+    kv_source: KVHandle | None = None      # decode role: where the prompt's KV is, until it has arrived
     layers: list[LayerBlocks] = field(init=False)
 
     def __post_init__(self) -> None:

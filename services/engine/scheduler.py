@@ -34,6 +34,7 @@ class ScheduledChunk:
 class Plan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[tuple[Request, str]] = field(default_factory=list)
+    pulls: list[Request] = field(default_factory=list)  # decode role: given blocks, their KV to pull now
 
 
 class Scheduler:
@@ -45,27 +46,38 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
+        self.pulling: list[Request] = []
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     def has_work(self) -> bool:
+        """Whether a step would do anything (a pull in flight is not the step's work)."""
         return bool(self.waiting or self.running or self.swapped)
 
     def find(self, request_id: str) -> Request | None:
-        for queue in (self.running, self.waiting, self.swapped):
+        for queue in (self.running, self.waiting, self.swapped, self.pulling):
             for request in queue:
                 if request.request_id == request_id:
                     return request
         return None
 
-    def finish(self, request: Request, reason: str) -> None:
-        """Take a request out of the engine and give its blocks back."""
-        for queue in (self.running, self.waiting, self.swapped):
+    def finish(self, request: Request, reason: str, release: bool = True) -> None:
+        """Take a request out of the engine and, unless told not to, give its blocks back."""
+        for queue in (self.running, self.waiting, self.swapped, self.pulling):
             if request in queue:
                 queue.remove(request)
-        self.blocks.release(request)
+        if release:
+            self.blocks.release(request)
         request.status, request.finish_reason = Status.FINISHED, reason
+
+    def pulled(self, request: Request, now: float) -> None:
+        """The prompt's KV has arrived: the request decodes from its last prompt token on."""
+        self.pulling.remove(request)
+        request.num_computed, request.kv_source = request.num_tokens - 1, None
+        self.blocks.commit(request, now)
+        request.status = Status.RUNNING
+        self.running.append(request)
 
     # -- one iteration ----------------------------------------------------------------------------
 
@@ -119,6 +131,10 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
             request = by_id[request_id]
+            if request.kv_source is not None:
+                if not self._start_pull(request, plan):
+                    return
+                continue
             cached = self.blocks.attach_prefix(request, now)
             if request.preemptions == 0:
                 request.num_cached = cached
@@ -130,6 +146,16 @@ class Scheduler:
             self.waiting.remove(request)
             self._run(request, n, plan)
             budget -= n
+
+    def _start_pull(self, request: Request, plan: Plan) -> bool:
+        """Give a decode-role request blocks for its prompt's KV, if the allocation policy will."""
+        if len(self.running) + len(self.pulling) >= self.max_num_seqs or not self._reserve(request, request.num_tokens - 1):
+            return False
+        self.waiting.remove(request)
+        request.status = Status.PULLING
+        self.pulling.append(request)
+        plan.pulls.append(request)
+        return True
 
     def _run(self, request: Request, n: int, plan: Plan) -> None:
         request.status = Status.RUNNING

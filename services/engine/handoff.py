@@ -1,0 +1,43 @@
+"""The KV hand-off between a prefill engine and a decode engine (docs/serving.md): the handle a
+prefill engine returns with the first token, and how a decode engine checks one it is given."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from msgspec import Meta, Struct
+
+from kvmesh.libs.controlplane import BadRequest
+from kvmesh.libs.kvmeta.messages import Id
+
+BlockIds = Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=1 << 16)]
+
+
+class KVHandle(Struct, kw_only=True, frozen=True):
+    """Where a request's prompt KV sits: on which engine (control id and data-plane address), under
+    which request id there, how many tokens, and each layer's blocks in order."""
+
+    engine: Id
+    data_address: Annotated[str, Meta(min_length=1, max_length=256)]
+    request_id: Id
+    num_tokens: Annotated[int, Meta(gt=0)]
+    block_size: Annotated[int, Meta(gt=0)]
+    layers: Annotated[list[BlockIds], Meta(max_length=1024)]
+
+    def check(self, num_layers: int, block_size: int, kv_tokens: int) -> None:
+        """400 unless the handle fits this engine and a prompt whose first `kv_tokens` have KV there."""
+        if self.block_size != block_size or len(self.layers) != num_layers:
+            raise BadRequest(f"kv_source: blocks of {self.block_size} tokens in {len(self.layers)} layers do not fit "
+                             f"this engine ({block_size} tokens, {num_layers} layers)")
+        if self.num_tokens != kv_tokens:
+            raise BadRequest(f"kv_source holds {self.num_tokens} tokens, but all but the last of the "
+                             f"{kv_tokens + 1} prompt tokens ({kv_tokens}) must have KV there")
+        needed = -(-kv_tokens // block_size)
+        if any(len(blocks) < needed for blocks in self.layers):
+            raise BadRequest(f"kv_source: every layer needs {needed} blocks for {kv_tokens} tokens")
+
+
+class KVTransfer(Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """On a prefill engine: keep the prompt's KV for a decode engine to pull (pull mode)."""
+
+    mode: Annotated[str, Meta(pattern="^pull$")] = "pull"
