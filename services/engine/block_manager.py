@@ -12,6 +12,7 @@ copy first (copy-on-write).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -45,6 +46,7 @@ class BlockManager:
         self.evictable: dict[str, CachedNode] = {}
         self._named: set[int] = set()   # device blocks that belong to a cached node
         self.hit_tokens = 0             # prompt tokens served from the prefix cache, all time
+        self._view: tuple[tuple[int, ...], PoolView] | None = None  # pool_view() and the counts it was built from
 
     # -- accounting -------------------------------------------------------------------------------
 
@@ -54,9 +56,16 @@ class BlockManager:
         return self.pools[tier].free_count + extra
 
     def pool_view(self) -> PoolView:
-        return PoolView(block_size=self.block_size, num_layers=self.num_layers,
-                        free={t: self.free(t) for t in self.pools},
-                        total={t: p.num_blocks for t, p in self.pools.items()})
+        """What the policies see of the pools. Asked for by every policy call (several per request
+        and step), it is rebuilt only when a count it reports has changed; read-only mappings, as
+        every caller shares it."""
+        counts = (len(self.evictable), *[p.free_count for p in self.pools.values()])
+        if self._view is None or self._view[0] != counts:
+            view = PoolView(block_size=self.block_size, num_layers=self.num_layers,
+                            free=MappingProxyType({t: self.free(t) for t in self.pools}),
+                            total=MappingProxyType({t: p.num_blocks for t, p in self.pools.items()}))
+            self._view = counts, view
+        return self._view[1]
 
     # -- prefix cache -----------------------------------------------------------------------------
 
@@ -138,6 +147,8 @@ class BlockManager:
         first = request.num_computed // self.block_size
         last = min((request.num_computed + new_tokens - 1) // self.block_size, request.blocks_per_layer - 1)
         shared = [i for i in range(first, last + 1) if any(self._shared(layer.blocks[i]) for layer in request.layers)]
+        if not extra and not shared:  # most decode steps: the request writes into its own last block
+            return True
         if self.free("device") < (extra + len(shared)) * self.num_layers:
             return False
         fresh = iter(self._take((extra + len(shared)) * self.num_layers))

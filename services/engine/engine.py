@@ -24,7 +24,7 @@ from .block_manager import BlockManager
 from .detokenizer import advance_text
 from .handoff import KVHandle
 from .model_runner import ModelRunner
-from .request import Request
+from .request import Request, Status
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 
@@ -41,6 +41,17 @@ class Usage(msgspec.Struct, kw_only=True):
     cached_tokens: int
 
 
+class Timings(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Where a finished request's time went on this engine (unix seconds), for latency breakdowns."""
+
+    arrival: float
+    scheduled: float | None = None      # first given blocks: queueing ends
+    pull_start: float | None = None     # decode role: its KV transfer
+    pull_end: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
 class Frame(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What a client receives after a step: the new tokens of one request."""
 
@@ -52,6 +63,7 @@ class Frame(msgspec.Struct, kw_only=True, omit_defaults=True):
     finish_reason: str | None = None      # "stop", "length", "abort", "error"
     usage: Usage | None = None
     kv_handle: KVHandle | None = None     # prefill role: where the prompt's KV waits for a decode engine
+    timings: Timings | None = None        # on the last frame
 
 
 class EngineState(msgspec.Struct, kw_only=True):
@@ -88,6 +100,7 @@ class Engine:
     on_pull: Callable[[Request], None] = lambda request: None
     on_kv_released: Callable[[str], None] = lambda request_id: None
     held: dict[str, tuple[Request, float]] = field(default_factory=dict)  # request id -> (request, deadline)
+    _aborted_pulls: dict[str, Request] = field(default_factory=dict)     # their blocks free when the pull ends
     _tbt: deque[float] = field(default_factory=lambda: deque(maxlen=512))
 
     def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, *, hold_kv: bool = False,
@@ -105,14 +118,22 @@ class Engine:
         request = self.scheduler.find(request_id)
         if request is None:
             return []
-        self.scheduler.finish(request, reason, release=request.kv_source is None)
+        pulling = request.status is Status.PULLING
+        self.scheduler.finish(request, reason, release=not pulling)
+        if pulling:
+            self._aborted_pulls[request_id] = request
         return [self._frame(request, [], [], [], "")]
 
-    def pull_done(self, request_id: str, error: str | None = None) -> list[Frame]:
+    def pull_done(self, request_id: str, started: float, error: str | None = None) -> list[Frame]:
         """A pull has ended: the request decodes on, or (failed, or aborted meanwhile) it is freed."""
-        request = next((r for r in self.scheduler.pulling if r.request_id == request_id), None)
-        if request is None:  # aborted while pulling: its blocks were kept until now
+        aborted = self._aborted_pulls.pop(request_id, None)
+        if aborted is not None:  # aborted while pulling: its blocks were kept until now
+            self.blocks.release(aborted)
             return []
+        request = next((r for r in self.scheduler.pulling if r.request_id == request_id), None)
+        if request is None:
+            return []
+        request.pull_times = (started, self.clock())
         if error is None:
             self.scheduler.pulled(request, self.clock())
             return []
@@ -194,13 +215,17 @@ class Engine:
 
     def _frame(self, request: Request, tokens: list[int], times: list[float], logprobs: list[float],
                text: str) -> Frame:
-        usage = None
+        usage = timings = None
         if request.finished:
             usage = Usage(prompt_tokens=len(request.prompt_ids), completion_tokens=len(request.output_ids),
                           cached_tokens=request.num_cached)
+            pull = request.pull_times or (None, None)
+            timings = Timings(arrival=request.arrival, scheduled=request.scheduled_at, pull_start=pull[0],
+                              pull_end=pull[1], first_token=request.output_times[0] if request.output_times else None,
+                              finished=self.clock())
         return Frame(request_id=request.request_id, token_ids=tokens, text=text, times=times,
                      logprobs=logprobs if request.sampling.logprobs else None,
-                     finish_reason=request.finish_reason, usage=usage)
+                     finish_reason=request.finish_reason, usage=usage, timings=timings)
 
     def state(self) -> EngineState:
         view = self.blocks.pool_view()

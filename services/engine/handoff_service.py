@@ -71,14 +71,14 @@ class KVHandoff:
         self._main.call_soon_threadsafe(self._spawn, self._pull(request.request_id, handle, local))
 
     async def _pull(self, request_id: str, handle: KVHandle, local: list[list[int]]) -> None:
-        error = None
+        error, started = None, self.engine.clock()
         try:
             report = await self.dataplane.pull(handle, local)
             log.debug("pulled %s: %d bytes in %d reads, %.1f ms", request_id, report.bytes, report.reads_posted,
                       report.seconds * 1e3)
         except Exception as exc:  # any failure ends the request with an error frame, never a hang
             error = f"{type(exc).__name__}: {exc}"
-        self.loop.submit(lambda: self.engine.pull_done(request_id, error))
+        self.loop.submit(lambda: self.engine.pull_done(request_id, started, error))
 
     # prefill role: KV held for a decode engine
 

@@ -2,7 +2,8 @@
 
 Every token of every scheduled request goes into one batch (prefill chunks and decodes together).
 The attention callable handed to the model writes each layer's new K/V into the request's blocks
-of that layer, then attends over the blocks in place.
+of that layer, then attends over the blocks in place. Everything the attention needs is built once
+per step, for all layers at once, with numpy.
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ import torch
 
 from .attention import paged_attention, write_kv
 from .kv_pool import KVPool
+from .request import Request
 from .scheduler import ScheduledChunk
 
 
 class PagedStep:
     """The attention of one step: per-layer block tables and slots, shared sequence lengths."""
 
-    def __init__(self, pool: torch.Tensor, block_tables: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
-                 query_start_loc: torch.Tensor, scale: float):
+    def __init__(self, pool: torch.Tensor, block_tables: Sequence[torch.Tensor], slots: Sequence[torch.Tensor],
+                 seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float):
         self.pool, self.block_tables, self.slots = pool, block_tables, slots
         self.seq_lens, self.query_start_loc, self.scale = seq_lens, query_start_loc, scale
 
@@ -41,26 +43,46 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
         """Compute every chunk; logits [n, vocab] (float32) of the chunks that sample, in order."""
-        lengths = [c.num_tokens for c in chunks]
-        starts = [c.request.num_computed for c in chunks]
-        ids = [t for c, s, n in zip(chunks, starts, lengths) for t in c.request.all_ids[s:s + n]]
-        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
-        seq_of_token = np.repeat(np.arange(len(chunks)), lengths)
-        widest = max(c.request.blocks_per_layer for c in chunks)
-        tables = np.zeros((self.num_layers, len(chunks), widest), dtype=np.int32)
-        for s, chunk in enumerate(chunks):
-            for layer, blocks in enumerate(chunk.request.layers):
-                tables[layer, s, :len(blocks.blocks)] = blocks.blocks
-        slots = (tables[:, seq_of_token, positions // self.block_size].astype(np.int64) * self.block_size
-                 + positions % self.block_size)
+        requests = [c.request for c in chunks]
+        starts = np.array([r.num_computed for r in requests])
+        lengths = np.array([c.num_tokens for c in chunks])
         query_start = np.zeros(len(chunks) + 1, dtype=np.int32)
         np.cumsum(lengths, out=query_start[1:])
-        seq_lens = np.asarray([s + n for s, n in zip(starts, lengths)], dtype=np.int32)
+        num_tokens = int(query_start[-1])
+        # Token t of sequence s sits at position starts[s] + (t - query_start[s]).
+        positions = np.repeat(starts - query_start[:-1], lengths) + np.arange(num_tokens)
+        tables = self._block_tables(requests)
+        seq_of_token = np.repeat(np.arange(len(chunks)), lengths)
+        slots = (tables[:, seq_of_token, positions // self.block_size].astype(np.int64) * self.block_size
+                 + positions % self.block_size)
+        ids = [t for c in chunks for t in _new_ids(c.request, c.num_tokens)]
 
         device = self.device
-        step = PagedStep(self.pool.tensor, torch.from_numpy(tables).to(device), torch.from_numpy(slots).to(device),
-                         torch.from_numpy(seq_lens).to(device), torch.from_numpy(query_start).to(device), self.scale)
+        tables_t, slots_t = torch.from_numpy(tables).to(device), torch.from_numpy(slots).to(device)
+        step = PagedStep(self.pool.tensor, tables_t.unbind(0), slots_t.unbind(0),
+                         torch.from_numpy((starts + lengths).astype(np.int32)).to(device),
+                         torch.from_numpy(query_start).to(device), self.scale)
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=device),
                             torch.from_numpy(positions).to(device), step)
-        last = [query_start[i + 1] - 1 for i, c in enumerate(chunks) if c.samples]
-        return self.model.logits(hidden[torch.tensor(last, dtype=torch.long, device=device)])
+        samples = [c.samples for c in chunks]
+        if num_tokens > len(chunks) or not all(samples):  # else every token is a sampling decode: all rows
+            last = query_start[1:][samples] - 1
+            hidden = hidden[torch.from_numpy(last.astype(np.int64)).to(device)]
+        return self.model.logits(hidden)
+
+    def _block_tables(self, requests: Sequence[Request]) -> np.ndarray:
+        """[layers, seqs, widest] int32: row (l, s) holds request s's blocks of layer l, zero-padded."""
+        tables = np.zeros((self.num_layers, len(requests), max(r.blocks_per_layer for r in requests)),
+                          dtype=np.int32)
+        for s, request in enumerate(requests):
+            tables[:, s, :request.blocks_per_layer] = [layer.blocks for layer in request.layers]
+        return tables
+
+
+def _new_ids(request: Request, n: int) -> list[int]:
+    """The n tokens after the computed ones: request.all_ids[num_computed:][:n] without joining the
+    prompt and the output (a decode needs one token, not a copy of the whole sequence)."""
+    start, prompt, output = request.num_computed, request.prompt_ids, request.output_ids
+    if start >= len(prompt):
+        return output[start - len(prompt):start - len(prompt) + n]
+    return prompt[start:start + n] + output[:max(0, start + n - len(prompt))]

@@ -50,6 +50,8 @@ class Request:
     cached_nodes: list[str] = field(default_factory=list)  # prefix-cache nodes this request holds a ref on
     num_committed: int = 0                 # leading full blocks already offered to the prefix cache
     generator: torch.Generator | None = None
+    scheduled_at: float | None = None      # when it first got blocks (compute or a pull): the end of its queueing
+    pull_times: tuple[float, float] | None = None  # decode role: when its KV pull started and ended
     hold_kv: bool = False                  # prefill role: keep the prompt's KV for a decode engine when done
     kv_source: KVHandle | None = None      # decode role: where the prompt's KV is, until it has arrived
     layers: list[LayerBlocks] = field(init=False)

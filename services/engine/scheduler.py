@@ -132,7 +132,7 @@ class Scheduler:
                 return
             request = by_id[request_id]
             if request.kv_source is not None:
-                if not self._start_pull(request, plan):
+                if not self._start_pull(request, plan, now):
                     return
                 continue
             cached = self.blocks.attach_prefix(request, now)
@@ -144,14 +144,16 @@ class Scheduler:
                 request.num_computed = 0
                 return
             self.waiting.remove(request)
+            request.scheduled_at = request.scheduled_at or now
             self._run(request, n, plan)
             budget -= n
 
-    def _start_pull(self, request: Request, plan: Plan) -> bool:
+    def _start_pull(self, request: Request, plan: Plan, now: float) -> bool:
         """Give a decode-role request blocks for its prompt's KV, if the allocation policy will."""
         if len(self.running) + len(self.pulling) >= self.max_num_seqs or not self._reserve(request, request.num_tokens - 1):
             return False
         self.waiting.remove(request)
+        request.scheduled_at = request.scheduled_at or now
         request.status = Status.PULLING
         self.pulling.append(request)
         plan.pulls.append(request)

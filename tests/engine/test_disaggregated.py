@@ -133,3 +133,16 @@ async def test_decode_from_a_vanished_prefill_engine_ends_with_an_error_and_free
                             kv_source={"engine": "gone", "data_address": "127.0.0.1:9", "request_id": "lost",
                                        "num_tokens": 19, "block_size": 16, "layers": [[0, 1]] * 4})
     assert frames[-1].finish_reason == "error"
+
+
+async def test_last_frames_carry_where_the_time_went(clients):
+    prompt = list(range(30, 70))
+    first = await generate(clients["prefill"], request_id="timed", prompt_token_ids=prompt, max_tokens=1,
+                           temperature=0.0, ignore_eos=True, kv_transfer={"mode": "pull"})
+    rest = await generate(clients["decode"], request_id="timed", prompt_token_ids=prompt + first[-1].token_ids,
+                          max_tokens=3, temperature=0.0, ignore_eos=True, kv_source=msgspec_dict(first[-1].kv_handle))
+    prefill, decode = first[-1].timings, rest[-1].timings
+    assert prefill.arrival <= prefill.scheduled <= prefill.first_token <= prefill.finished
+    assert prefill.pull_start is None
+    assert decode.arrival <= decode.scheduled <= decode.pull_start <= decode.pull_end <= decode.first_token <= decode.finished
+    assert all(f.timings is None for f in rest[:-1])
