@@ -1,0 +1,33 @@
+"""The rule every routing policy shares: a prefill engine and a decode engine, each picked from the
+live, not excluded engines of its role that serve the model; one `both` engine only when the model
+has no such pair. `both` engines never join a pair."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from .views import EngineView, RouteDecision, RouteQuery
+
+Pick = Callable[[Sequence[EngineView], str], EngineView]  # (candidates of one role, role) -> one of them
+
+
+def candidates(query: RouteQuery, engines: Sequence[EngineView], role: str) -> list[EngineView]:
+    """Engines of `role` that serve the model and are not excluded, by id."""
+    serving = (e for e in engines if e.role == role and e.model == query.model and e.id not in query.exclude)
+    return sorted(serving, key=lambda e: e.id)
+
+
+def choose(query: RouteQuery, engines: Sequence[EngineView], pick_prefill: Pick,
+           pick_decode: Pick) -> RouteDecision | None:
+    """A pair when the model has prefill and decode engines, else one colocated engine (picked like a
+    prefill engine: it prefills too), else None."""
+    prefill, decode = candidates(query, engines, "prefill"), candidates(query, engines, "decode")
+    if prefill and decode:
+        chosen = pick_prefill(prefill, "prefill")
+        return RouteDecision(prefill=chosen.id, decode=pick_decode(decode, "decode").id,
+                             cached_blocks=chosen.cached_blocks)
+    both = candidates(query, engines, "both")
+    if both:
+        engine = pick_prefill(both, "both")
+        return RouteDecision(engine=engine.id, cached_blocks=engine.cached_blocks)
+    return None

@@ -1,0 +1,162 @@
+"""The scheduler: `POST /v1/route` picks a (prefill, decode) pair, or one colocated engine, with the
+routing policy in force; `GET /v1/cluster`; `GET`/`PUT /v1/policy` (docs/serving.md).
+
+It reads kvmeta only: membership from the watch stream, load from the registry every
+`load_refresh_s`, and per route the cache table for the prompt's NodeIDs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from prometheus_client import Counter
+
+from kvmesh.libs.controlplane import BadRequest, KvmeshError, Service, ServiceConfig, ServiceUnavailable
+from kvmesh.libs.kvmeta.client import KvmetaClient
+from kvmesh.libs.kvmeta.messages import WorkerInfo
+from kvmesh.libs.kvmeta.nodeid import node_ids
+from kvmesh.policies.routing import registry
+from kvmesh.policies.routing.views import RouteDecision, RouteQuery, RoutingPolicy, RoutingState
+
+from .api import ClusterView, NoEngine, PolicyChoice, PolicyInfo, Route, RouteRequest, WorkerRef
+from .cluster import LiveCluster
+
+log = logging.getLogger(__name__)
+
+
+class Config(ServiceConfig, kw_only=True):
+    port: int = 8102
+    kvmeta_url: str = "http://127.0.0.1:8103"
+    policy: str = registry.DEFAULT
+    # Engines report load every heartbeat (ttl/3, over a second by default): reading it more often
+    # than this gains nothing, and a route never waits for it.
+    load_refresh_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.policy not in registry.names():
+            raise ValueError(f"policy {self.policy!r} is not one of {', '.join(registry.names())}")
+
+
+@dataclass
+class PolicyInForce:
+    name: str
+    decide: RoutingPolicy
+    state: RoutingState = field(default_factory=RoutingState)  # kept across switches
+
+
+def build_service(config: Config) -> Service:
+    service = Service("scheduler", config)
+    kvmeta = KvmetaClient(config.kvmeta_url, config.token)
+    cluster = LiveCluster()
+    current = PolicyInForce(config.policy, registry.resolve(config.policy))
+    tasks: list[asyncio.Task] = []
+    routes = Counter("kvmesh_scheduler_routes", "Routes answered, by policy and mode (no_engine: none found)",
+                     ["policy", "mode"], registry=service.metrics)
+
+    @service.lifespan
+    async def follow_kvmeta(app: web.Application) -> AsyncIterator[None]:
+        tasks.extend([asyncio.create_task(cluster.follow(kvmeta)),
+                      asyncio.create_task(cluster.poll_loads(kvmeta, config.load_refresh_s))])
+        yield
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await kvmeta.close()
+
+    @service.readiness
+    async def registry_known() -> None:
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise ServiceUnavailable(f"following kvmeta at {config.kvmeta_url} failed: {task.exception()}")
+        if not cluster.synced.is_set():
+            raise ServiceUnavailable(f"no worker snapshot from kvmeta at {config.kvmeta_url} yet")
+
+    async def cached_blocks(body: RouteRequest) -> dict[str, int]:
+        """Leading blocks of the prompt each engine that could prefill it holds; {} if kvmeta cannot say.
+        Looked up whatever the policy, so every route reports what its prefill engine will reuse
+        (one kvmeta call, under a millisecond)."""
+        sizes = {m.info.geometry.block_size for m in cluster.members.values()
+                 if m.info.model == body.model and m.info.role != "decode"}
+        cached: dict[str, int] = {}
+        for size in sorted(sizes):
+            ids = node_ids(body.prompt_token_ids, size, body.model)
+            if not ids:
+                continue
+            try:
+                matches = await kvmeta.lookup(ids)
+            except KvmeshError as exc:
+                log.warning("routing without the cache table: %s", exc)
+                return {}
+            holders = {engine_id for engine_id, m in cluster.members.items() if m.info.geometry.block_size == size}
+            cached.update({match.engine: match.blocks for match in matches if match.engine in holders})
+        return cached
+
+    @service.route("POST", "/v1/route", body=RouteRequest, response=Route)
+    async def route(request: web.Request, body: RouteRequest) -> Route:
+        """Pick a (prefill, decode) pair, or one colocated engine, for a prompt."""
+        cached = await cached_blocks(body)
+        query = RouteQuery(model=body.model, prompt_tokens=len(body.prompt_token_ids),
+                           exclude=frozenset(body.exclude))
+        decision, current.state = current.decide(query, cluster.views(cached), current.state)
+        workers = {engine_id: m.info for engine_id, m in cluster.members.items()}
+        if decision is None:
+            routes.labels(current.name, "no_engine").inc()
+            raise NoEngine(_no_engine_message(body, workers.values()))
+        for engine_id in (decision.prefill, decision.decode, decision.engine):
+            if engine_id is not None:
+                cluster.routed(engine_id, query.prompt_tokens)
+        routes.labels(current.name, decision.mode).inc()
+        return _route(decision, current.name, workers)
+
+    @service.route("GET", "/v1/cluster", response=ClusterView)
+    async def cluster_view(request: web.Request) -> ClusterView:
+        """The live engines with their load, and the policy in force."""
+        return ClusterView(policy=current.name, engines=cluster.status())
+
+    @service.route("GET", "/v1/policy", response=PolicyInfo)
+    async def get_policy(request: web.Request) -> PolicyInfo:
+        """The routing policy in force and the ones to choose from."""
+        return PolicyInfo(policy=current.name, available=registry.names())
+
+    @service.route("PUT", "/v1/policy", body=PolicyChoice, response=PolicyInfo)
+    async def set_policy(request: web.Request, body: PolicyChoice) -> PolicyInfo:
+        """Switch the routing policy; the next route uses it."""
+        try:
+            policy = registry.resolve(body.policy)
+        except KeyError as exc:
+            raise BadRequest(str(exc.args[0])) from None
+        if body.policy != current.name:
+            log.info("routing policy: %s -> %s", current.name, body.policy)
+        current.name, current.decide = body.policy, policy
+        return PolicyInfo(policy=body.policy, available=registry.names())
+
+    return service
+
+
+def _route(decision: RouteDecision, policy: str, workers: Mapping[str, WorkerInfo]) -> Route:
+    def ref(engine_id: str | None) -> WorkerRef | None:
+        if engine_id is None:
+            return None
+        worker = workers[engine_id]
+        return WorkerRef(id=worker.id, control_url=worker.control_url, data_address=worker.data_address,
+                         role=worker.role)
+
+    return Route(mode=decision.mode, prefill=ref(decision.prefill), decode=ref(decision.decode),
+                 engine=ref(decision.engine), policy=policy, cached_blocks=decision.cached_blocks)
+
+
+def _no_engine_message(body: RouteRequest, live: Iterable[WorkerInfo]) -> str:
+    live = list(live)
+    serving = sorted(f"{w.id} ({w.role})" for w in live if w.model == body.model and w.id not in body.exclude)
+    if serving:
+        return (f"model {body.model!r} has no live prefill/decode pair and no colocated engine: "
+                f"only {', '.join(serving)}" + (f" (excluded: {', '.join(body.exclude)})" if body.exclude else ""))
+    if any(w.model == body.model for w in live):
+        return f"every live engine of model {body.model!r} is excluded ({', '.join(body.exclude)})"
+    models = sorted({w.model for w in live})
+    return (f"no live engine serves model {body.model!r}; live engines serve: "
+            f"{', '.join(repr(m) for m in models) if models else 'nothing (no engine is registered)'}")
