@@ -18,6 +18,15 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--config", help="TOML config file (default: embedded defaults, KVMESH_CONFIG)")
     up.add_argument("--redis-url", help="use this Redis instead of starting a redis-server")
     up.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help="state, token and logs (%(default)s)")
+    up.add_argument("--prefill", type=int, default=1, help="prefill engines (default 1)")
+    up.add_argument("--decode", type=int, default=1, help="decode engines (default 1)")
+    up.add_argument("--colocated", action="store_true", help="one engine doing prefill and decode instead")
+
+    scale = commands.add_parser("scale", help="add or remove engines while the local cluster serves")
+    scale.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
+    scale.add_argument("--prefill", type=int, help="prefill engines wanted")
+    scale.add_argument("--decode", type=int, help="decode engines wanted")
+    scale.add_argument("--colocated", type=int, help="colocated engines wanted")
 
     status = commands.add_parser("status", help="show what the local cluster runs")
     status.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
@@ -39,11 +48,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         from kvmesh.infra.local.launcher import up as run_up
         from kvmesh.infra.local.processes import StartError
+        from kvmesh.infra.local.topology import Topology
         try:
-            return run_up(args.run_dir, args.config, args.redis_url)
-        except StartError as exc:
+            topology = Topology(colocated=1, prefill=0, decode=0) if args.colocated else \
+                Topology(prefill=args.prefill, decode=args.decode)
+            return run_up(args.run_dir, args.config, args.redis_url, topology)
+        except (StartError, ValueError) as exc:
             print(f"kvmesh up: {exc}", file=sys.stderr)
             return 1
+    if args.command == "scale":
+        from kvmesh.infra.local.topology import scale as run_scale
+        return run_scale(args.run_dir, args.prefill, args.decode, args.colocated)
     if args.command == "status":
         from kvmesh.infra.local.status import print_status
         return print_status(args.run_dir, args.json)

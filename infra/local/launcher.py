@@ -4,11 +4,15 @@ Starts a redis-server of its own (unless a Redis URL is given), then each kvmesh
 dependency order, each waited on until `GET /ready` answers; prints the endpoints; restarts a child
 that dies, with exponential backoff; and on Ctrl-C or SIGTERM stops everything, last started first.
 Later services find earlier ones through `KVMESH_<NAME>_URL`, which the launcher exports.
+The engines follow a topology (topology.py: 1 prefill + 1 decode by default, or one colocated
+engine); each is `kvmesh serve engine` with its own id, role and port, and `kvmesh scale` (SIGHUP
+with a new topology in the run directory) starts or stops engines while the cluster serves.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import signal
 import threading
@@ -21,10 +25,13 @@ from rich.table import Table
 from kvmesh.libs.controlplane import ServiceConfig, load_config
 
 from .processes import Child, StartError, port_in_use, redis_child, service_child
-from .state import ChildState, ClusterState, cluster_token, pid_alive, read_state, state_path, write_state
+from .state import ChildState, ClusterState, api_key, cluster_token, pid_alive, read_state, state_path, write_state
+from .topology import Topology, read_wanted, wanted_path, write_wanted
 
-# Started in this order; each later issue adds its service here.
-LOCAL_SERVICES = ("kvmeta", "engine")
+# Started in this order, the engines between the scheduler and admission; a service whose code is
+# not there (an issue not built yet) is skipped.
+CONTROL_SERVICES = ("kvmeta", "scheduler")
+FRONT_SERVICES = ("admission",)
 
 STABLE_AFTER_S = 30.0  # a child that ran this long before dying restarts without delay growth
 MAX_BACKOFF_S = 30.0
@@ -32,7 +39,8 @@ MAX_BACKOFF_S = 30.0
 console = Console(highlight=False)
 
 
-def up(run_dir: Path, config: str | None = None, redis_url: str | None = None) -> int:
+def up(run_dir: Path, config: str | None = None, redis_url: str | None = None,
+       topology: Topology = Topology()) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     previous = read_state(run_dir)
     if previous is not None and pid_alive(previous.launcher_pid):
@@ -40,53 +48,120 @@ def up(run_dir: Path, config: str | None = None, redis_url: str | None = None) -
                          "stop it with `kvmesh down` or pick another --run-dir")
     shared = load_config(ServiceConfig, None, config)
     token, token_file = cluster_token(run_dir, shared.token)
+    key, key_file = api_key(run_dir, os.environ.get("KVMESH_API_KEY"))
     env = {"KVMESH_TOKEN": token, "KVMESH_CLUSTER": shared.cluster}
-    children: list[Child] = []
-    stopping = threading.Event()
+    cluster = _Cluster(run_dir, config, env)
+    stopping, rescale = threading.Event(), threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
+    signal.signal(signal.SIGHUP, lambda *_: rescale.set())
+    write_wanted(run_dir, topology)
     try:
         if redis_url is None:
             redis = redis_child(run_dir)
-            _start(redis, children)
+            cluster.start(redis)
             redis_url = redis.url
         env["KVMESH_REDIS_URL"] = redis_url
-        for name in LOCAL_SERVICES:
-            if stopping.is_set():
-                return 130
-            service_config = load_config(importlib.import_module(f"kvmesh.services.{name}.app").Config, name, config,
-                                         env={**os.environ, **env})
-            if port_in_use(service_config.host, service_config.port):
-                raise StartError(f"port {service_config.port} for {name} is taken: free it or set "
-                                 f"KVMESH_{name.upper()}_PORT")
-            url = f"http://{service_config.host}:{service_config.port}"
-            _start(service_child(name, run_dir, url, dict(env), config), children)
-            env[f"KVMESH_{name.upper()}_URL"] = url
-        _save(run_dir, token_file, children)
-        _print_endpoints(children, token_file, run_dir, redis_url)
-        _supervise(children, stopping, run_dir, token_file)
+        for name in [n for n in CONTROL_SERVICES if _exists(n)]:
+            cluster.start_service(name)
+        cluster.scale_engines(topology)
+        for name in [n for n in FRONT_SERVICES if _exists(n)]:
+            cluster.start_service(name, {"KVMESH_API_KEY": key})
+        cluster.save(token_file)
+        _print_endpoints(cluster.children, token_file, key_file, run_dir, redis_url)
+        _supervise(cluster, stopping, rescale, token_file)
         return 0
     finally:
-        for child in reversed(children):
+        for child in reversed(cluster.children):
             child.stop()
         state_path(run_dir).unlink(missing_ok=True)
+        wanted_path(run_dir).unlink(missing_ok=True)
         console.print("kvmesh: stopped")
 
 
-def _start(child: Child, children: list[Child]) -> None:
-    console.print(f"kvmesh: starting {child.name} ...")
-    children.append(child)
-    child.start()
-    child.wait_ready()
+class _Cluster:
+    """The children of one `kvmesh up`, and how to start one more or stop one."""
+
+    def __init__(self, run_dir: Path, config: str | None, env: dict[str, str]):
+        self.run_dir, self.config, self.env = run_dir, config, env
+        self.children: list[Child] = []
+
+    def start(self, child: Child) -> None:
+        console.print(f"kvmesh: starting {child.name} ...")
+        self.children.append(child)
+        child.start()
+        child.wait_ready(timeout=120)
+
+    def start_service(self, name: str, extra: dict[str, str] | None = None) -> None:
+        service_config = self._config(name)
+        if port_in_use(service_config.host, service_config.port):
+            raise StartError(f"port {service_config.port} for {name} is taken: free it or set "
+                             f"KVMESH_{name.upper()}_PORT")
+        url = f"http://{service_config.host}:{service_config.port}"
+        self.start(service_child(name, self.run_dir, url, {**self.env, **(extra or {})}, self.config))
+        self.env[f"KVMESH_{name.upper()}_URL"] = url  # later services find this one here
+
+    def engines(self) -> list[Child]:
+        return [c for c in self.children if c.name.startswith("engine-")]
+
+    def scale_engines(self, topology: Topology) -> None:
+        """Start the engines the topology has and we do not; stop (deregistering) those we should not."""
+        wanted = {spec.name: spec for spec in topology.engines()}
+        for child in self.engines():
+            if child.name not in wanted:
+                console.print(f"kvmesh: stopping {child.name}")
+                child.stop()
+                self.children.remove(child)
+        running = {c.name for c in self.engines()}
+        base = self._config("engine")
+        threads = base.torch_threads or max(1, (os.cpu_count() or 1) // max(1, len(wanted)))
+        taken = {int(c.url.rsplit(":", 1)[1]) for c in self.children if c.url.startswith("http")}
+        for spec in wanted.values():
+            if spec.name in running:
+                continue
+            port = base.port
+            while port in taken or port_in_use(base.host, port):
+                port += 1
+            taken.add(port)
+            env = {**self.env, "KVMESH_ENGINE_ENGINE_ID": spec.name, "KVMESH_ENGINE_ROLE": spec.role,
+                   "KVMESH_ENGINE_PORT": str(port), "KVMESH_ENGINE_TORCH_THREADS": str(threads)}
+            self.start(service_child("engine", self.run_dir, f"http://{base.host}:{port}", env, self.config,
+                                     name=spec.name))
+
+    def save(self, token_file: Path) -> None:
+        write_state(self.run_dir, ClusterState(
+            launcher_pid=os.getpid(), started_at=time.time(), token_file=str(token_file),
+            children=[ChildState(name=c.name, pid=c.pid, url=c.url, log=str(c.log_path), restarts=c.restarts)
+                      for c in self.children]))
+
+    def _config(self, name: str) -> ServiceConfig:
+        return load_config(importlib.import_module(f"kvmesh.services.{name}.app").Config, name, self.config,
+                           env={**os.environ, **self.env})
 
 
-def _supervise(children: list[Child], stopping: threading.Event, run_dir: Path, token_file: Path) -> None:
-    streak = {child.name: 0 for child in children}
-    started = {child.name: time.monotonic() for child in children}
+def _exists(service: str) -> bool:
+    return importlib.util.find_spec(f"kvmesh.services.{service}.app") is not None
+
+
+def _supervise(cluster: _Cluster, stopping: threading.Event, rescale: threading.Event, token_file: Path) -> None:
+    children = cluster.children
+    streak: dict[str, int] = {}
+    started: dict[str, float] = {}
     due: dict[str, float] = {}
     while not stopping.wait(0.2):
+        if rescale.is_set():
+            rescale.clear()
+            wanted = read_wanted(cluster.run_dir)
+            if wanted is not None:
+                try:
+                    cluster.scale_engines(wanted)
+                except StartError as exc:
+                    console.print(f"kvmesh: scaling failed: {exc}")
+                cluster.save(token_file)
         now = time.monotonic()
         for child in children:
+            streak.setdefault(child.name, 0)
+            started.setdefault(child.name, now)
             code = child.exited()
             if code is None or child.name in due:
                 continue
@@ -101,17 +176,10 @@ def _supervise(children: list[Child], stopping: threading.Event, run_dir: Path, 
                 child.start()
                 child.restarts += 1
                 started[child.name] = now
-                _save(run_dir, token_file, children)
+                cluster.save(token_file)
 
 
-def _save(run_dir: Path, token_file: Path, children: list[Child]) -> None:
-    write_state(run_dir, ClusterState(
-        launcher_pid=os.getpid(), started_at=time.time(), token_file=str(token_file),
-        children=[ChildState(name=c.name, pid=c.pid, url=c.url, log=str(c.log_path), restarts=c.restarts)
-                  for c in children]))
-
-
-def _print_endpoints(children: list[Child], token_file: Path, run_dir: Path, redis_url: str) -> None:
+def _print_endpoints(children: list[Child], token_file: Path, key_file: Path, run_dir: Path, redis_url: str) -> None:
     table = Table(title="kvmesh is up")
     for column in ("service", "endpoint", "pid", "log"):
         table.add_column(column)
@@ -120,4 +188,8 @@ def _print_endpoints(children: list[Child], token_file: Path, run_dir: Path, red
     if not any(c.name == "redis" for c in children):
         table.add_row("redis", redis_url, "-", "(external)")
     console.print(table)
-    console.print(f"service token: {token_file}   status: kvmesh status --run-dir {run_dir}   stop: Ctrl-C")
+    front = next((c for c in children if c.name == "admission"), None)
+    if front is not None:
+        console.print(f"OpenAI API: {front.url}/v1   API key: {key_file.read_text().strip()} (in {key_file})")
+    console.print(f"service token: {token_file}   status: kvmesh status --run-dir {run_dir}   stop: Ctrl-C   "
+                  f"scale: kvmesh scale --prefill N --decode M")

@@ -101,8 +101,11 @@ def redis_child(run_dir: Path, host: str = "127.0.0.1", port: int | None = None)
     return Child("redis", argv, run_dir / "logs" / "redis.log", url=f"redis://{host}:{port}/0")
 
 
-def service_child(name: str, run_dir: Path, url: str, env: dict[str, str], config: str | None = None) -> Child:
-    argv = [sys.executable, "-m", "kvmesh", "serve", name] + (["--config", config] if config else [])
+def service_child(service: str, run_dir: Path, url: str, env: dict[str, str], config: str | None = None,
+                  name: str | None = None) -> Child:
+    """`kvmesh serve SERVICE` as a child; `name` tells instances of one service apart (default: the service)."""
+    argv = [sys.executable, "-m", "kvmesh", "serve", service] + (["--config", config] if config else [])
+    name = name or service
     return Child(name, argv, run_dir / "logs" / f"{name}.log", env=env, url=url)
 
 

@@ -62,12 +62,19 @@ def pid_alive(pid: int | None) -> bool:
 
 def cluster_token(run_dir: Path, configured: str | None) -> tuple[str, Path]:
     """The configured token, or the one this run directory already has, or a new one (mode 0600)."""
-    path = run_dir / "token"
+    return _secret(run_dir / "token", configured, secrets.token_urlsafe(24))
+
+
+def api_key(run_dir: Path, configured: str | None) -> tuple[str, Path]:
+    """The front door's API key: configured (KVMESH_API_KEY), kept from an earlier run, or new."""
+    return _secret(run_dir / "api_key", configured, "sk-kvmesh-" + secrets.token_urlsafe(24))
+
+
+def _secret(path: Path, configured: str | None, new: str) -> tuple[str, Path]:
     if configured:
         return configured, path
     if path.exists():
         return path.read_text().strip(), path
-    token = secrets.token_urlsafe(24)
     path.touch(mode=0o600)
-    path.write_text(token + "\n")
-    return token, path
+    path.write_text(new + "\n")
+    return new, path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -40,48 +41,116 @@ def wait_for(predicate, timeout: float = 30.0):
     raise AssertionError("condition not met in time")
 
 
-@pytest.fixture
-def cluster(tmp_path: Path):
-    run_dir = tmp_path / "run"
-    env = {**os.environ, "KVMESH_KVMETA_PORT": str(free_port()), "KVMESH_ENGINE_PORT": str(free_port()),
-           "KVMESH_ENGINE_TORCH_THREADS": "1"}
-    launcher = subprocess.Popen([sys.executable, "-m", "kvmesh", "up", "--run-dir", str(run_dir)], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+SERVICES = ["redis", "kvmeta", "scheduler", "engine-p0", "engine-d0", "admission"]
+
+
+def launch(run_dir: Path, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "KVMESH_ENGINE_TORCH_THREADS": "1",
+           **{f"KVMESH_{name}_PORT": str(free_port()) for name in ("KVMETA", "SCHEDULER", "ADMISSION", "ENGINE")}}
+    return subprocess.Popen([sys.executable, "-m", "kvmesh", "up", "--run-dir", str(run_dir), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def stop(launcher: subprocess.Popen) -> None:
+    if launcher.poll() is None:
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(30)
+
+
+def ready(run_dir: Path, names: list[str]) -> Status | None:
+    current = status(run_dir)
+    if current.running and [c.name for c in current.children] == names and all(c.ready for c in current.children):
+        return current
+    return None
+
+
+COLOCATED = ["redis", "kvmeta", "scheduler", "engine-c0", "admission"]
+
+
+def colocated_cluster(run_dir: Path):
+    launcher = launch(run_dir, "--colocated")
     try:
-        wait_for(lambda: (s := status(run_dir)).running and len(s.children) == 3 and all(c.ready for c in s.children))
+        wait_for(lambda: ready(run_dir, COLOCATED), timeout=90)
         yield launcher, run_dir
     finally:
-        if launcher.poll() is None:
-            launcher.send_signal(signal.SIGTERM)
-            launcher.wait(30)
+        stop(launcher)
 
 
-def test_up_starts_redis_and_kvmeta_and_status_reports_them(cluster):
-    launcher, run_dir = cluster
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory: pytest.TempPathFactory):
+    """The smallest whole cluster (one colocated engine), shared by the tests that leave it running."""
+    yield from colocated_cluster(tmp_path_factory.mktemp("colocated") / "run")
+
+
+@pytest.fixture
+def cluster(tmp_path: Path):
+    """A colocated cluster of the test's own, for the tests that stop it."""
+    yield from colocated_cluster(tmp_path / "run")
+
+
+@pytest.fixture(scope="module")
+def disaggregated(tmp_path_factory: pytest.TempPathFactory):
+    """The default cluster: one prefill and one decode engine."""
+    run_dir = tmp_path_factory.mktemp("up") / "run"
+    launcher = launch(run_dir)
+    try:
+        wait_for(lambda: ready(run_dir, SERVICES), timeout=120)
+        yield launcher, run_dir
+    finally:
+        stop(launcher)
+
+
+def test_up_starts_the_1p1d_cluster_and_status_reports_it(disaggregated):
+    launcher, run_dir = disaggregated
     current = status(run_dir)
-    assert [c.name for c in current.children] == ["redis", "kvmeta", "engine"]
-    kvmeta = current.children[1]
-    assert http_ok(kvmeta.url + "/ready")
-    assert (run_dir / "token").stat().st_mode & 0o077 == 0  # the generated token is private
+    assert [c.name for c in current.children] == SERVICES
+    assert all(http_ok(c.url + "/ready") for c in current.children[1:])
+    for secret in ("token", "api_key"):  # generated, private
+        assert (run_dir / secret).stat().st_mode & 0o077 == 0
+    assert (run_dir / "api_key").read_text().startswith("sk-kvmesh-")
     assert kvmesh("status", "--run-dir", str(run_dir)).returncode == 0
 
 
-async def test_the_colocated_engine_serves_and_is_registered(cluster):
-    launcher, run_dir = cluster
+async def registered(run_dir: Path) -> list[tuple[str, str, bool]]:
     token = (run_dir / "token").read_text().strip()
-    by_name = {c.name: c for c in status(run_dir).children}
-    async with KvmetaClient(by_name["kvmeta"].url, token) as kvmeta:
-        workers = await kvmeta.workers()
-    assert [(w.info.id, w.info.role) for w in workers] == [("engine-0", "both")]
-    async with ServiceClient(by_name["engine"].url, token=token) as engine:
-        frames = [f async for f in engine.frames("/v1/generate", {"prompt": "hello", "max_tokens": 4,
+    kvmeta = next(c for c in status(run_dir).children if c.name == "kvmeta")
+    async with KvmetaClient(kvmeta.url, token) as client:
+        return sorted((w.info.id, w.info.role, bool(w.info.data_address)) for w in await client.workers())
+
+
+async def test_the_engines_register_with_their_roles_and_data_addresses(disaggregated):
+    _, run_dir = disaggregated
+    assert await registered(run_dir) == [("engine-d0", "decode", True), ("engine-p0", "prefill", True)]
+
+
+async def test_scale_adds_and_removes_an_engine_while_the_cluster_runs(disaggregated):
+    _, run_dir = disaggregated
+    assert kvmesh("scale", "--run-dir", str(run_dir), "--prefill", "2").returncode == 0
+    wait_for(lambda: ready(run_dir, SERVICES[:4] + ["engine-d0", "admission", "engine-p1"]), timeout=90)
+    assert ("engine-p1", "prefill", True) in await registered(run_dir)
+    assert kvmesh("scale", "--run-dir", str(run_dir), "--prefill", "1").returncode == 0
+    wait_for(lambda: ready(run_dir, SERVICES), timeout=60)
+    deadline = time.monotonic() + 10
+    while ("engine-p1", "prefill", True) in await registered(run_dir):  # it deregisters as it stops
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    refused = kvmesh("scale", "--run-dir", str(run_dir), "--prefill", "0")
+    assert refused.returncode == 2 and "both, or neither" in refused.stdout
+
+
+async def test_the_colocated_engine_serves(colocated):
+    launcher, run_dir = colocated
+    token = (run_dir / "token").read_text().strip()
+    engine = next(c for c in status(run_dir).children if c.name == "engine-c0")
+    async with ServiceClient(engine.url, token=token) as client:
+        frames = [f async for f in client.frames("/v1/generate", {"prompt": "hello", "max_tokens": 4,
                                                                   "ignore_eos": True}, Frame)]
     assert frames[-1].finish_reason == "length" and frames[-1].usage.completion_tokens == 4
 
 
-def test_a_crashed_service_is_restarted(cluster):
-    launcher, run_dir = cluster
-    old = status(run_dir).children[1]
+def test_a_crashed_service_is_restarted(colocated):
+    launcher, run_dir = colocated
+    old = next(c for c in status(run_dir).children if c.name == "kvmeta")
     os.kill(old.pid, signal.SIGKILL)
     new = wait_for(lambda: next((c for c in status(run_dir).children if c.name == "kvmeta" and c.pid != old.pid
                                  and c.ready), None))
