@@ -23,7 +23,7 @@ import msgspec
 
 C = TypeVar("C", bound="ServiceConfig")
 
-SECRET_FIELDS = frozenset({"token"})
+SECRET_FIELDS = frozenset({"token", "api_key", "api_keys"})
 _URL_PASSWORD = re.compile(r"(://[^:/@]*:)[^@]*@")
 
 

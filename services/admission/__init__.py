@@ -1,0 +1,1 @@
+"""Admission: the public OpenAI-compatible front door (API keys, rate limits, the request lifecycle)."""

@@ -1,0 +1,265 @@
+"""Admission: the public, OpenAI-compatible front door (docs/serving.md).
+
+`POST /v1/completions`, `POST /v1/chat/completions` (server-sent events when `stream`), `GET /v1/models`.
+Per request, in order: API key (401), the key's rate limit (429 + Retry-After), the body (400), the
+model (404), tokenization with the model's own tokenizer and the context limit (400), a place in the
+bounded queue (429 + Retry-After), then the journey through the cluster (lifecycle.py). Every error
+of a public route is OpenAI's shape (openai_api.py); a client that goes away aborts the request on
+every engine that holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from kvmesh.libs.controlplane import Service, ServiceConfig
+
+from .engine_client import EngineClients
+from .lifecycle import Generation, Lifecycle
+from .limits import BoundedQueue, QueueFull, RateLimiter
+from .openai_api import (ChatCompletionRequest, CompletionRequest, Model, ModelList, OpenAIError, bad_request,
+                         chat_checks, completion_checks, decode_body, messages_of, prompt_of, sampling_of)
+from .responses import Answer, json_response, stream, whole
+from .scheduler_client import SchedulerClient
+from .slo import Slo, SloMetrics, Timing, slo_of
+from .tokenizers import Models, ModelTokenizer
+
+log = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.1  # how soon a client that went away is noticed while nothing is written to it
+
+
+class Config(ServiceConfig, kw_only=True):
+    port: int = 8100
+    scheduler_url: str = "http://127.0.0.1:8102"
+    # API keys: `api_key` (KVMESH_API_KEY), `api_keys`, and `api_key_file` (one key a line, `#` comments)
+    # all count. With none, every public request is refused: admission is never open by default.
+    api_key: str | None = None
+    api_keys: list[str] = []
+    api_key_file: str | None = None
+    requests_per_s: float = 20.0        # per API key, on average; 0: no limit
+    burst: float = 40.0                 # per API key, at once
+    max_running: int = 64               # requests at the engines at once
+    max_queued: int = 256               # more wait in admission, in arrival order; beyond: 429
+    queue_retry_after_s: float = 1.0
+    default_ttft_ms: float | None = None
+    default_tbt_ms: float | None = None
+    max_retries: int = 2                # engines tried again when one fails before the first token
+    route_timeout_s: float = 5.0        # a scheduler call
+    connect_timeout_s: float = 5.0      # connecting to an engine
+    stall_timeout_s: float = 300.0      # an engine that sends no frame for this long has failed
+    models_refresh_s: float = 1.0       # how stale the list of served models may be
+
+    def __post_init__(self) -> None:
+        self.keys()  # an unreadable key file is a configuration error, reported at start
+
+    def keys(self) -> list[str]:
+        keys = [k for k in [self.api_key, *self.api_keys] if k]
+        if self.api_key_file:
+            try:
+                lines = Path(self.api_key_file).read_text().splitlines()
+            except OSError as exc:
+                raise ValueError(f"cannot read api_key_file {self.api_key_file}: {exc}") from None
+            keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        return keys
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request that passed every check: what to generate and how to answer."""
+
+    generation: Generation
+    tokenizer: ModelTokenizer
+    stream: bool
+    include_usage: bool
+    slo: Slo
+
+
+def build_service(config: Config) -> Service:
+    service = Service("admission", config)
+    keys = config.keys()
+    if not keys:
+        log.warning("no API key is configured (KVMESH_API_KEY, api_keys, api_key_file): every request is refused")
+    limiter = RateLimiter(config.requests_per_s, config.burst)
+    queue = BoundedQueue(config.max_running, config.max_queued)
+    scheduler = SchedulerClient(config.scheduler_url, config.token, config.route_timeout_s)
+    engines = EngineClients(config.token, config.connect_timeout_s, abort_timeout_s=config.route_timeout_s)
+    models = Models(scheduler, engines, config.models_refresh_s)
+    lifecycle = Lifecycle(scheduler, engines, config.max_retries, config.stall_timeout_s)
+    slo_metrics = SloMetrics(service.metrics)
+    defaults = {"ttft_ms": config.default_ttft_ms, "tbt_ms": config.default_tbt_ms}
+
+    @service.lifespan
+    async def clients(app: web.Application) -> AsyncIterator[None]:
+        yield
+        await engines.close()
+        await scheduler.close()
+
+    @service.readiness
+    async def scheduler_answers() -> None:
+        await scheduler.cluster()
+
+    def authenticate(request: web.Request) -> str:
+        if not keys:
+            raise OpenAIError(401, "admission has no API key configured: set KVMESH_API_KEY, api_keys or "
+                                   "api_key_file", code="invalid_api_key")
+        scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+        presented = presented.strip()
+        if scheme.lower() != "bearer" or not presented:
+            raise OpenAIError(401, "you didn't provide an API key: send it as `Authorization: Bearer <key>`",
+                              code="invalid_api_key")
+        matches = [hmac.compare_digest(presented.encode(), key.encode()) for key in keys]
+        if not any(matches):
+            raise OpenAIError(401, "incorrect API key provided", code="invalid_api_key")
+        return presented
+
+    def public(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        """Key and rate limit first; every error in OpenAI's shape, never kvmesh's, never a bare 500."""
+        async def endpoint(request: web.Request) -> web.StreamResponse:
+            try:
+                key = authenticate(request)
+                wait = limiter.take(key, time.monotonic())
+                if wait:
+                    raise OpenAIError(429, f"rate limit reached for this API key ({config.requests_per_s:g} "
+                                           f"requests/s, burst {config.burst:g})", type="requests",
+                                      code="rate_limit_exceeded", retry_after_s=wait)
+                return await handler(request)
+            except OpenAIError as exc:
+                return exc.response()
+            except web.HTTPException as exc:  # aiohttp's own, e.g. a body over max_body_bytes
+                return OpenAIError(exc.status, exc.text or exc.reason).response()
+            except Exception:
+                log.exception("%s %s failed", request.method, request.path)
+                return OpenAIError(500, "internal error in admission; see its log", type="server_error").response()
+        endpoint.__doc__ = handler.__doc__
+        return endpoint
+
+    async def prepare_completion(request: web.Request, body: CompletionRequest) -> Prepared:
+        completion_checks(body)
+        sampling = sampling_of(body, logprobs=body.logprobs is not None)
+        prompt = prompt_of(body)
+        tokenizer = await models.tokenizer(body.model)
+        ids = await asyncio.to_thread(tokenizer.encode, prompt) if isinstance(prompt, str) else prompt
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        return _prepared(request, body, tokenizer, ids, max_tokens, sampling, "prompt", defaults)
+
+    async def prepare_chat(request: web.Request, body: ChatCompletionRequest) -> Prepared:
+        chat_checks(body)
+        sampling = sampling_of(body, logprobs=bool(body.logprobs))
+        messages = messages_of(body)
+        tokenizer = await models.tokenizer(body.model)
+        try:
+            ids = await asyncio.to_thread(tokenizer.encode_chat, messages)
+        except Exception as exc:  # the model's template may refuse a conversation (say, roles out of order)
+            raise bad_request(f"the model's chat template refused the messages: {exc}", param="messages") from None
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = tokenizer.max_model_len - len(ids) if requested is None else requested
+        return _prepared(request, body, tokenizer, ids, max_tokens, sampling, "messages", defaults)
+
+    async def answer(request: web.Request, prepared: Prepared, chat: bool) -> web.StreamResponse:
+        """Hold a place in the queue while the request runs; the client going away cancels it."""
+        async def run() -> web.StreamResponse:
+            try:
+                async with queue.slot():
+                    reply, timing = _answer(prepared), Timing(time.monotonic())
+                    async with contextlib.aclosing(lifecycle.run(prepared.generation)) as pieces:
+                        response = await (stream if prepared.stream else whole)(
+                            request, pieces, reply, chat, prepared.include_usage, timing)
+                    slo_metrics.record(prepared.slo, timing)
+                    return response
+            except QueueFull as exc:
+                raise OpenAIError(429, str(exc), type="requests", code="queue_full",
+                                  retry_after_s=config.queue_retry_after_s) from None
+
+        return await _while_connected(request, run())
+
+    @service.route("POST", "/v1/completions", internal=False)
+    @public
+    async def completions(request: web.Request) -> web.StreamResponse:
+        """OpenAI completions: a prompt (text or token ids) in, text out; SSE when `stream`."""
+        body = decode_body(await request.read(), CompletionRequest)
+        return await answer(request, await prepare_completion(request, body), chat=False)
+
+    @service.route("POST", "/v1/chat/completions", internal=False)
+    @public
+    async def chat_completions(request: web.Request) -> web.StreamResponse:
+        """OpenAI chat completions: messages through the model's chat template; SSE when `stream`."""
+        body = decode_body(await request.read(), ChatCompletionRequest)
+        return await answer(request, await prepare_chat(request, body), chat=True)
+
+    @service.route("GET", "/v1/models", internal=False)
+    @public
+    async def list_models(request: web.Request) -> web.Response:
+        """The models some live engine serves."""
+        now = int(time.time())
+        return json_response(ModelList(data=[Model(id=name, created=now) for name in await models.names()]))
+
+    @service.route("GET", "/v1/models/{model:.+}", internal=False)
+    @public
+    async def get_model(request: web.Request) -> web.Response:
+        """One model, or 404 `model_not_found`."""
+        name = request.match_info["model"]
+        if name not in await models.names():
+            raise OpenAIError(404, f"the model `{name}` does not exist or no engine serves it", param="model",
+                              code="model_not_found")
+        return json_response(Model(id=name, created=int(time.time())))
+
+    return service
+
+
+def _prepared(request: web.Request, body, tokenizer: ModelTokenizer, ids: list[int], max_tokens: int, sampling,
+              prompt_param: str, defaults: dict[str, float | None]) -> Prepared:
+    """The context check and the request's SLOs; the request is ready to run."""
+    limit, wanted = tokenizer.max_model_len, max(max_tokens, 1)
+    if max_tokens < 1 and len(ids) < limit:
+        raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if len(ids) + wanted > limit:
+        raise bad_request(f"this model's maximum context length is {limit} tokens; however, you requested "
+                          f"{len(ids) + wanted} tokens ({len(ids)} in the {prompt_param}, {wanted} for the "
+                          f"completion); reduce the {prompt_param} or max_tokens",
+                          param=prompt_param, code="context_length_exceeded")
+    slo = slo_of({"ttft_ms": body.ttft_ms, "tbt_ms": body.tbt_ms}, request.headers, defaults)
+    prefix = "chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl"
+    generation = Generation(request_id=f"{prefix}-{uuid.uuid4().hex}", model=body.model, prompt_ids=list(ids),
+                            max_tokens=max_tokens, sampling=sampling)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return Prepared(generation, tokenizer, bool(body.stream), include_usage, slo)
+
+
+def _answer(prepared: Prepared) -> Answer:
+    generation = prepared.generation
+    return Answer(id=generation.request_id, created=int(time.time()), model=generation.model,
+                  prompt_tokens=len(generation.prompt_ids), tokenizer=prepared.tokenizer,
+                  logprobs=generation.sampling.logprobs)
+
+
+async def _while_connected(request: web.Request, work: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+    """Run `work` until it ends or the client goes away; then cancel it, which aborts the request on
+    every engine holding it (aiohttp does not cancel a handler when its client disconnects)."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while request.transport is not None and not request.transport.is_closing():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        return await task
+    log.info("%s %s: the client went away; request aborted", request.method, request.path)
+    return web.Response(status=499)

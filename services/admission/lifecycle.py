@@ -1,0 +1,197 @@
+"""A request's journey through the cluster, after admission has let it in and tokenized it.
+
+    route -> colocated:      one engine's /v1/generate, relayed
+          -> disaggregated:  prefill (max_tokens 1, kv_transfer pull) -> first token to the client at
+                             once -> decode (prompt + first token, kv_source = the handle) relayed
+
+An engine that fails before the first token reached the client (no answer, a 5xx, a stream that
+stops without finishing, no frame within `stall_timeout_s`) is excluded and the request routed
+again, up to `max_retries` times; after the first token, a failure ends the request with an error.
+Whatever way the journey ends early (a failure, the client going away, cancellation), every engine
+still holding the request is sent `POST /v1/abort`, so its blocks, and a prefill's held KV, are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from kvmesh.libs.controlplane import KvmeshError, RemoteError, ServiceUnreachable
+
+from .engine_client import EngineClients, EngineFrame, EngineRef, GenerateBody
+from .openai_api import OpenAIError, Sampling
+from .scheduler_client import Route, SchedulerClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What to generate: a tokenized prompt and checked sampling parameters."""
+
+    request_id: str
+    model: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: Sampling
+
+    def body(self, request_id: str, **changes) -> GenerateBody:
+        s = self.sampling
+        fields = dict(request_id=request_id, prompt_token_ids=self.prompt_ids, max_tokens=self.max_tokens,
+                      temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed, stop=s.stop,
+                      ignore_eos=s.ignore_eos, logprobs=s.logprobs)
+        return GenerateBody(**{**fields, **changes})
+
+
+@dataclass
+class Piece:
+    """The next tokens for the client; the last piece has `finish_reason` ("stop" or "length")."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+
+
+class EngineFailed(Exception):
+    def __init__(self, engine: EngineRef, reason: str):
+        super().__init__(f"engine {engine.id} failed: {reason}")
+        self.engine = engine
+
+
+class AfterFirstToken(Exception):
+    """An engine failed after the client had tokens: the request ends with this error."""
+
+
+@dataclass
+class Journey:
+    """One request's path; `holding` maps each engine that may still hold it to the request id there."""
+
+    generation: Generation
+    holding: dict[str, tuple[EngineRef, str]] = field(default_factory=dict)
+    tokens_sent: int = 0
+
+
+class Lifecycle:
+    def __init__(self, scheduler: SchedulerClient, engines: EngineClients, max_retries: int, stall_timeout_s: float):
+        self.scheduler = scheduler
+        self.engines = engines
+        self.max_retries = max_retries
+        self.stall_timeout_s = stall_timeout_s
+
+    async def run(self, generation: Generation) -> AsyncIterator[Piece]:
+        """The request's pieces; raises OpenAIError before the first piece, AfterFirstToken after it."""
+        journey = Journey(generation)
+        excluded: list[str] = []
+        try:
+            for attempt in range(self.max_retries + 1):
+                route = await self._route(generation, excluded)
+                request_id = f"{generation.request_id}.{attempt}"
+                steps = (self._colocated(journey, route.engine, request_id) if route.mode == "colocated"
+                         else self._disaggregated(journey, route.prefill, route.decode, request_id))
+                try:
+                    async with contextlib.aclosing(steps):
+                        async for piece in steps:
+                            yield piece
+                            journey.tokens_sent += len(piece.token_ids)
+                    return
+                except EngineFailed as exc:
+                    if journey.tokens_sent:
+                        raise AfterFirstToken(str(exc)) from None
+                    log.warning("%s before the first token (attempt %d); routing again without it",
+                                exc, attempt + 1)
+                    excluded.append(exc.engine.id)
+                    self._abort_all(journey)
+            raise OpenAIError(503, f"every engine tried failed before the first token (tried: {', '.join(excluded)})",
+                              type="server_error", code="engine_failed")
+        finally:
+            self._abort_all(journey)
+
+    async def _route(self, generation: Generation, excluded: list[str]) -> Route:
+        try:
+            return await self.scheduler.route(generation.model, generation.prompt_ids, excluded)
+        except RemoteError as exc:
+            if exc.status == 400:
+                raise OpenAIError(400, f"the scheduler refused the request: {exc.message}") from None
+            reason = exc.message
+        except ServiceUnreachable as exc:
+            reason = exc.message
+        raise OpenAIError(503, f"the scheduler could not route the request: {reason}", type="server_error",
+                          code="no_engine")
+
+    async def _colocated(self, journey: Journey, engine: EngineRef, request_id: str) -> AsyncIterator[Piece]:
+        journey.holding[engine.id] = (engine, request_id)
+        async for frame in self._frames(engine, journey.generation.body(request_id)):
+            yield _piece(frame)
+        del journey.holding[engine.id]
+
+    async def _disaggregated(self, journey: Journey, prefill: EngineRef, decode: EngineRef,
+                             request_id: str) -> AsyncIterator[Piece]:
+        generation = journey.generation
+        journey.holding[prefill.id] = (prefill, request_id)
+        frames = [f async for f in self._frames(prefill, generation.body(
+            request_id, max_tokens=1, kv_transfer={"mode": "pull"}))]
+        first, last = _merge(frames), frames[-1]
+        done = last.finish_reason != "length" or generation.max_tokens <= len(first.token_ids)
+        if not done and last.kv_handle is None:
+            raise EngineFailed(prefill, "the prefill's last frame carries no kv_handle")
+        if done:
+            yield first  # the prefill engine holds the prompt's KV for a decode that will not come: abort it
+            return
+        first.finish_reason = None
+        yield first
+        journey.holding[decode.id] = (decode, request_id)
+        body = generation.body(request_id, prompt_token_ids=generation.prompt_ids + first.token_ids,
+                               max_tokens=generation.max_tokens - len(first.token_ids), kv_source=last.kv_handle)
+        async for frame in self._frames(decode, body):
+            yield _piece(frame)
+        del journey.holding[decode.id]
+        del journey.holding[prefill.id]  # the decode engine pulled the KV and COMPLETEd: the prefill freed it
+
+    async def _frames(self, engine: EngineRef, body: GenerateBody) -> AsyncIterator[EngineFrame]:
+        """The engine's frames up to the finishing one; any way the engine fails is EngineFailed."""
+        stream = self.engines.generate(engine, body)
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(self.stall_timeout_s):
+                        frame = await anext(stream)
+                except StopAsyncIteration:
+                    raise EngineFailed(engine, "its stream ended before the request finished") from None
+                except TimeoutError:
+                    raise EngineFailed(engine, f"no frame within {self.stall_timeout_s:g}s") from None
+                except RemoteError as exc:
+                    if exc.status == 400:
+                        raise OpenAIError(400, f"the engine refused the request: {exc.message}") from None
+                    raise EngineFailed(engine, str(exc)) from None
+                except KvmeshError as exc:
+                    raise EngineFailed(engine, str(exc)) from None
+                if frame.finish_reason in ("abort", "error"):
+                    raise EngineFailed(engine, f"the request finished with `{frame.finish_reason}`")
+                yield frame
+                if frame.finish_reason is not None:
+                    return
+        finally:
+            await stream.aclose()
+
+    def _abort_all(self, journey: Journey) -> None:
+        for engine, request_id in journey.holding.values():
+            self.engines.abort(engine, request_id)
+        journey.holding.clear()
+
+
+def _piece(frame: EngineFrame) -> Piece:
+    return Piece(list(frame.token_ids), frame.text, frame.logprobs, frame.finish_reason,
+                 frame.usage.cached_tokens if frame.usage else 0)
+
+
+def _merge(frames: list[EngineFrame]) -> Piece:
+    """The prefill's frames (usually one) as one piece."""
+    pieces = [_piece(f) for f in frames]
+    logprobs = None if any(p.logprobs is None for p in pieces) else [lp for p in pieces for lp in p.logprobs]
+    return Piece([t for p in pieces for t in p.token_ids], "".join(p.text for p in pieces), logprobs,
+                 pieces[-1].finish_reason, pieces[-1].cached_tokens)

@@ -1,0 +1,80 @@
+"""Small real clusters for admission's tests, all on loopback: redis-server, kvmeta, engines (the `tiny`
+preset), the scheduler and admission, each a process of its own."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvmesh.infra.local.processes import Child, free_port, service_child
+from kvmesh.libs.controlplane import ServiceClient
+
+from ..conftest import TOKEN, Kvmeta, start_kvmeta
+
+MODEL = "tiny"
+
+
+@dataclass
+class Cluster:
+    kvmeta: Kvmeta
+    scheduler: Child
+    admission: Child
+    engines: dict[str, Child] = field(default_factory=dict)  # by engine id
+
+
+def launch(name: str, run_dir: Path, **env: str) -> Child:
+    """Start a kvmesh service (not yet waited on)."""
+    port = free_port()
+    child = service_child(name, run_dir, f"http://127.0.0.1:{port}",
+                          {f"KVMESH_{name.upper()}_PORT": str(port), "KVMESH_TOKEN": TOKEN, **env})
+    child.start()
+    return child
+
+
+def launch_engine(run_dir: Path, kvmeta_url: str, engine_id: str, role: str) -> Child:
+    return launch("engine", run_dir / engine_id, KVMESH_ENGINE_MODEL=MODEL, KVMESH_ENGINE_ENGINE_ID=engine_id,
+                  KVMESH_ENGINE_ROLE=role, KVMESH_ENGINE_KVMETA_URL=kvmeta_url, KVMESH_ENGINE_TORCH_THREADS="1")
+
+
+def start_cluster(stack: ExitStack, run_dir: Path, redis_url: str, cluster: str, roles: dict[str, str],
+                  **admission_env: str) -> Cluster:
+    """kvmeta, engines of the given roles (by id, started together), the scheduler, then admission;
+    each is stopped when `stack` closes."""
+    kvmeta = start_kvmeta(run_dir, redis_url, cluster)
+    stack.callback(kvmeta.child.stop)
+    engines = {engine_id: launch_engine(run_dir, kvmeta.url, engine_id, role) for engine_id, role in roles.items()}
+    for child in engines.values():
+        stack.callback(child.stop)
+    for child in engines.values():
+        child.wait_ready(timeout=120)
+    scheduler = ready(stack, launch("scheduler", run_dir, KVMESH_KVMETA_URL=kvmeta.url))
+    admission = ready(stack, launch("admission", run_dir, KVMESH_SCHEDULER_URL=scheduler.url, **admission_env))
+    return Cluster(kvmeta, scheduler, admission, engines)
+
+
+def ready(stack: ExitStack, child: Child) -> Child:
+    stack.callback(child.stop)
+    child.wait_ready()
+    return child
+
+
+def idle(state: dict) -> bool:
+    return (state["free_blocks"] == state["total_blocks"] and not state["running"] and not state["waiting"]
+            and not state.get("pulling") and not state.get("held_kv"))
+
+
+async def engine_state(engine_url: str) -> dict:
+    async with ServiceClient(engine_url, token=TOKEN) as client:
+        return await client.call("GET", "/v1/state", into=dict)
+
+
+async def wait_until_idle(engine_url: str, timeout: float = 5.0) -> dict:
+    """The engine's state once nothing runs, waits, pulls or is held and every block is free (or at the timeout)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        state = await engine_state(engine_url)
+        if idle(state) or asyncio.get_running_loop().time() > deadline:
+            return state
+        await asyncio.sleep(0.05)

@@ -1,0 +1,400 @@
+"""Admission, the OpenAI-compatible front door, against a real cluster: the official `openai` client
+streaming and not, bad input answered OpenAI-style (never a 500), API keys, rate limits, the bounded
+queue, retries on another engine, and a client that goes away freeing every block it held."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from kvmesh.infra.local.processes import Child, free_port
+from kvmesh.libs.controlplane import ServiceClient
+from kvmesh.libs.kvmeta.messages import BlockGeometry, Capacity, WorkerInfo
+from kvmesh.services.engine.models.presets import offline_tokenizer
+
+from ..conftest import TOKEN, Kvmeta, cluster_name
+from ..kvmeta_invariants import assert_consistent
+from .admission_fixtures import MODEL, Cluster, engine_state, idle, launch, ready, start_cluster, wait_until_idle
+
+KEY = "sk-test-key"
+TIGHT_KEYS = ["sk-rate", "sk-other", "sk-queue"]
+
+
+@dataclass
+class Stack:
+    """A colocated cluster (one `both` engine) with two admissions: `admission`, and `tight` with small
+    limits for the rate-limit and queue tests."""
+
+    kvmeta: Kvmeta
+    scheduler: Child
+    admission: Child
+    engine: Child
+    tight: Child
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    run_dir = tmp_path_factory.mktemp("admission")
+    with ExitStack() as exits:
+        cluster = start_cluster(exits, run_dir, redis_url, cluster_name(request), {"engine-0": "both"},
+                                KVMESH_API_KEY=KEY)
+        tight = ready(exits, launch(
+            "admission", run_dir / "tight", KVMESH_SCHEDULER_URL=cluster.scheduler.url,
+            KVMESH_ADMISSION_API_KEYS=f'["{TIGHT_KEYS[0]}", "{TIGHT_KEYS[1]}"]',
+            KVMESH_ADMISSION_API_KEY_FILE=str(_key_file(run_dir, TIGHT_KEYS[2])),
+            KVMESH_ADMISSION_REQUESTS_PER_S="1", KVMESH_ADMISSION_BURST="3",
+            KVMESH_ADMISSION_MAX_RUNNING="1", KVMESH_ADMISSION_MAX_QUEUED="0"))
+        yield Stack(cluster.kvmeta, cluster.scheduler, cluster.admission, cluster.engines["engine-0"], tight)
+        with cluster.kvmeta.redis() as redis:
+            assert_consistent(redis, cluster.kvmeta.prefix)
+
+
+@pytest.fixture(scope="module")
+def disaggregated(tmp_path_factory: pytest.TempPathFactory, redis_url: str,
+                  request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """A prefill engine and a decode engine (KV pulled over tcp), with their scheduler and admission."""
+    with ExitStack() as exits:
+        cluster = start_cluster(exits, tmp_path_factory.mktemp("disaggregated"), redis_url,
+                                cluster_name(request) + "-pd", {"engine-p0": "prefill", "engine-d0": "decode"},
+                                KVMESH_API_KEY=KEY)
+        yield cluster
+        with cluster.kvmeta.redis() as redis:
+            assert_consistent(redis, cluster.kvmeta.prefix)
+
+
+def _key_file(run_dir: Path, key: str) -> Path:
+    path = run_dir / "keys"
+    path.write_text(f"# admission keys\n{key}\n")
+    return path
+
+
+@pytest.fixture(autouse=True)
+async def engine_blocks_all_free(stack: Stack):
+    """Every test ends with the engine idle and every block free."""
+    yield
+    state = await wait_until_idle(stack.engine.url)
+    assert idle(state), state
+
+
+@pytest.fixture
+async def client(stack: Stack):
+    async with openai.AsyncOpenAI(base_url=stack.admission.url + "/v1", api_key=KEY, max_retries=0) as c:
+        yield c
+
+
+async def engine_greedy(stack: Stack, max_tokens: int, **prompt) -> tuple[list[int], str]:
+    """What the engine itself generates, greedily, for the same prompt."""
+    async with ServiceClient(stack.engine.url, token=TOKEN) as engine:
+        frames = [f async for f in engine.frames("/v1/generate", {**prompt, "max_tokens": max_tokens,
+                                                                   "temperature": 0.0, "ignore_eos": True}, dict)]
+    return [t for f in frames for t in f["token_ids"]], "".join(f["text"] for f in frames)
+
+
+# -- the official client --------------------------------------------------------------------------
+
+
+async def test_openai_client_completion_returns_the_engines_greedy_tokens(stack, client):
+    answer = await client.completions.create(model=MODEL, prompt="The cache holds", max_tokens=8, temperature=0,
+                                             logprobs=1, extra_body={"ignore_eos": True})
+    ids, text = await engine_greedy(stack, 8, prompt="The cache holds")
+    choice = answer.choices[0]
+    assert answer.object == "text_completion" and answer.model == MODEL and answer.id.startswith("cmpl-")
+    assert choice.text == text and choice.finish_reason == "length"
+    assert len(choice.logprobs.token_logprobs) == 8 and all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+    prompt_tokens = len(offline_tokenizer(2048).encode("The cache holds"))
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (prompt_tokens, 8)
+    assert answer.usage.total_tokens == prompt_tokens + 8
+
+
+async def test_openai_client_chat_returns_the_engines_greedy_tokens(stack, client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is the cache?"}]
+    answer = await client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=6,
+                                                  temperature=0, extra_body={"ignore_eos": True})
+    tokenizer = offline_tokenizer(2048)  # the tiny preset's
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    ids, text = await engine_greedy(stack, 6, prompt_token_ids=list(prompt))
+    choice = answer.choices[0]
+    assert answer.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.message.content == text and choice.finish_reason == "length"
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(prompt), 6)
+
+
+async def test_openai_client_streams_chat_with_usage(stack, client):
+    messages = [{"role": "user", "content": "Stream it."}]
+    whole = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=7, temperature=0,
+                                                 extra_body={"ignore_eos": True})
+    stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=7, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True},
+                                                  extra_body={"ignore_eos": True})
+    chunks = [chunk async for chunk in stream]
+    content = [c for c in chunks if c.choices]
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert content[0].choices[0].delta.role == "assistant" and len(content) == 7
+    assert "".join(c.choices[0].delta.content for c in content) == whole.choices[0].message.content
+    assert content[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 7
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+async def test_openai_client_streams_completions(stack, client):
+    stream = await client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=5, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True})
+    chunks = [chunk async for chunk in stream]
+    ids, text = await engine_greedy(stack, 5, prompt_token_ids=[5, 6, 7, 8])
+    assert "".join(c.choices[0].text for c in chunks) == text and chunks[-1].choices[0].finish_reason == "length"
+
+
+async def test_models_lists_what_the_engines_serve(client):
+    assert [m.id for m in (await client.models.list()).data] == [MODEL]
+    assert (await client.models.retrieve(MODEL)).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        await client.models.retrieve("no-such-model")
+
+
+# -- bad input at the front door ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path, body, status, code", [
+    ("/v1/completions", b"{not json", 400, "invalid_json"),
+    ("/v1/completions", b"", 400, "invalid_json"),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", b'{"model": "tiny"}', 400, None),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": "8"}', 400, None),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "temperature": "hot"}', 400, None),
+    ("/v1/completions", b'{"model": 7, "prompt": "x"}', 400, None),
+    ("/v1/completions", b'{"model": "tiny", "prompt": [1, "a"]}', 400, None),
+    ("/v1/completions", b'{"model": "tiny", "prompt": ["a", "b"]}', 400, None),
+    ("/v1/completions", b'{"model": "tiny", "prompt": ""}', 400, None),
+    ("/v1/completions", b'{"model": "tiny", "prompt": [1, 99999]}', 400, None),
+    ("/v1/completions", b'{"model": "tiny", "prompt": [-1]}', 400, None),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": 0}', 400, None),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": 5000}', 400, "context_length_exceeded"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "n": 2}', 400, "unsupported_parameter"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "temperature": 3}', 400, None),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "top_p": 0}', 400, None),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stop": [""]}', 400, None),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "echo": true}', 400, "unsupported_parameter"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "ttft_ms": -5}', 400, None),
+    ("/v1/completions", b'{"model": "no-such-model", "prompt": "x"}', 404, "model_not_found"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": []}', 400, None),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": "hi"}', 400, None),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}', 400, None),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+     400, None),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}',
+     400, "unsupported_parameter"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "%s"}]}' % (b"word " * 3000),
+     400, "context_length_exceeded"),
+    ("/v1/chat/completions", b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}', 404,
+     "model_not_found"),
+])
+async def test_bad_input_gets_an_openai_error_never_a_500(stack, path, body, status, code):
+    async with aiohttp.ClientSession() as http:
+        async with http.post(stack.admission.url + path, data=body,
+                             headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}) as r:
+            answer = await r.json()
+    assert r.status == status, answer
+    error = answer["error"]
+    assert error["type"] == "invalid_request_error" and error["message"] and set(error) == {"message", "type",
+                                                                                            "param", "code"}
+    assert error["code"] == code
+
+
+async def test_an_slo_header_that_is_not_a_number_is_a_400(stack):
+    async with aiohttp.ClientSession() as http:
+        async with http.post(stack.admission.url + "/v1/completions", json={"model": MODEL, "prompt": "x"},
+                             headers={"Authorization": f"Bearer {KEY}", "X-KVMesh-TTFT-Ms": "soon"}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "ttft_ms"
+
+
+async def test_slos_from_body_and_headers_are_measured(stack, client):
+    await client.completions.create(model=MODEL, prompt="slo", max_tokens=3, extra_body={"ttft_ms": 60_000},
+                                    extra_headers={"X-KVMesh-TBT-Ms": "60000"})
+    async with aiohttp.ClientSession() as http:
+        async with http.get(stack.admission.url + "/metrics") as r:
+            metrics = await r.text()
+    assert 'kvmesh_admission_slo_requests_total{met="true",slo="ttft"}' in metrics
+    assert 'kvmesh_admission_slo_requests_total{met="true",slo="tbt"}' in metrics
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "Basic abc"},
+                                     {"Authorization": "Bearer "}])
+async def test_missing_or_wrong_api_key_is_a_401(stack, headers):
+    async with aiohttp.ClientSession() as http:
+        for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models")):
+            async with http.request(method, stack.admission.url + path, json={"model": MODEL, "prompt": "x"},
+                                    headers=headers) as r:
+                answer = await r.json()
+            assert r.status == 401 and answer["error"]["code"] == "invalid_api_key", answer
+
+
+async def test_the_openai_client_with_a_wrong_key_gets_an_authentication_error(stack):
+    async with openai.AsyncOpenAI(base_url=stack.admission.url + "/v1", api_key="sk-wrong", max_retries=0) as c:
+        with pytest.raises(openai.AuthenticationError):
+            await c.completions.create(model=MODEL, prompt="x", max_tokens=1)
+
+
+# -- limits ---------------------------------------------------------------------------------------
+
+
+async def test_rate_limit_is_per_key_and_answers_429_with_retry_after(stack):
+    async with aiohttp.ClientSession() as http:
+        async def models(key: str) -> aiohttp.ClientResponse:
+            async with http.get(stack.tight.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}) as r:
+                await r.read()
+                return r
+
+        statuses = [(await models(TIGHT_KEYS[0])).status for _ in range(3)]
+        limited = await models(TIGHT_KEYS[0])
+        other = await models(TIGHT_KEYS[1])
+    assert statuses == [200] * 3
+    assert limited.status == 429 and int(limited.headers["Retry-After"]) >= 1
+    assert other.status == 200  # each key has its own bucket
+
+
+async def test_a_full_queue_answers_429_with_retry_after(stack):
+    body = {"model": MODEL, "prompt": "hold the only slot", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession() as http:
+        headers = {"Authorization": f"Bearer {TIGHT_KEYS[2]}"}
+        async with http.post(stack.tight.url + "/v1/completions", json=body, headers=headers) as holding:
+            assert holding.status == 200
+            await holding.content.readline()  # the first token: the only running slot is taken
+            async with http.post(stack.tight.url + "/v1/completions", json={**body, "stream": False},
+                                 headers=headers) as refused:
+                answer = await refused.json()
+        # leaving the stream is a disconnect: the engine frees the blocks (checked after the test)
+    assert refused.status == 429 and answer["error"]["code"] == "queue_full"
+    assert int(refused.headers["Retry-After"]) >= 1
+
+
+# -- the request lifecycle ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_client_that_goes_away_frees_every_block_at_once(stack, stream):
+    body = {"model": MODEL, "prompt": "a long answer nobody waits for", "max_tokens": 1500, "ignore_eos": True,
+            "stream": stream}
+    async with aiohttp.ClientSession() as http:
+        async def ask() -> None:
+            async with http.post(stack.admission.url + "/v1/completions", json=body,
+                                 headers={"Authorization": f"Bearer {KEY}"}) as response:
+                await response.content.readline()  # the first token (streaming), or everything
+                await asyncio.sleep(60)
+
+        asking = asyncio.create_task(ask())
+        await asyncio.sleep(0.5)
+        busy = await engine_state(stack.engine.url)
+        asking.cancel()  # hang up
+        with contextlib.suppress(asyncio.CancelledError):
+            await asking
+    left = time.monotonic()
+    state = await wait_until_idle(stack.engine.url, timeout=3.0)
+    assert busy["running"] == 1  # the request was generating when the client left
+    assert idle(state) and time.monotonic() - left < 2.0  # aborted, not run to its 1500 tokens
+
+
+@contextlib.asynccontextmanager
+async def dead_engine(kvmeta: Kvmeta, scheduler_url: str, role: str):
+    """A registered engine that does not answer, and that the scheduler picks first (the least loaded)."""
+    dead = WorkerInfo(id=f"a-dead-{role}", role=role, control_url=f"http://127.0.0.1:{free_port()}", model=MODEL,
+                      geometry=BlockGeometry(block_size=16, num_layers=4, num_kv_heads=2, head_dim=64,
+                                             dtype="float32"),
+                      capacity=Capacity(device_blocks=10**6))
+    async with kvmeta.client() as registry, ServiceClient(scheduler_url, token=TOKEN) as scheduler:
+        await registry.register(dead, ttl_ms=60_000)
+        try:
+            for _ in range(50):
+                route = await scheduler.call("POST", "/v1/route", {"model": MODEL}, into=dict)
+                if route["engine" if role == "both" else role]["id"] == dead.id:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError(f"the scheduler does not route to {dead.id}")
+            yield dead
+        finally:
+            await registry.deregister(dead.id)
+
+
+async def test_an_engine_that_fails_before_the_first_token_is_replaced(stack, client):
+    async with dead_engine(stack.kvmeta, stack.scheduler.url, "both"):
+        answer = await client.completions.create(model=MODEL, prompt="retry", max_tokens=4, temperature=0,
+                                                 extra_body={"ignore_eos": True})
+    assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 4
+
+
+# -- disaggregated: prefill engine, then decode engine --------------------------------------------
+
+
+@pytest.fixture
+async def split_client(disaggregated: Cluster):
+    async with openai.AsyncOpenAI(base_url=disaggregated.admission.url + "/v1", api_key=KEY, max_retries=0) as c:
+        yield c
+    for engine in disaggregated.engines.values():  # nothing left running, pulling or held on either engine
+        state = await wait_until_idle(engine.url)
+        assert idle(state), state
+
+
+async def test_disaggregated_completion_equals_the_colocated_engines_greedy(stack, disaggregated, split_client):
+    decode = disaggregated.engines["engine-d0"]
+    steps = (await engine_state(decode.url))["steps"]
+    answer = await split_client.completions.create(model=MODEL, prompt="The cache holds", max_tokens=8, temperature=0,
+                                                   logprobs=1, extra_body={"ignore_eos": True})
+    ids, text = await engine_greedy(stack, 8, prompt="The cache holds")
+    assert answer.choices[0].text == text and answer.usage.completion_tokens == 8
+    assert len(answer.choices[0].logprobs.token_logprobs) == 8
+    assert (await engine_state(decode.url))["steps"] > steps  # the decode engine generated the rest
+
+
+async def test_disaggregated_streaming_chat_equals_colocated(client, split_client):
+    messages = [{"role": "user", "content": "Split me."}]
+    colocated = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=9, temperature=0,
+                                                     extra_body={"ignore_eos": True})
+    stream = await split_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=9, temperature=0,
+                                                        stream=True, stream_options={"include_usage": True},
+                                                        extra_body={"ignore_eos": True})
+    chunks = [chunk async for chunk in stream]
+    content = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].delta.content for c in content) == colocated.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in content] == [None] * (len(content) - 1) + ["length"]
+    assert chunks[-1].usage.completion_tokens == 9 and chunks[-1].usage.prompt_tokens == colocated.usage.prompt_tokens
+
+
+async def test_a_first_token_that_ends_the_request_skips_decode_and_frees_the_held_kv(disaggregated, split_client):
+    prefill, decode = disaggregated.engines["engine-p0"], disaggregated.engines["engine-d0"]
+    steps = (await engine_state(decode.url))["steps"]
+    answer = await split_client.completions.create(model=MODEL, prompt="one token", max_tokens=1, temperature=0)
+    assert answer.usage.completion_tokens == 1 and answer.choices[0].finish_reason == "length"
+    assert idle(await wait_until_idle(prefill.url, timeout=2.0))  # aborted, well before its 30 s lease
+    assert (await engine_state(decode.url))["steps"] == steps
+
+
+async def test_disaggregated_client_that_goes_away_frees_both_engines(disaggregated, split_client):
+    body = {"model": MODEL, "prompt": "a long split answer", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(disaggregated.admission.url + "/v1/completions", json=body,
+                             headers={"Authorization": f"Bearer {KEY}"}) as response:
+            for _ in range(3):  # the first token (from prefill) and two from decode
+                await response.content.readline()
+            await asyncio.sleep(0.3)  # the engine publishes its state every 0.1 s while busy
+            busy = await engine_state(disaggregated.engines["engine-d0"].url)
+            response.close()
+    left = time.monotonic()
+    for engine in disaggregated.engines.values():
+        assert idle(await wait_until_idle(engine.url, timeout=3.0))
+    assert busy["running"] == 1 and time.monotonic() - left < 2.0, busy
+
+
+async def test_a_prefill_engine_that_fails_is_replaced(disaggregated, split_client):
+    async with dead_engine(disaggregated.kvmeta, disaggregated.scheduler.url, "prefill"):
+        answer = await split_client.completions.create(model=MODEL, prompt="retry the prefill", max_tokens=4,
+                                                       temperature=0, extra_body={"ignore_eos": True})
+    assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 4
