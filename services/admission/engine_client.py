@@ -35,6 +35,17 @@ class EngineUsage(Struct, kw_only=True):
     cached_tokens: int = 0
 
 
+class EngineTimings(Struct, kw_only=True):
+    """Where a request's time went on one engine (unix seconds), on its last frame."""
+
+    arrival: float
+    scheduled: float | None = None
+    pull_start: float | None = None
+    pull_end: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
 class EngineFrame(Struct, kw_only=True):
     """One streamed frame of `POST /v1/generate`: the new tokens of a request."""
 
@@ -45,6 +56,7 @@ class EngineFrame(Struct, kw_only=True):
     finish_reason: str | None = None
     usage: EngineUsage | None = None
     kv_handle: KVHandle | None = None
+    timings: EngineTimings | None = None
 
 
 class GenerateBody(Struct, kw_only=True, omit_defaults=True):

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 from kvmesh.libs.controlplane import KvmeshError, RemoteError, ServiceUnreachable
 
-from .engine_client import EngineClients, EngineFrame, EngineRef, GenerateBody
-from .openai_api import OpenAIError, Sampling
+from .engine_client import EngineClients, EngineFrame, EngineRef, EngineTimings, GenerateBody
+from .openai_api import KvmeshInfo, OpenAIError, Sampling
 from .scheduler_client import Route, SchedulerClient
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class Piece:
     logprobs: list[float] | None = None
     finish_reason: str | None = None
     cached_tokens: int = 0
+    served: KvmeshInfo | None = None      # on the last piece: how it was served, where the time went
 
 
 class EngineFailed(Exception):
@@ -126,7 +127,10 @@ class Lifecycle:
     async def _colocated(self, journey: Journey, engine: EngineRef, request_id: str) -> AsyncIterator[Piece]:
         journey.holding[engine.id] = (engine, request_id)
         async for frame in self._frames(engine, journey.generation.body(request_id)):
-            yield _piece(frame)
+            piece = _piece(frame)
+            if frame.timings is not None:
+                piece.served = KvmeshInfo(mode="colocated", timings_ms=breakdown(frame.timings, None))
+            yield piece
         del journey.holding[engine.id]
 
     async def _disaggregated(self, journey: Journey, prefill: EngineRef, decode: EngineRef,
@@ -140,6 +144,8 @@ class Lifecycle:
         if not done and last.kv_handle is None:
             raise EngineFailed(prefill, "the prefill's last frame carries no kv_handle")
         if done:
+            first.served = KvmeshInfo(mode="disaggregated", transfer_mode="pull",
+                                      timings_ms=breakdown(last.timings, None) if last.timings else None)
             yield first  # the prefill engine holds the prompt's KV for a decode that will not come: abort it
             return
         first.finish_reason = None
@@ -148,7 +154,11 @@ class Lifecycle:
         body = generation.body(request_id, prompt_token_ids=generation.prompt_ids + first.token_ids,
                                max_tokens=generation.max_tokens - len(first.token_ids), kv_source=last.kv_handle)
         async for frame in self._frames(decode, body):
-            yield _piece(frame)
+            piece = _piece(frame)
+            if frame.timings is not None and last.timings is not None:
+                piece.served = KvmeshInfo(mode="disaggregated", transfer_mode="pull",
+                                          timings_ms=breakdown(last.timings, frame.timings))
+            yield piece
         del journey.holding[decode.id]
         del journey.holding[prefill.id]  # the decode engine pulled the KV and COMPLETEd: the prefill freed it
 
@@ -182,6 +192,19 @@ class Lifecycle:
         for engine, request_id in journey.holding.values():
             self.engines.abort(engine, request_id)
         journey.holding.clear()
+
+
+def breakdown(first: EngineTimings, decode: EngineTimings | None) -> dict[str, float]:
+    """KVDirect Fig. 14's breakdown in ms, from the engines' timings: the engine that produced the
+    first token (prefill, or the colocated one) and, when disaggregated, the decode engine. Decode
+    queueing runs from the first token to the start of the KV transfer (the hop through admission
+    and waiting for blocks); the engines' clocks are taken to agree (one host, or NTP)."""
+    ms = lambda start, end: max(0.0, (end - start) * 1e3) if start is not None and end is not None else 0.0  # noqa: E731
+    times = {"prefill_queue": ms(first.arrival, first.scheduled), "prefill": ms(first.scheduled, first.first_token)}
+    if decode is None:
+        return {**times, "decode_queue": 0.0, "transfer": 0.0, "decode": ms(first.first_token, first.finished)}
+    return {**times, "decode_queue": ms(first.first_token, decode.pull_start),
+            "transfer": ms(decode.pull_start, decode.pull_end), "decode": ms(decode.pull_end, decode.finished)}
 
 
 def _piece(frame: EngineFrame) -> Piece:

@@ -253,6 +253,16 @@ class CompletionChoice(Struct, kw_only=True):
     finish_reason: str | None
 
 
+class KvmeshInfo(Struct, kw_only=True):
+    """kvmesh's own addition to the last chunk or the whole answer (OpenAI clients ignore it): how the
+    request was served and where its time went, in ms (prefill_queue, prefill, decode_queue,
+    transfer, decode)."""
+
+    mode: str                                 # "disaggregated" or "colocated"
+    transfer_mode: str | None = None          # "pull" or "push" when disaggregated
+    timings_ms: dict[str, float] | None = None
+
+
 class Completion(Struct, kw_only=True):
     """`text_completion`, the whole answer or one streamed chunk of it (then `usage` only on the last)."""
 
@@ -262,6 +272,7 @@ class Completion(Struct, kw_only=True):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kvmesh: KvmeshInfo | None = None
 
 
 class TokenLogprob(Struct, kw_only=True):
@@ -294,6 +305,7 @@ class ChatCompletion(Struct, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    kvmesh: KvmeshInfo | None = None
 
 
 class Delta(Struct, kw_only=True, omit_defaults=True):
@@ -315,6 +327,7 @@ class ChatCompletionChunk(Struct, kw_only=True):
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
+    kvmesh: KvmeshInfo | None = None
 
 
 class Model(Struct, kw_only=True):

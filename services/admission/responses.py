@@ -13,8 +13,8 @@ from aiohttp import web
 
 from .lifecycle import AfterFirstToken, Piece
 from .openai_api import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChoiceLogprobs,
-                         ChunkChoice, Completion, CompletionChoice, CompletionLogprobs, Delta, OpenAIError,
-                         PromptTokensDetails, TokenLogprob, Usage)
+                         ChunkChoice, Completion, CompletionChoice, CompletionLogprobs, Delta, KvmeshInfo,
+                         OpenAIError, PromptTokensDetails, TokenLogprob, Usage)
 from .slo import Timing
 from .tokenizers import ModelTokenizer
 
@@ -45,6 +45,7 @@ class Answer:
     token_logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0
+    served: KvmeshInfo | None = None
 
     def add(self, piece: Piece) -> None:
         self.text += piece.text
@@ -52,6 +53,7 @@ class Answer:
         self.token_logprobs += piece.logprobs or []
         self.finish_reason = piece.finish_reason or self.finish_reason
         self.cached_tokens = max(self.cached_tokens, piece.cached_tokens)
+        self.served = piece.served or self.served
 
     def usage(self) -> Usage:
         completion = len(self.token_ids)
@@ -64,13 +66,14 @@ class Answer:
     def completion(self) -> Completion:
         choice = CompletionChoice(text=self.text, finish_reason=self.finish_reason,
                                   logprobs=self._completion_logprobs(self.token_ids, self.token_logprobs, 0))
-        return Completion(id=self.id, created=self.created, model=self.model, choices=[choice], usage=self.usage())
+        return Completion(id=self.id, created=self.created, model=self.model, choices=[choice], usage=self.usage(),
+                          kvmesh=self.served)
 
     def completion_chunk(self, piece: Piece, offset: int) -> Completion:
         """`offset`: characters of text sent before this piece."""
         choice = CompletionChoice(text=piece.text, finish_reason=piece.finish_reason,
                                   logprobs=self._completion_logprobs(piece.token_ids, piece.logprobs or [], offset))
-        return Completion(id=self.id, created=self.created, model=self.model, choices=[choice])
+        return Completion(id=self.id, created=self.created, model=self.model, choices=[choice], kvmesh=piece.served)
 
     def completion_usage_chunk(self) -> Completion:
         return Completion(id=self.id, created=self.created, model=self.model, choices=[], usage=self.usage())
@@ -90,13 +93,15 @@ class Answer:
     def chat_completion(self) -> ChatCompletion:
         choice = ChatChoice(message=AssistantMessage(content=self.text), finish_reason=self.finish_reason or "stop",
                             logprobs=self._chat_logprobs(self.token_ids, self.token_logprobs))
-        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice], usage=self.usage())
+        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice], usage=self.usage(),
+                              kvmesh=self.served)
 
     def chat_chunk(self, piece: Piece, first: bool) -> ChatCompletionChunk:
         delta = Delta(role="assistant" if first else None, content=piece.text)
         choice = ChunkChoice(delta=delta, finish_reason=piece.finish_reason,
                              logprobs=self._chat_logprobs(piece.token_ids, piece.logprobs or []))
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice],
+                                   kvmesh=piece.served)
 
     def chat_usage_chunk(self) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=self.usage())

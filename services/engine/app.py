@@ -94,6 +94,8 @@ def build_service(config: EngineConfig) -> Service:
                 finished = frame.finish_reason is not None
                 await response.write(msgspec.json.encode(frame) + b"\n" if as_json else msgspec.msgpack.encode(frame))
             await response.write_eof()
+        except ConnectionResetError:  # the client went away mid-stream: nothing to answer
+            pass
         finally:
             streams.pop(request_id, None)
             if not finished:  # the client went away: free the request's blocks now

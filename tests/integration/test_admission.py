@@ -354,6 +354,26 @@ async def test_disaggregated_completion_equals_the_colocated_engines_greedy(stac
     assert (await engine_state(decode.url))["steps"] > steps  # the decode engine generated the rest
 
 
+async def test_answers_say_how_they_were_served_and_where_the_time_went(client, split_client):
+    parts = {"prefill_queue", "prefill", "decode_queue", "transfer", "decode"}
+    split = await split_client.completions.create(model=MODEL, prompt="Where did the time go?", max_tokens=6,
+                                                  temperature=0, extra_body={"ignore_eos": True})
+    info = split.model_extra["kvmesh"]
+    assert info["mode"] == "disaggregated" and info["transfer_mode"] == "pull"
+    assert set(info["timings_ms"]) == parts and info["timings_ms"]["transfer"] > 0 and info["timings_ms"]["prefill"] > 0
+    together = await client.completions.create(model=MODEL, prompt="Where did the time go?", max_tokens=6,
+                                               temperature=0, extra_body={"ignore_eos": True})
+    timings = together.model_extra["kvmesh"]["timings_ms"]
+    assert together.model_extra["kvmesh"]["mode"] == "colocated" and set(timings) == parts
+    assert timings["transfer"] == 0 and timings["decode"] > 0
+    last = None
+    async for chunk in await split_client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}):
+        last = chunk if chunk.choices and chunk.choices[0].finish_reason else last
+    assert set(last.model_extra["kvmesh"]["timings_ms"]) == parts
+
+
 async def test_disaggregated_streaming_chat_equals_colocated(client, split_client):
     messages = [{"role": "user", "content": "Split me."}]
     colocated = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=9, temperature=0,
