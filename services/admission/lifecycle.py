@@ -150,17 +150,42 @@ class Lifecycle:
             return
         first.finish_reason = None
         yield first
-        journey.holding[decode.id] = (decode, request_id)
         body = generation.body(request_id, prompt_token_ids=generation.prompt_ids + first.token_ids,
                                max_tokens=generation.max_tokens - len(first.token_ids), kv_source=last.kv_handle)
-        async for frame in self._frames(decode, body):
-            piece = _piece(frame)
-            if frame.timings is not None and last.timings is not None:
-                piece.served = KvmeshInfo(mode="disaggregated", transfer_mode="pull",
-                                          timings_ms=breakdown(last.timings, frame.timings))
-            yield piece
+        failed: list[str] = []
+        while True:
+            journey.holding[decode.id] = (decode, request_id)
+            decoded = False
+            try:
+                async for frame in self._frames(decode, body):
+                    piece = _piece(frame)
+                    if frame.timings is not None and last.timings is not None:
+                        piece.served = KvmeshInfo(mode="disaggregated", transfer_mode="pull",
+                                                  timings_ms=breakdown(last.timings, frame.timings))
+                    decoded = True
+                    yield piece
+                break
+            except EngineFailed as exc:
+                # Before its first token the decode engine can be swapped: the prefill engine still
+                # holds the KV (until its lease runs out), so another decode engine can pull it.
+                if decoded or len(failed) >= self.max_retries:
+                    raise
+                log.warning("%s before decoding; trying another decode engine", exc)
+                self.engines.abort(decode, request_id)
+                del journey.holding[decode.id]
+                failed.append(decode.id)
+                decode = await self._another_decode(generation, failed, exc)
         del journey.holding[decode.id]
         del journey.holding[prefill.id]  # the decode engine pulled the KV and COMPLETEd: the prefill freed it
+
+    async def _another_decode(self, generation: Generation, failed: list[str], failure: EngineFailed) -> EngineRef:
+        try:
+            route = await self._route(generation, failed)
+        except OpenAIError:
+            raise failure from None
+        if route.mode != "disaggregated" or route.decode is None:
+            raise failure
+        return route.decode
 
     async def _frames(self, engine: EngineRef, body: GenerateBody) -> AsyncIterator[EngineFrame]:
         """The engine's frames up to the finishing one; any way the engine fails is EngineFailed."""

@@ -11,6 +11,9 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from tokenizers import Tokenizer
+from transformers import PreTrainedTokenizerFast  # at import: transformers' lazy imports are not thread-safe
+
 from kvmesh.libs.controlplane import KvmeshError
 
 from .engine_client import EngineClients, TokenizerSpec
@@ -47,8 +50,6 @@ class ModelTokenizer:
 
 
 def build_tokenizer(spec: TokenizerSpec) -> ModelTokenizer:
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(spec.tokenizer_json),
                                         chat_template=spec.chat_template or DEFAULT_CHAT_TEMPLATE,
@@ -82,18 +83,19 @@ class Models:
         return sorted({engine.model for engine in await self.live()})
 
     async def tokenizer(self, model: str) -> ModelTokenizer:
-        """The model's tokenizer; 404 `model_not_found` when no live engine serves it."""
+        """The model's tokenizer; 404 `model_not_found` when no live engine serves it. Concurrent
+        first requests share one fetch (the task is registered before anything is awaited)."""
         task = self._tokenizers.get(model)
         if task is None or (task.done() and task.exception() is not None):
-            engines = [e for e in await self.live() if e.model == model] or \
-                      [e for e in await self.live(fresh=True) if e.model == model]
-            if not engines:
-                raise OpenAIError(404, f"the model `{model}` does not exist or no engine serves it",
-                                  param="model", code="model_not_found")
-            task = self._tokenizers[model] = asyncio.ensure_future(self._fetch(engines))
+            task = self._tokenizers[model] = asyncio.ensure_future(self._fetch(model))
         return await asyncio.shield(task)
 
-    async def _fetch(self, engines: list[ClusterEngine]) -> ModelTokenizer:
+    async def _fetch(self, model: str) -> ModelTokenizer:
+        engines = [e for e in await self.live() if e.model == model] or \
+                  [e for e in await self.live(fresh=True) if e.model == model]
+        if not engines:
+            raise OpenAIError(404, f"the model `{model}` does not exist or no engine serves it",
+                              param="model", code="model_not_found")
         last: KvmeshError | None = None
         for engine in engines:
             try:

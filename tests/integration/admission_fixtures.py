@@ -33,18 +33,19 @@ def launch(name: str, run_dir: Path, **env: str) -> Child:
     return child
 
 
-def launch_engine(run_dir: Path, kvmeta_url: str, engine_id: str, role: str) -> Child:
+def launch_engine(run_dir: Path, kvmeta_url: str, engine_id: str, role: str, **env: str) -> Child:
     return launch("engine", run_dir / engine_id, KVMESH_ENGINE_MODEL=MODEL, KVMESH_ENGINE_ENGINE_ID=engine_id,
-                  KVMESH_ENGINE_ROLE=role, KVMESH_ENGINE_KVMETA_URL=kvmeta_url, KVMESH_ENGINE_TORCH_THREADS="1")
+                  KVMESH_ENGINE_ROLE=role, KVMESH_ENGINE_KVMETA_URL=kvmeta_url, KVMESH_ENGINE_TORCH_THREADS="1", **env)
 
 
 def start_cluster(stack: ExitStack, run_dir: Path, redis_url: str, cluster: str, roles: dict[str, str],
-                  **admission_env: str) -> Cluster:
+                  engine_env: dict[str, str] | None = None, **admission_env: str) -> Cluster:
     """kvmeta, engines of the given roles (by id, started together), the scheduler, then admission;
     each is stopped when `stack` closes."""
     kvmeta = start_kvmeta(run_dir, redis_url, cluster)
     stack.callback(kvmeta.child.stop)
-    engines = {engine_id: launch_engine(run_dir, kvmeta.url, engine_id, role) for engine_id, role in roles.items()}
+    engines = {engine_id: launch_engine(run_dir, kvmeta.url, engine_id, role, **(engine_env or {}))
+               for engine_id, role in roles.items()}
     for child in engines.values():
         stack.callback(child.stop)
     for child in engines.values():
