@@ -9,6 +9,7 @@ per step, for all layers at once, with numpy.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -22,8 +23,8 @@ from .scheduler import ScheduledChunk
 class PagedStep:
     """The attention of one step: per-layer block tables and slots, shared sequence lengths."""
 
-    def __init__(self, pool: torch.Tensor, block_tables: Sequence[torch.Tensor], slots: Sequence[torch.Tensor],
-                 seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float):
+    def __init__(self, pool: torch.Tensor, block_tables: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
+                 query_start_loc: torch.Tensor, scale: float):
         self.pool, self.block_tables, self.slots = pool, block_tables, slots
         self.seq_lens, self.query_start_loc, self.scale = seq_lens, query_start_loc, scale
 
@@ -39,15 +40,15 @@ class ModelRunner:
         self.block_size = pool.shape.block_size
         self.scale = head_dim ** -0.5
         self.device = pool.tensor.device
+        self._rows: dict[str, tuple[list[list[int]], np.ndarray]] = {}  # see _block_tables
 
     @torch.inference_mode()
     def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
         """Compute every chunk; logits [n, vocab] (float32) of the chunks that sample, in order."""
         requests = [c.request for c in chunks]
+        lengths = [c.num_tokens for c in chunks]
+        query_start = np.array([0, *accumulate(lengths)], dtype=np.int32)
         starts = np.array([r.num_computed for r in requests])
-        lengths = np.array([c.num_tokens for c in chunks])
-        query_start = np.zeros(len(chunks) + 1, dtype=np.int32)
-        np.cumsum(lengths, out=query_start[1:])
         num_tokens = int(query_start[-1])
         # Token t of sequence s sits at position starts[s] + (t - query_start[s]).
         positions = np.repeat(starts - query_start[:-1], lengths) + np.arange(num_tokens)
@@ -55,27 +56,37 @@ class ModelRunner:
         seq_of_token = np.repeat(np.arange(len(chunks)), lengths)
         slots = (tables[:, seq_of_token, positions // self.block_size].astype(np.int64) * self.block_size
                  + positions % self.block_size)
-        ids = [t for c in chunks for t in _new_ids(c.request, c.num_tokens)]
+        ids = np.array([t for c in chunks for t in _new_ids(c.request, c.num_tokens)], dtype=np.int64)
 
         device = self.device
-        tables_t, slots_t = torch.from_numpy(tables).to(device), torch.from_numpy(slots).to(device)
-        step = PagedStep(self.pool.tensor, tables_t.unbind(0), slots_t.unbind(0),
+        step = PagedStep(self.pool.tensor, torch.from_numpy(tables).to(device), torch.from_numpy(slots).to(device),
                          torch.from_numpy((starts + lengths).astype(np.int32)).to(device),
                          torch.from_numpy(query_start).to(device), self.scale)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=device),
-                            torch.from_numpy(positions).to(device), step)
+        hidden = self.model(torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device), step)
         samples = [c.samples for c in chunks]
-        if num_tokens > len(chunks) or not all(samples):  # else every token is a sampling decode: all rows
+        if num_tokens > len(chunks) or not all(samples):  # else each chunk is one sampling token: every row
             last = query_start[1:][samples] - 1
             hidden = hidden[torch.from_numpy(last.astype(np.int64)).to(device)]
         return self.model.logits(hidden)
 
     def _block_tables(self, requests: Sequence[Request]) -> np.ndarray:
-        """[layers, seqs, widest] int32: row (l, s) holds request s's blocks of layer l, zero-padded."""
-        tables = np.zeros((self.num_layers, len(requests), max(r.blocks_per_layer for r in requests)),
-                          dtype=np.int32)
-        for s, request in enumerate(requests):
-            tables[:, s, :request.blocks_per_layer] = [layer.blocks for layer in request.layers]
+        """[layers, seqs, widest] int32: row (l, s) holds request s's blocks of layer l, zero-padded.
+
+        A request's blocks change once in block_size steps, and turning Python lists into an array
+        costs ~20 ns a block, so each request's rows are kept from the step before while its block
+        lists still equal the copy they were built from (0.3 us to compare, 2.3 us to rebuild)."""
+        kept, rows = {}, []
+        for request in requests:
+            lists = [layer.blocks for layer in request.layers]
+            entry = self._rows.get(request.request_id)
+            if entry is None or entry[0] != lists:
+                entry = [list(blocks) for blocks in lists], np.array(lists, dtype=np.int32)
+            kept[request.request_id] = entry
+            rows.append(entry[1])
+        self._rows = kept  # requests gone from the batch drop out
+        tables = np.zeros((self.num_layers, len(requests), max(r.shape[1] for r in rows)), dtype=np.int32)
+        for s, request_rows in enumerate(rows):
+            tables[:, s, :request_rows.shape[1]] = request_rows
         return tables
 
 
