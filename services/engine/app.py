@@ -18,6 +18,7 @@ from kvmesh.libs.kvmeta.messages import BlockGeometry, Capacity, GpuNic, Load, W
 from .api import Aborted, AbortRequest, GenerateRequest, PolicyNames, TokenizerSpec
 from .engine import EngineLoop, EngineState, Frame
 from .factory import EngineConfig, build_engine, max_model_len
+from .handoff import KVHandle, KVReserve
 from .handoff_service import KVHandoff
 
 Config = EngineConfig
@@ -75,15 +76,22 @@ def build_service(config: EngineConfig) -> Service:
         request_id = body.request_id or uuid.uuid4().hex
         if request_id in streams:
             raise BadRequest(f"request {request_id} is already running on this engine")
-        frames: asyncio.Queue[Frame] = asyncio.Queue()
-        streams[request_id] = frames
-
         handoff.check(body, ids)
-
-        def add() -> None:
-            engine.add(request_id, ids, sampling, hold_kv=body.kv_transfer is not None, kv_source=body.kv_source)
-
-        loop.submit(add)
+        push = await handoff.push_for(body)
+        frames: asyncio.Queue[Frame] = asyncio.Queue()
+        streams[request_id] = frames  # before the engine can produce the first frame
+        if handoff.claims(body):  # push mode: the KV is already in blocks reserved here
+            def claim() -> tuple[bool, list[Frame]]:
+                return engine.claim(request_id, ids, sampling), []
+            if not await asyncio.wrap_future(loop.call(claim)):
+                streams.pop(request_id, None)
+                raise BadRequest(f"kv_source: no reservation {request_id} for {len(ids) - 1} tokens on this engine "
+                                 "(expired, or never made)")
+        else:
+            def add() -> None:
+                engine.add(request_id, ids, sampling, hold_kv=body.kv_transfer is not None and push is None,
+                           push=push, kv_source=body.kv_source)
+            loop.submit(add)
         as_json = any(media in request.headers.get("Accept", "") for media in ("application/json", NDJSON))
         response = web.StreamResponse(headers={"Content-Type": NDJSON if as_json else "application/msgpack"})
         finished = False
@@ -116,6 +124,14 @@ def build_service(config: EngineConfig) -> Service:
         return loop.state
 
     tokenizer_spec = _tokenizer_spec(config, engine, context_limit)
+
+    @service.route("POST", "/v1/kv/reserve", body=KVReserve, response=KVHandle)
+    async def reserve(request: web.Request, body: KVReserve) -> KVHandle:
+        """Push mode: reserve blocks for a prompt's KV that a prefill engine will write; answers where,
+        once this engine's allocation policy gives them (the request then waits here, not in prefill)."""
+        if body.num_tokens >= context_limit:
+            raise BadRequest(f"kv/reserve: {body.num_tokens} tokens is over this engine's context limit of {context_limit}")
+        return await handoff.reserve(body.request_id, body.num_tokens)
 
     @service.route("GET", "/v1/tokenizer", response=TokenizerSpec)
     async def tokenizer(request: web.Request) -> TokenizerSpec:

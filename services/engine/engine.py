@@ -22,7 +22,7 @@ import torch
 
 from .block_manager import BlockManager
 from .detokenizer import advance_text
-from .handoff import KVHandle
+from .handoff import KVHandle, KVPushTarget
 from .model_runner import ModelRunner
 from .request import Request, Status
 from .sampling import SamplingParams, sample
@@ -104,13 +104,36 @@ class Engine:
     _tbt: deque[float] = field(default_factory=lambda: deque(maxlen=512))
 
     def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, *, hold_kv: bool = False,
-            kv_source: KVHandle | None = None) -> Request:
+            push: KVPushTarget | None = None, kv_source: KVHandle | None = None) -> Request:
         request = Request(request_id, list(prompt_ids), sampling, self.clock(), self.blocks.num_layers,
-                          hold_kv=hold_kv, kv_source=kv_source)
-        if sampling.seed is not None:
-            request.generator = torch.Generator(device=self.runner.device).manual_seed(sampling.seed)
+                          hold_kv=hold_kv, push=push, kv_source=kv_source)
+        self._seed(request)
         self.scheduler.add(request)
         return request
+
+    def reserve(self, request_id: str, num_tokens: int) -> Request:
+        """Push mode, decode role: queue a reservation of blocks for `num_tokens` tokens of KV; the
+        scheduler gives them when its allocation policy will (then `on_pull` tells the service)."""
+        placeholder = [0] * (num_tokens + 1)  # the real tokens come with the request that claims it
+        request = Request(request_id, placeholder, SamplingParams(max_tokens=1), self.clock(), self.blocks.num_layers,
+                          reservation=True)
+        self.scheduler.add(request)
+        return request
+
+    def claim(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> bool:
+        """Push mode: the request whose KV a prefill engine wrote into reserved blocks decodes on."""
+        request = next((r for r in self.scheduler.pulling if r.request_id == request_id and r.reservation), None)
+        if request is None or len(prompt_ids) != request.num_tokens:
+            return False
+        request.prompt_ids, request.sampling, request.arrival = list(prompt_ids), sampling, self.clock()
+        request.pull_times = (request.scheduled_at, request.arrival)
+        self._seed(request)
+        self.scheduler.pulled(request, request.arrival)
+        return True
+
+    def _seed(self, request: Request) -> None:
+        if request.sampling.seed is not None:
+            request.generator = torch.Generator(device=self.runner.device).manual_seed(request.sampling.seed)
 
     def abort(self, request_id: str, reason: str = "abort") -> list[Frame]:
         """End a request wherever it is and free its blocks; its last frame, or none if it is unknown.
@@ -118,7 +141,7 @@ class Engine:
         request = self.scheduler.find(request_id)
         if request is None:
             return []
-        pulling = request.status is Status.PULLING
+        pulling = request.status is Status.PULLING and not request.reservation
         self.scheduler.finish(request, reason, release=not pulling)
         if pulling:
             self._aborted_pulls[request_id] = request
@@ -151,13 +174,16 @@ class Engine:
         return True
 
     def expire_leases(self, now: float) -> float | None:
-        """Free held KV whose lease ran out; the seconds until the next deadline, if any is left."""
+        """Free held KV and reservations whose lease ran out; the seconds until the next deadline."""
         for request_id in [r for r, (_, deadline) in self.held.items() if deadline <= now]:
             log.warning("no decode engine pulled the KV of %s within its lease: freed", request_id)
             self.release_held(request_id)
-        if not self.held:
-            return None
-        return min(deadline for _, deadline in self.held.values()) - now
+        reserved = [r for r in self.scheduler.pulling if r.reservation and r.kv_deadline is not None]
+        for request in [r for r in reserved if r.kv_deadline <= now]:
+            log.warning("nobody claimed the blocks reserved for %s within their lease: freed", request.request_id)
+            self.abort(request.request_id, "abort")
+        deadlines = [d for _, d in self.held.values()] + [r.kv_deadline for r in reserved if r.kv_deadline > now]
+        return min(deadlines) - now if deadlines else None
 
     def step(self) -> list[Frame]:
         now = self.clock()
@@ -165,10 +191,19 @@ class Engine:
         for _victim, strategy in plan.preempted:
             self.preemptions[strategy] += 1
         for request in plan.pulls:
+            if request.reservation:
+                request.kv_deadline = now + self.kv_lease_s
             self.on_pull(request)
         if not plan.chunks:
             return []
-        logits = self.runner.run(plan.chunks)
+        # Push mode: prompts that finish in this step write each layer's KV out as the layer is done.
+        pushing = [c.request for c in plan.chunks if c.request.push is not None and c.samples]
+        self.runner.model.after_layer = self._pusher(pushing) if pushing else None
+        try:
+            logits = self.runner.run(plan.chunks)
+        finally:
+            self.runner.model.after_layer = None
+        failed = {r.request_id: error for r in pushing if (error := r.push.wait()) is not None}
         sampling = [c for c in plan.chunks if c.samples]
         tokens, logprobs = sample(logits, [c.request.sampling for c in sampling],
                                   [c.request.generator for c in sampling]) if sampling else ([], [])
@@ -177,7 +212,23 @@ class Engine:
             chunk.request.num_computed += chunk.num_tokens
             self.blocks.commit(chunk.request, done)
         self.steps += 1
-        return [self._emit(c.request, token, logprob, done) for c, token, logprob in zip(sampling, tokens, logprobs)]
+        frames = []
+        for chunk, token, logprob in zip(sampling, tokens, logprobs):
+            request = chunk.request
+            if request.request_id in failed:
+                log.warning("pushing the KV of %s failed: %s", request.request_id, failed[request.request_id])
+                self.scheduler.finish(request, "error")
+                frames.append(self._frame(request, [], [], [], ""))
+                continue
+            frames.append(self._emit(request, token, logprob, done))
+        return frames
+
+    def _pusher(self, requests: list[Request]) -> Callable[[int], None]:
+        def layer_done(layer: int) -> None:
+            for request in requests:
+                kv_blocks = -(-len(request.prompt_ids) // self.blocks.block_size)
+                request.push.layer_done(layer, request.layers[layer].blocks[:kv_blocks])
+        return layer_done
 
     def _emit(self, request: Request, token: int, logprob: float, now: float) -> Frame:
         if request.output_times:

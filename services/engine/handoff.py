@@ -3,7 +3,7 @@ prefill engine returns with the first token, and how a decode engine checks one 
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Protocol
 
 from msgspec import Meta, Struct
 
@@ -38,6 +38,23 @@ class KVHandle(Struct, kw_only=True, frozen=True):
 
 
 class KVTransfer(Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """On a prefill engine: keep the prompt's KV for a decode engine to pull (pull mode)."""
+    """On a prefill engine: keep the prompt's KV for a decode engine to pull (pull mode), or write
+    it into the blocks a decode engine reserved (push mode, `target` from its /v1/kv/reserve)."""
 
-    mode: Annotated[str, Meta(pattern="^pull$")] = "pull"
+    mode: Annotated[str, Meta(pattern="^(pull|push)$")] = "pull"
+    target: KVHandle | None = None
+
+
+class KVReserve(Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """`POST /v1/kv/reserve` on a decode engine (push mode): blocks for `num_tokens` tokens of KV."""
+
+    request_id: Id
+    num_tokens: Annotated[int, Meta(gt=0)]
+
+
+class KVPushTarget(Protocol):
+    """What the engine thread asks of a push in flight (dataplane.KVPush)."""
+
+    def layer_done(self, layer: int, blocks: list[int]) -> None: ...
+
+    def wait(self) -> str | None: ...

@@ -9,12 +9,13 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from kvmesh.libs.controlplane import BadRequest
+from kvmesh.libs.controlplane import BadRequest, ServiceUnavailable
 from kvmesh.libs.kvmeta.client import KvmetaClient
 from kvmesh.libs.kvmeta.messages import BlockLease
+from kvmesh.libs.rdma.work import RdmaError
 
 from .api import GenerateRequest
-from .dataplane import KVDataPlane
+from .dataplane import KVDataPlane, KVPush
 from .engine import Engine, EngineLoop, Frame
 from .factory import EngineConfig, device_pool_path
 from .handoff import KVHandle
@@ -34,6 +35,7 @@ class KVHandoff:
                                          timeout=config.kv_timeout_ms / 1e3)
         self._main: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._reservations: dict[str, asyncio.Future[list[list[int]]]] = {}
 
     async def __aenter__(self) -> KVHandoff:
         self._main = asyncio.get_running_loop()
@@ -53,22 +55,69 @@ class KVHandoff:
 
     def check(self, body: GenerateRequest, ids: list[int]) -> None:
         """400 for a hand-off this engine cannot do (its role, no data plane, a handle that does not fit)."""
-        role = self.config.role
-        if body.kv_transfer is not None and (role == "decode" or self.dataplane is None):
-            raise BadRequest(f"kv_transfer: this engine ({role}, data plane {self.config.dataplane}) does not hand off KV")
+        role, blocks = self.config.role, self.engine.blocks
+        transfer = body.kv_transfer
+        if transfer is not None:
+            if role == "decode" or self.dataplane is None:
+                raise BadRequest(f"kv_transfer: this engine ({role}, data plane {self.config.dataplane}) does not hand off KV")
+            if (transfer.mode == "push") != (transfer.target is not None):
+                raise BadRequest("kv_transfer: push mode needs a `target` (a decode engine's reservation), pull mode none")
+            if transfer.target is not None:
+                transfer.target.check(blocks.num_layers, blocks.block_size, len(ids))
         if body.kv_source is not None:
             if role == "prefill" or self.dataplane is None:
                 raise BadRequest(f"kv_source: this engine ({role}, data plane {self.config.dataplane}) does not pull KV")
-            body.kv_source.check(self.engine.blocks.num_layers, self.engine.blocks.block_size, len(ids) - 1)
+            body.kv_source.check(blocks.num_layers, blocks.block_size, len(ids) - 1)
+
+    def claims(self, body: GenerateRequest) -> bool:
+        """Whether the request's KV was pushed into blocks this engine reserved (rather than pulled)."""
+        return body.kv_source is not None and body.kv_source.engine == self.engine.engine_id
+
+    async def push_for(self, body: GenerateRequest) -> KVPush | None:
+        """Push mode: a push to the target's engine, connected before the prefill starts."""
+        target = body.kv_transfer.target if body.kv_transfer is not None else None
+        if target is None:
+            return None
+        try:
+            return await self.dataplane.push_to(target)
+        except RdmaError as exc:
+            raise ServiceUnavailable(f"cannot reach the decode engine {target.engine} at {target.data_address}: {exc}") from None
+
+    async def reserve(self, request_id: str, num_tokens: int) -> KVHandle:
+        """Push mode, decode role: blocks for `num_tokens` tokens of KV, once the allocation policy gives them."""
+        if self.config.role == "prefill" or self.dataplane is None:
+            raise BadRequest(f"kv/reserve: this engine ({self.config.role}, data plane {self.config.dataplane}) "
+                             "does not take pushed KV")
+        if request_id in self._reservations:
+            raise BadRequest(f"blocks are already being reserved for {request_id}")
+        ready = self._reservations[request_id] = self._main.create_future()
+
+        def queue() -> None:
+            self.engine.reserve(request_id, num_tokens)
+        self.loop.submit(queue)
+        try:
+            layers = await ready
+        finally:
+            self._reservations.pop(request_id, None)
+        return KVHandle(engine=self.engine.engine_id, data_address=self.engine.data_address, request_id=request_id,
+                        num_tokens=num_tokens, block_size=self.engine.blocks.block_size, layers=layers)
 
     # decode role: the scheduler gave a request blocks; pull its KV into them
 
     def _on_pull(self, request: Request) -> None:
-        """On the engine thread: snapshot where the KV goes, and pull on the service's loop."""
-        handle = request.kv_source
-        per_layer = -(-handle.num_tokens // handle.block_size)
+        """On the engine thread: the request has blocks for its KV. Snapshot where the KV goes, and
+        pull it on the service's loop (or, for a reservation, tell its caller where to push)."""
+        per_layer = -(-(request.num_tokens - 1) // self.engine.blocks.block_size)
         local = [list(layer.blocks[:per_layer]) for layer in request.layers]
-        self._main.call_soon_threadsafe(self._spawn, self._pull(request.request_id, handle, local))
+        if request.reservation:
+            self._main.call_soon_threadsafe(self._reserved, request.request_id, local)
+            return
+        self._main.call_soon_threadsafe(self._spawn, self._pull(request.request_id, request.kv_source, local))
+
+    def _reserved(self, request_id: str, layers: list[list[int]]) -> None:
+        ready = self._reservations.get(request_id)
+        if ready is not None and not ready.done():
+            ready.set_result(layers)
 
     async def _pull(self, request_id: str, handle: KVHandle, local: list[list[int]]) -> None:
         error, started = None, self.engine.clock()
@@ -104,7 +153,7 @@ class KVHandoff:
     @contextlib.asynccontextmanager
     async def following(self, kvmeta: KvmetaClient) -> AsyncIterator[None]:
         """While open, drop the connection to any prefill engine the registry says left."""
-        if self.dataplane is None or self.dataplane.puller is None:
+        if self.dataplane is None:
             yield
             return
         task = asyncio.create_task(self._follow(kvmeta))

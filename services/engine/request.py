@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .handoff import KVHandle
+from .handoff import KVHandle, KVPushTarget
 from .sampling import SamplingParams
 
 
@@ -53,7 +53,10 @@ class Request:
     scheduled_at: float | None = None      # when it first got blocks (compute or a pull): the end of its queueing
     pull_times: tuple[float, float] | None = None  # decode role: when its KV pull started and ended
     hold_kv: bool = False                  # prefill role: keep the prompt's KV for a decode engine when done
+    push: KVPushTarget | None = None       # prefill role, push mode: write each layer's KV there as it is done
     kv_source: KVHandle | None = None      # decode role: where the prompt's KV is, until it has arrived
+    reservation: bool = False              # decode role, push mode: blocks held for KV a prefill engine writes
+    kv_deadline: float | None = None       # a reservation nobody claims is freed then
     layers: list[LayerBlocks] = field(init=False)
 
     def __post_init__(self) -> None:

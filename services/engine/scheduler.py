@@ -74,7 +74,7 @@ class Scheduler:
     def pulled(self, request: Request, now: float) -> None:
         """The prompt's KV has arrived: the request decodes from its last prompt token on."""
         self.pulling.remove(request)
-        request.num_computed, request.kv_source = request.num_tokens - 1, None
+        request.num_computed, request.kv_source, request.reservation = request.num_tokens - 1, None, False
         self.blocks.commit(request, now)
         request.status = Status.RUNNING
         self.running.append(request)
@@ -131,7 +131,7 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
             request = by_id[request_id]
-            if request.kv_source is not None:
+            if request.kv_source is not None or request.reservation:
                 if not self._start_pull(request, plan, now):
                     return
                 continue
@@ -149,7 +149,8 @@ class Scheduler:
             budget -= n
 
     def _start_pull(self, request: Request, plan: Plan, now: float) -> bool:
-        """Give a decode-role request blocks for its prompt's KV, if the allocation policy will."""
+        """Give a decode-role request (or a push-mode reservation) blocks for its prompt's KV, if
+        the allocation policy will."""
         if len(self.running) + len(self.pulling) >= self.max_num_seqs or not self._reserve(request, request.num_tokens - 1):
             return False
         self.waiting.remove(request)

@@ -23,11 +23,12 @@ PROMPTS = [[5, 6, 7], list(range(10, 60)), list(range(100, 137)), [3] * 16, list
 @pytest.fixture(scope="module", params=["tcp", "shm"])
 def cluster(request, tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
     run_dir = tmp_path_factory.mktemp(f"disagg-{request.param}")
-    common = {"KVMESH_ENGINE_DATAPLANE": request.param, "KVMESH_ENGINE_KV_TIMEOUT_MS": "3000"}
+    common = {"KVMESH_ENGINE_DATAPLANE": request.param, "KVMESH_ENGINE_KV_TIMEOUT_MS": "3000",
+              "KVMESH_ENGINE_KV_LEASE_MS": "1500"}
     engines = {
         "both": start_engine(run_dir / "both", tiny_checkpoint, KVMESH_ENGINE_ENGINE_ID="c0", **common),
         "prefill": start_engine(run_dir / "prefill", tiny_checkpoint, KVMESH_ENGINE_ROLE="prefill",
-                                KVMESH_ENGINE_ENGINE_ID="p0", KVMESH_ENGINE_KV_LEASE_MS="1500", **common),
+                                KVMESH_ENGINE_ENGINE_ID="p0", **common),
         "decode": start_engine(run_dir / "decode", tiny_checkpoint, KVMESH_ENGINE_ROLE="decode",
                                KVMESH_ENGINE_ENGINE_ID="d0", KVMESH_ENGINE_DEVICE_BLOCKS="320", **common),
     }
@@ -146,3 +147,32 @@ async def test_last_frames_carry_where_the_time_went(clients):
     assert prefill.pull_start is None
     assert decode.arrival <= decode.scheduled <= decode.pull_start <= decode.pull_end <= decode.first_token <= decode.finished
     assert all(f.timings is None for f in rest[:-1])
+
+
+async def pushed(clients, prompt: list[int], max_tokens: int, request_id: str) -> list[int]:
+    target = await clients["decode"].call("POST", "/v1/kv/reserve", {"request_id": request_id, "num_tokens": len(prompt)},
+                                          into=dict)
+    first = await generate(clients["prefill"], request_id=request_id, prompt_token_ids=prompt, max_tokens=1,
+                           temperature=0.0, ignore_eos=True, kv_transfer={"mode": "push", "target": target})
+    assert first[-1].kv_handle is None  # written already: nothing is held for anyone
+    rest = await generate(clients["decode"], request_id=request_id, prompt_token_ids=prompt + first[-1].token_ids,
+                          max_tokens=max_tokens - 1, temperature=0.0, ignore_eos=True, kv_source=target)
+    return first[-1].token_ids + [t for frame in rest for t in frame.token_ids]
+
+
+async def test_push_mode_greedy_equals_colocated_for_concurrent_prompts(clients):
+    expected = await asyncio.gather(*(colocated(clients, p, 12) for p in PROMPTS))
+    got = await asyncio.gather(*(pushed(clients, p, 12, f"push{i}") for i, p in enumerate(PROMPTS)))
+    assert got == expected
+
+
+async def test_a_reservation_nobody_claims_is_freed_after_its_lease(clients):
+    await clients["decode"].call("POST", "/v1/kv/reserve", {"request_id": "unclaimed", "num_tokens": 40}, into=dict)
+    state = await clients["decode"].call("GET", "/v1/state", into=EngineState)
+    assert state.pulling == 1 and state.free_blocks != state.total_blocks
+    with pytest.raises(RemoteError) as error:  # a claim that does not match the reservation changes nothing
+        await generate(clients["decode"], request_id="unclaimed", prompt_token_ids=list(range(10)), max_tokens=2,
+                       kv_source={"engine": "d0", "data_address": "x:1", "request_id": "unclaimed", "num_tokens": 9,
+                                  "block_size": 16, "layers": [[0]] * 4})
+    assert error.value.status == 400 and "no reservation" in error.value.message
+    await until_idle(clients["decode"], timeout=5)  # the 1.5 s lease frees it

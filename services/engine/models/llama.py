@@ -99,6 +99,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, device, dtype) for i in range(config.num_layers))
         self.norm = _parameter(hidden, device=device, dtype=dtype)
         self.lm_head = None if config.tie_word_embeddings else _parameter(vocab, hidden, device=device, dtype=dtype)
+        self.after_layer: Callable[[int], None] | None = None
         self.rotary = RotaryEmbedding(config)
 
     def forward(self, input_ids: Tensor, positions: Tensor, attention: Attention) -> Tensor:
@@ -108,12 +109,15 @@ class CausalLM(nn.Module):
         max_position_embeddings unless rope is dynamic NTK. Each layer calls
         `attention(layer, q, k, v)` with rotary applied to q and k; q, k and v are views into the
         layer's fused projection (last dim contiguous, rows strided), so a kernel that needs dense
-        tensors must call .contiguous() itself.
+        tensors must call .contiguous() itself. When `after_layer` is set, it is called with each
+        layer's index once that layer's KV is written (push mode sends it on from there).
         """
         h = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary(positions, h.dtype)
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             h = layer(h, cos, sin, attention)
+            if self.after_layer is not None:
+                self.after_layer(index)
         return rms_norm(h, self.norm, self.config.rms_norm_eps)
 
     def logits(self, hidden: Tensor) -> Tensor:
