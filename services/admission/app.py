@@ -10,6 +10,8 @@ every engine that holds it.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import asyncio
 import contextlib
 import hmac
@@ -55,6 +57,7 @@ class Config(ServiceConfig, kw_only=True):
     default_ttft_ms: float | None = None
     default_tbt_ms: float | None = None
     max_retries: int = 2                # engines tried again when one fails before the first token
+    transfer_mode: Literal["pull", "push"] = "pull"  # how KV moves prefill -> decode (KVDirect 4.3)
     route_timeout_s: float = 5.0        # a scheduler call
     connect_timeout_s: float = 5.0      # connecting to an engine
     stall_timeout_s: float = 300.0      # an engine that sends no frame for this long has failed
@@ -95,7 +98,7 @@ def build_service(config: Config) -> Service:
     scheduler = SchedulerClient(config.scheduler_url, config.token, config.route_timeout_s)
     engines = EngineClients(config.token, config.connect_timeout_s, abort_timeout_s=config.route_timeout_s)
     models = Models(scheduler, engines, config.models_refresh_s)
-    lifecycle = Lifecycle(scheduler, engines, config.max_retries, config.stall_timeout_s)
+    lifecycle = Lifecycle(scheduler, engines, config.max_retries, config.stall_timeout_s, config.transfer_mode)
     slo_metrics = SloMetrics(service.metrics)
     defaults = {"ttft_ms": config.default_ttft_ms, "tbt_ms": config.default_tbt_ms}
 

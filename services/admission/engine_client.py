@@ -107,6 +107,12 @@ class EngineClients:
         """The request's frames; raises RemoteError (an error answer) or ServiceUnreachable (none)."""
         return self.client(engine).frames("/v1/generate", body, EngineFrame)
 
+    async def reserve(self, engine: EngineRef, request_id: str, num_tokens: int, timeout: float) -> KVHandle:
+        """Push mode: blocks on a decode engine for the prompt's KV (waits until its policy gives them)."""
+        return await self.client(engine).call("POST", "/v1/kv/reserve", {"request_id": request_id,
+                                                                         "num_tokens": num_tokens},
+                                              into=dict, timeout=timeout)
+
     async def tokenizer(self, engine: EngineRef) -> TokenizerSpec:
         return await self.client(engine).call("GET", "/v1/tokenizer", into=TokenizerSpec)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -78,11 +79,13 @@ class Journey:
 
 
 class Lifecycle:
-    def __init__(self, scheduler: SchedulerClient, engines: EngineClients, max_retries: int, stall_timeout_s: float):
+    def __init__(self, scheduler: SchedulerClient, engines: EngineClients, max_retries: int, stall_timeout_s: float,
+                 transfer_mode: str = "pull"):
         self.scheduler = scheduler
         self.engines = engines
         self.max_retries = max_retries
         self.stall_timeout_s = stall_timeout_s
+        self.transfer_mode = transfer_mode
 
     async def run(self, generation: Generation) -> AsyncIterator[Piece]:
         """The request's pieces; raises OpenAIError before the first piece, AfterFirstToken after it."""
@@ -136,22 +139,33 @@ class Lifecycle:
     async def _disaggregated(self, journey: Journey, prefill: EngineRef, decode: EngineRef,
                              request_id: str) -> AsyncIterator[Piece]:
         generation = journey.generation
+        push, reserve_ms = self.transfer_mode == "push", None
+        transfer: dict = {"mode": "pull"}
+        if push:  # the decode engine gives blocks first; the prefill engine writes into them
+            journey.holding[decode.id] = (decode, request_id)
+            started = time.monotonic()
+            transfer = {"mode": "push", "target": await self._reserve(decode, request_id, len(generation.prompt_ids))}
+            reserve_ms = (time.monotonic() - started) * 1e3
         journey.holding[prefill.id] = (prefill, request_id)
-        frames = [f async for f in self._frames(prefill, generation.body(
-            request_id, max_tokens=1, kv_transfer={"mode": "pull"}))]
+        frames = [f async for f in self._frames(prefill, generation.body(request_id, max_tokens=1, kv_transfer=transfer))]
+        if push:
+            del journey.holding[prefill.id]  # written and freed: nothing is held there
         first, last = _merge(frames), frames[-1]
         done = last.finish_reason != "length" or generation.max_tokens <= len(first.token_ids)
-        if not done and last.kv_handle is None:
+        if not done and not push and last.kv_handle is None:
             raise EngineFailed(prefill, "the prefill's last frame carries no kv_handle")
+        served = lambda decoded: KvmeshInfo(  # noqa: E731
+            mode="disaggregated", transfer_mode=self.transfer_mode,
+            timings_ms=breakdown(last.timings, decoded, reserve_ms) if last.timings else None)
         if done:
-            first.served = KvmeshInfo(mode="disaggregated", transfer_mode="pull",
-                                      timings_ms=breakdown(last.timings, None) if last.timings else None)
-            yield first  # the prefill engine holds the prompt's KV for a decode that will not come: abort it
+            first.served = served(None)
+            yield first  # KV held (pull) or reserved (push) for a decode that will not come: aborted
             return
         first.finish_reason = None
         yield first
         body = generation.body(request_id, prompt_token_ids=generation.prompt_ids + first.token_ids,
-                               max_tokens=generation.max_tokens - len(first.token_ids), kv_source=last.kv_handle)
+                               max_tokens=generation.max_tokens - len(first.token_ids),
+                               kv_source=transfer["target"] if push else last.kv_handle)
         failed: list[str] = []
         while True:
             journey.holding[decode.id] = (decode, request_id)
@@ -159,16 +173,16 @@ class Lifecycle:
             try:
                 async for frame in self._frames(decode, body):
                     piece = _piece(frame)
-                    if frame.timings is not None and last.timings is not None:
-                        piece.served = KvmeshInfo(mode="disaggregated", transfer_mode="pull",
-                                                  timings_ms=breakdown(last.timings, frame.timings))
+                    if frame.timings is not None:
+                        piece.served = served(frame.timings)
                     decoded = True
                     yield piece
                 break
             except EngineFailed as exc:
                 # Before its first token the decode engine can be swapped: the prefill engine still
                 # holds the KV (until its lease runs out), so another decode engine can pull it.
-                if decoded or len(failed) >= self.max_retries:
+                # Pushed KV sits in the failed decode engine's blocks: nothing to swap to.
+                if decoded or push or len(failed) >= self.max_retries:
                     raise
                 log.warning("%s before decoding; trying another decode engine", exc)
                 self.engines.abort(decode, request_id)
@@ -176,7 +190,17 @@ class Lifecycle:
                 failed.append(decode.id)
                 decode = await self._another_decode(generation, failed, exc)
         del journey.holding[decode.id]
-        del journey.holding[prefill.id]  # the decode engine pulled the KV and COMPLETEd: the prefill freed it
+        journey.holding.pop(prefill.id, None)  # pulled and COMPLETEd: the prefill freed it
+
+    async def _reserve(self, decode: EngineRef, request_id: str, num_tokens: int) -> dict:
+        try:
+            return await self.engines.reserve(decode, request_id, num_tokens, self.stall_timeout_s)
+        except RemoteError as exc:
+            if exc.status == 400:
+                raise OpenAIError(400, f"the decode engine refused the request: {exc.message}") from None
+            raise EngineFailed(decode, str(exc)) from None
+        except KvmeshError as exc:
+            raise EngineFailed(decode, str(exc)) from None
 
     async def _another_decode(self, generation: Generation, failed: list[str], failure: EngineFailed) -> EngineRef:
         try:
@@ -219,13 +243,20 @@ class Lifecycle:
         journey.holding.clear()
 
 
-def breakdown(first: EngineTimings, decode: EngineTimings | None) -> dict[str, float]:
+def breakdown(first: EngineTimings, decode: EngineTimings | None, reserve_ms: float | None = None) -> dict[str, float]:
     """KVDirect Fig. 14's breakdown in ms, from the engines' timings: the engine that produced the
     first token (prefill, or the colocated one) and, when disaggregated, the decode engine. Decode
     queueing runs from the first token to the start of the KV transfer (the hop through admission
-    and waiting for blocks); the engines' clocks are taken to agree (one host, or NTP)."""
+    and waiting for blocks). In push mode (`reserve_ms` given) the wait for the decode engine's
+    blocks comes before prefill and counts as prefill queueing, and the writes overlap the
+    prefill's layers, so no transfer time is left outside it. The engines' clocks are taken to
+    agree (one host, or NTP)."""
     ms = lambda start, end: max(0.0, (end - start) * 1e3) if start is not None and end is not None else 0.0  # noqa: E731
-    times = {"prefill_queue": ms(first.arrival, first.scheduled), "prefill": ms(first.scheduled, first.first_token)}
+    times = {"prefill_queue": (reserve_ms or 0.0) + ms(first.arrival, first.scheduled),
+             "prefill": ms(first.scheduled, first.first_token)}
+    if decode is not None and reserve_ms is not None:
+        return {**times, "decode_queue": ms(first.first_token, decode.pull_end), "transfer": 0.0,
+                "decode": ms(decode.pull_end, decode.finished)}
     if decode is None:
         return {**times, "decode_queue": 0.0, "transfer": 0.0, "decode": ms(first.first_token, first.finished)}
     return {**times, "decode_queue": ms(first.first_token, decode.pull_start),

@@ -374,6 +374,30 @@ async def test_answers_say_how_they_were_served_and_where_the_time_went(client, 
     assert set(last.model_extra["kvmesh"]["timings_ms"]) == parts
 
 
+@pytest.fixture(scope="module")
+def push_admission(tmp_path_factory: pytest.TempPathFactory, disaggregated: Cluster) -> Iterator[Child]:
+    """A second front door on the same engines that moves KV by push instead of pull."""
+    with ExitStack() as exits:
+        yield ready(exits, launch("admission", tmp_path_factory.mktemp("push"), KVMESH_API_KEY=KEY,
+                                  KVMESH_SCHEDULER_URL=disaggregated.scheduler.url,
+                                  KVMESH_ADMISSION_TRANSFER_MODE="push"))
+
+
+async def test_push_mode_through_the_front_door_equals_colocated(client, split_client, push_admission):
+    async with openai.AsyncOpenAI(base_url=push_admission.url + "/v1", api_key=KEY, max_retries=0) as pushing:
+        answers = await asyncio.gather(*(pushing.completions.create(
+            model=MODEL, prompt=f"Push {i} the cache", max_tokens=7, temperature=0, extra_body={"ignore_eos": True})
+            for i in range(4)))
+        short = await pushing.completions.create(model=MODEL, prompt="One", max_tokens=1, temperature=0)
+    expected = await asyncio.gather(*(client.completions.create(
+        model=MODEL, prompt=f"Push {i} the cache", max_tokens=7, temperature=0, extra_body={"ignore_eos": True})
+        for i in range(4)))
+    assert [a.choices[0].text for a in answers] == [e.choices[0].text for e in expected]
+    info = answers[0].model_extra["kvmesh"]
+    assert info["transfer_mode"] == "push" and info["timings_ms"]["transfer"] == 0
+    assert short.usage.completion_tokens == 1  # the decode engine's reservation is given back (checked at teardown)
+
+
 async def test_disaggregated_streaming_chat_equals_colocated(client, split_client):
     messages = [{"role": "user", "content": "Split me."}]
     colocated = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=9, temperature=0,
