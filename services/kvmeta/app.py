@@ -87,13 +87,14 @@ def build_service(config: Config) -> Service:
         try:
             now, workers = await store.workers()
             async with sse_response(request, ping_interval=config.watch_ping_s) as stream:
-                await stream.send(_text(WorkerEvent(kind="snapshot", at_ms=now, workers=workers)))
-                while stream.is_connected():
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        event = await asyncio.wait_for(queue.get(), timeout=config.watch_ping_s)
-                        if event is None:
-                            break
-                        await stream.send(_text(event))
+                with contextlib.suppress(ConnectionResetError):  # the watcher went away: nothing to answer
+                    await stream.send(_text(WorkerEvent(kind="snapshot", at_ms=now, workers=workers)))
+                    while stream.is_connected():
+                        with contextlib.suppress(asyncio.TimeoutError):
+                            event = await asyncio.wait_for(queue.get(), timeout=config.watch_ping_s)
+                            if event is None:
+                                break
+                            await stream.send(_text(event))
                 stream.stop_streaming()
             return stream
         finally:
