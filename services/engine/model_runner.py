@@ -14,24 +14,10 @@ from itertools import accumulate
 import numpy as np
 import torch
 
-from .attention import paged_attention, write_kv
+from .attention import StepAttention
 from .kv_pool import KVPool
 from .request import Request
 from .scheduler import ScheduledChunk
-
-
-class PagedStep:
-    """The attention of one step: per-layer block tables and slots, shared sequence lengths."""
-
-    def __init__(self, pool: torch.Tensor, block_tables: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
-                 query_start_loc: torch.Tensor, scale: float):
-        self.pool, self.block_tables, self.slots = pool, block_tables, slots
-        self.seq_lens, self.query_start_loc, self.scale = seq_lens, query_start_loc, scale
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        write_kv(self.pool, k, v, self.slots[layer])
-        return paged_attention(q, self.pool, self.block_tables[layer], self.seq_lens, self.query_start_loc,
-                               self.scale)
 
 
 class ModelRunner:
@@ -59,7 +45,7 @@ class ModelRunner:
         ids = np.array([t for c in chunks for t in _new_ids(c.request, c.num_tokens)], dtype=np.int64)
 
         device = self.device
-        step = PagedStep(self.pool.tensor, torch.from_numpy(tables).to(device), torch.from_numpy(slots).to(device),
+        step = StepAttention(self.pool.tensor, torch.from_numpy(tables).to(device), torch.from_numpy(slots).to(device),
                          torch.from_numpy((starts + lengths).astype(np.int32)).to(device),
                          torch.from_numpy(query_start).to(device), self.scale)
         hidden = self.model(torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device), step)

@@ -273,3 +273,24 @@ def test_backend_choice(kernel: object, monkeypatch: pytest.MonkeyPatch) -> None
             backend("cpu")
     finally:
         paged._kernel.cache_clear()
+
+
+def test_step_attention_over_layers_equals_checked_calls(backend_name: str) -> None:
+    """StepAttention checks the first layer's call only; every layer must still write and attend as
+    write_kv + paged_attention do, with index tensors laid out the way the runner builds them."""
+    from kvmesh.services.engine.attention import StepAttention
+
+    layers, n = 3, 20
+    batches = [make_batch([40, 23], [n, 1], 4, 2, 64, 16, torch.float32, seed=layer) for layer in range(layers)]
+    slots = torch.stack([torch.randperm(batches[0].pool.shape[0] * 16)[:n + 1] for _ in range(layers)], 1).T  # [L, T], strided
+    k = torch.randn(n + 1, 2, 64)
+    v = torch.randn(n + 1, 2, 64)
+    expected_pool, got_pool = batches[0].pool.clone(), batches[0].pool.clone()
+    tables = torch.stack([b.block_table for b in batches])
+    step = StepAttention(got_pool, tables, slots, batches[0].seq_lens, batches[0].query_start_loc, batches[0].scale)
+    for layer, batch in enumerate(batches):
+        write_kv(expected_pool, k, v, slots[layer].contiguous())
+        expected = paged_attention(batch.q, expected_pool, tables[layer], batch.seq_lens, batch.query_start_loc, batch.scale)
+        got = step(layer, batch.q, k, v)
+        torch.testing.assert_close(got, expected, equal_nan=True)
+    torch.testing.assert_close(got_pool, expected_pool, equal_nan=True)

@@ -2,6 +2,6 @@
 the KV pool, reading blocks in place (docs/engine.md, "Paged attention kernel"), and the fused
 elementwise steps of a decoder layer (fused.py)."""
 
-from .paged import backend, paged_attention, write_kv
+from .paged import StepAttention, backend, paged_attention, write_kv
 
-__all__ = ["backend", "paged_attention", "write_kv"]
+__all__ = ["StepAttention", "backend", "paged_attention", "write_kv"]
