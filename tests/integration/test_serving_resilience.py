@@ -33,7 +33,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, redis_url: str, request: p
         found = start_cluster(exits, run_dir, redis_url, cluster_name(request), ROLES, engine_env=ENGINE_ENV,
                               KVMESH_API_KEY=KEY, KVMESH_ADMISSION_STALL_TIMEOUT_S="3",
                               KVMESH_ADMISSION_REQUESTS_PER_S="0")  # 100 clients at once is the point
-        found.run_dir = run_dir
+        found.run_dir, found.exits = run_dir, exits  # engines a test adds are stopped with the rest
         yield found
 
 
@@ -93,6 +93,7 @@ async def test_a_prefill_engine_added_under_load_gets_requests_without_a_restart
     async with aiohttp.ClientSession() as session:
         load = [asyncio.ensure_future(complete(session, cluster.admission.url, p, 24)) for p in prompts(12)]
         newcomer = launch_engine(cluster.run_dir, cluster.kvmeta.url, "engine-p2", "prefill", **ENGINE_ENV)
+        cluster.exits.callback(newcomer.stop)
         cluster.engines["engine-p2"] = newcomer
         await asyncio.to_thread(newcomer.wait_ready, 120)
         later = await asyncio.gather(*(complete(session, cluster.admission.url, p, 8) for p in prompts(12, 40)))
