@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 from kvmesh.libs.controlplane import KvmeshError, RemoteError, ServiceUnreachable
@@ -193,14 +193,8 @@ class Lifecycle:
         journey.holding.pop(prefill.id, None)  # pulled and COMPLETEd: the prefill freed it
 
     async def _reserve(self, decode: EngineRef, request_id: str, num_tokens: int) -> dict:
-        try:
+        with _engine_errors(decode):
             return await self.engines.reserve(decode, request_id, num_tokens, self.stall_timeout_s)
-        except RemoteError as exc:
-            if exc.status == 400:
-                raise OpenAIError(400, f"the decode engine refused the request: {exc.message}") from None
-            raise EngineFailed(decode, str(exc)) from None
-        except KvmeshError as exc:
-            raise EngineFailed(decode, str(exc)) from None
 
     async def _another_decode(self, generation: Generation, failed: list[str], failure: EngineFailed) -> EngineRef:
         try:
@@ -217,18 +211,13 @@ class Lifecycle:
         try:
             while True:
                 try:
-                    async with asyncio.timeout(self.stall_timeout_s):
-                        frame = await anext(stream)
+                    with _engine_errors(engine):
+                        async with asyncio.timeout(self.stall_timeout_s):
+                            frame = await anext(stream)
                 except StopAsyncIteration:
                     raise EngineFailed(engine, "its stream ended before the request finished") from None
                 except TimeoutError:
                     raise EngineFailed(engine, f"no frame within {self.stall_timeout_s:g}s") from None
-                except RemoteError as exc:
-                    if exc.status == 400:
-                        raise OpenAIError(400, f"the engine refused the request: {exc.message}") from None
-                    raise EngineFailed(engine, str(exc)) from None
-                except KvmeshError as exc:
-                    raise EngineFailed(engine, str(exc)) from None
                 if frame.finish_reason in ("abort", "error"):
                     raise EngineFailed(engine, f"the request finished with `{frame.finish_reason}`")
                 yield frame
@@ -241,6 +230,19 @@ class Lifecycle:
         for engine, request_id in journey.holding.values():
             self.engines.abort(engine, request_id)
         journey.holding.clear()
+
+
+@contextlib.contextmanager
+def _engine_errors(engine: EngineRef) -> Iterator[None]:
+    """An engine's 400 is the client's error (OpenAI 400); any other failure is the engine's."""
+    try:
+        yield
+    except RemoteError as exc:
+        if exc.status == 400:
+            raise OpenAIError(400, f"the engine {engine.id} refused the request: {exc.message}") from None
+        raise EngineFailed(engine, str(exc)) from None
+    except KvmeshError as exc:
+        raise EngineFailed(engine, str(exc)) from None
 
 
 def breakdown(first: EngineTimings, decode: EngineTimings | None, reserve_ms: float | None = None) -> dict[str, float]:

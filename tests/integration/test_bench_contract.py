@@ -9,13 +9,19 @@ from pathlib import Path
 import msgspec
 
 
-def test_kvmeta_bench_writes_the_contract(tmp_path: Path):
-    out = tmp_path / "kvmeta.json"
-    done = subprocess.run([sys.executable, "-m", "kvmesh", "bench", "kvmeta", "--quick", "--json", str(out)],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+def quick_bench(tmp_path: Path, name: str, timeout: float) -> tuple[dict, subprocess.CompletedProcess]:
+    """`kvmesh bench NAME --quick --json`, run as a user would; its JSON and the run."""
+    out = tmp_path / f"{name}.json"
+    done = subprocess.run([sys.executable, "-m", "kvmesh", "bench", name, "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     result = msgspec.json.decode(out.read_bytes())
-    assert result["bench"] == "kvmeta" and result["quick"] is True
+    assert result["bench"] == name and result["quick"] is True
+    return result, done
+
+
+def test_kvmeta_bench_writes_the_contract(tmp_path: Path):
+    result, done = quick_bench(tmp_path, "kvmeta", timeout=120)
     assert {"hop_added_ms_p50", "hop_added_ms_p99", "lookup_ratio_http_vs_redis"} <= result["ratios"].keys()
     assert set(result["meets"]) == set(result["targets"]) and "redis_ping_p50_ms" in result["ceilings"]
     assert Path(tmp_path / result["plots"][0]).stat().st_size > 0
@@ -28,12 +34,7 @@ def test_unknown_bench_is_refused():
 
 
 def test_transfer_bench_writes_the_contract(tmp_path: Path):
-    out = tmp_path / "transfer.json"
-    done = subprocess.run([sys.executable, "-m", "kvmesh", "bench", "transfer", "--quick", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    result = msgspec.json.decode(out.read_bytes())
-    assert result["bench"] == "transfer" and result["quick"] is True
+    result, _ = quick_bench(tmp_path, "transfer", timeout=600)
     assert {"pull_vs_message_4k", "pull_vs_nocoalesce_4k", "tcp_frac_of_ceiling", "shm_frac_of_ceiling"} <= result["ratios"].keys()
     assert {"memcpy_gbps", "socket_gbps"} <= result["ceilings"].keys()
     assert set(result["meets"]) == set(result["targets"])
