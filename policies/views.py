@@ -33,7 +33,7 @@ class PoolView:
 
     def blocks_for(self, tokens: int) -> int:
         """Blocks one layer needs for `tokens` tokens."""
-        return -(-tokens // self.block_size)
+        return blocks_for(tokens, self.block_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,3 +44,8 @@ class CachedBlockView:
     last_access: float
     hits: int
     score: float = 0.0
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks of `block_size` tokens that `tokens` tokens fill (the last one partly)."""
+    return -(-tokens // block_size)

@@ -29,8 +29,8 @@ def advance_text(request: Request, tokenizer, final: bool) -> tuple[str, bool]:
         at = request.text.find(stop, max(0, request.sent_chars - len(stop) + 1))
         if at != -1:
             request.text, stopped = request.text[:at], True
-    ready = len(request.text) if stopped or final else len(request.text) - max((len(s) - 1 for s in stops), default=0)
-    ready = max(ready, request.sent_chars)
+    held = 0 if stopped or final or not stops else max(len(s) for s in stops) - 1  # could begin a stop string
+    ready = max(len(request.text) - held, request.sent_chars)
     delta = request.text[request.sent_chars:ready]
     request.sent_chars = ready
     return delta, stopped

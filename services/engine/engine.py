@@ -196,15 +196,15 @@ class Engine:
             self.on_pull(request)
         if not plan.chunks:
             return []
+        sampling = [c for c in plan.chunks if c.samples]
         # Push mode: prompts that finish in this step write each layer's KV out as the layer is done.
-        pushing = [c.request for c in plan.chunks if c.request.push is not None and c.samples]
+        pushing = [c.request for c in sampling if c.request.push is not None]
         self.runner.model.after_layer = self._pusher(pushing) if pushing else None
         try:
             logits = self.runner.run(plan.chunks)
         finally:
             self.runner.model.after_layer = None
         failed = {r.request_id: error for r in pushing if (error := r.push.wait()) is not None}
-        sampling = [c for c in plan.chunks if c.samples]
         tokens, logprobs = sample(logits, [c.request.sampling for c in sampling],
                                   [c.request.generator for c in sampling]) if sampling else ([], [])
         done = self.clock()

@@ -8,6 +8,7 @@ per step, for all layers at once, with numpy.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from itertools import accumulate
 
@@ -27,6 +28,7 @@ class ModelRunner:
         self.scale = head_dim ** -0.5
         self.device = pool.tensor.device
         self._rows: dict[str, tuple[list[list[int]], np.ndarray]] = {}  # see _block_tables
+        self._tables: tuple[list[np.ndarray], np.ndarray] = ([], np.zeros(0))  # last step's rows and tables
 
     @torch.inference_mode()
     def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
@@ -60,7 +62,8 @@ class ModelRunner:
 
         A request's blocks change once in block_size steps, and turning Python lists into an array
         costs ~20 ns a block, so each request's rows are kept from the step before while its block
-        lists still equal the copy they were built from (0.3 us to compare, 2.3 us to rebuild)."""
+        lists still equal the copy they were built from (0.3 us to compare, 2.3 us to rebuild), and
+        the whole array while every row is kept (7 us to assemble for 16 requests)."""
         kept, rows = {}, []
         for request in requests:
             lists = [layer.blocks for layer in request.layers]
@@ -70,9 +73,13 @@ class ModelRunner:
             kept[request.request_id] = entry
             rows.append(entry[1])
         self._rows = kept  # requests gone from the batch drop out
+        last_rows, tables = self._tables
+        if len(rows) == len(last_rows) and all(map(operator.is_, rows, last_rows)):
+            return tables  # the same rows in the same order (decodes: block_size steps in a row); only read
         tables = np.zeros((self.num_layers, len(requests), max(r.shape[1] for r in rows)), dtype=np.int32)
         for s, request_rows in enumerate(rows):
             tables[:, s, :request_rows.shape[1]] = request_rows
+        self._tables = rows, tables
         return tables
 
 
