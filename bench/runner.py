@@ -1,4 +1,5 @@
-"""`kvmesh bench NAME [--quick] [--json PATH]`: run one benchmark, print its table, save its JSON."""
+"""`kvmesh bench NAME [--quick] [--json PATH] [--target URL]`: run one benchmark, print its table, save
+its JSON. `--target` (serve only) points the load at another OpenAI-compatible server."""
 
 from __future__ import annotations
 
@@ -8,14 +9,18 @@ from pathlib import Path
 
 from .report import save, show
 
-BENCHES = ("kvmeta", "engine", "transfer")
+BENCHES = ("kvmeta", "engine", "transfer", "serve")
 
 
-def run_bench(name: str, *, quick: bool, json_path: Path | None) -> int:
+def run_bench(name: str, *, quick: bool, json_path: Path | None, target: str | None = None) -> int:
     if name not in BENCHES:
         print(f"kvmesh bench: no benchmark {name!r}; there are: {', '.join(BENCHES)}", file=sys.stderr)
         return 2
-    result = importlib.import_module(f"kvmesh.bench.{name}").run(quick=quick)
+    if target is not None and name != "serve":
+        print(f"kvmesh bench: --target is for `serve` only, not {name!r}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"kvmesh.bench.{name}")
+    result = module.run(quick=quick, target=target) if target is not None else module.run(quick=quick)
     show(result)
     if json_path is not None:
         save(result, json_path)

@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("name", help="kvmeta, ...")
     bench.add_argument("--quick", action="store_true", help="reduced run, under a minute on 2 cores")
     bench.add_argument("--json", dest="json_path", type=Path, help="also write the results here")
+    bench.add_argument("--target", metavar="URL", help="serve only: load this OpenAI-compatible server instead")
 
     args = parser.parse_args(argv)
     if args.command == "up":
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args.service, args.config)
     if args.command == "bench":
         from kvmesh.bench.runner import run_bench
-        return run_bench(args.name, quick=args.quick, json_path=args.json_path)
+        return run_bench(args.name, quick=args.quick, json_path=args.json_path, target=args.target)
     return 2
 
 

@@ -16,7 +16,7 @@ from kvmesh.libs.rdma.work import RdmaError
 
 from .api import GenerateRequest
 from .dataplane import KVDataPlane, KVPush
-from .engine import Engine, EngineLoop, Frame
+from .engine import Engine, EngineLoop
 from .factory import EngineConfig, device_pool_path
 from .handoff import KVHandle
 from .request import Request
@@ -132,10 +132,13 @@ class KVHandoff:
     # prefill role: KV held for a decode engine
 
     async def _release(self, request_id: str) -> bool:
-        """A decode engine's COMPLETE: free the blocks (on the engine thread)."""
-        def release() -> tuple[bool, list[Frame]]:
-            return self.engine.release_held(request_id), []
-        return await asyncio.wrap_future(self.loop.call(release))
+        """A decode engine's COMPLETE: the blocks are freed on the engine thread between two steps,
+        but the ACK goes now. Waiting for the engine thread would hold every COMPLETE queued behind
+        this one (one is in flight per connection) for the rest of a prefill step, tens of ms."""
+        if request_id not in self.engine.held:  # a dict lookup; the engine thread only adds and removes
+            return False
+        self.loop.submit(lambda: self.engine.release_held(request_id))
+        return True
 
     def held(self, handle: KVHandle) -> None:
         """Record held KV in kvmeta's block map, so the cluster can see who holds what until when."""
