@@ -8,11 +8,12 @@ Each configuration is its own `kvmesh up` (a subprocess on free ports, every eng
 The rate is calibrated in the same run: a sweep on (3) from a light load upwards stops at the first
 rate whose P50 TBT is at least twice the lightly loaded one (KVDirect saw vLLM's TBT grow up to
 2.2x); that run is (3)'s measurement, and (1) and (2) run at twice that rate. Workloads (workloads.py):
-`arxiv` (long prompt, short answer; the keys below) and, in the full run, `sharegpt`.
+`arxiv` (long prompt, short answer) and, in the full run, `sharegpt` (its keys end in `_sharegpt`).
 Keys: p90_latency_reduction_vs_colocated = 1 - P90 e2e (1) / P90 e2e (3), target >= 0.4;
 mean_latency_reduction_pull_vs_push = 1 - mean e2e (1) / mean e2e (2), target >= 0.2 (full run only);
 transfer_share = mean transfer / mean e2e of (1) from the admission's `kvmesh.timings_ms`, target
-<= 0.02. `--quick` runs (3) and (1) on `arxiv` only, with shorter windows.
+<= 0.02; colocated_tbt_growth, how far (3)'s P50 TBT grew at its rate. `--quick` runs (3) and (1) on
+`arxiv` only, with shorter windows.
 With `--target URL` the same workloads and rate sweep drive any OpenAI-compatible server instead
 (API key from OPENAI_API_KEY), reporting the same percentiles; a server without kvmesh's per-request
 breakdown gets no breakdown.
@@ -75,11 +76,8 @@ class Plan:
 
     workloads: tuple[str, ...]
     setups: tuple[Setup, ...]        # after (3), which the rate is calibrated on
-    window_s: float                  # arrivals of one load last this long
+    window_s: float                  # arrivals of one load last about this long
     drain_s: float                   # then its open requests get this long to finish
-
-    def time_limit(self) -> float:
-        return self.window_s + self.drain_s
 
 
 QUICK = Plan(workloads=("arxiv",), setups=(PULL,), window_s=8, drain_s=30)
@@ -96,6 +94,7 @@ class LocalCluster:
 
     def __init__(self, setup: Setup, run_dir: Path):
         self.setup, self.run_dir = setup, run_dir
+        self.log = run_dir / "up.log"
         self.process: subprocess.Popen | None = None
         self.url, self.api_key = "", ""
 
@@ -103,7 +102,6 @@ class LocalCluster:
         env = {**os.environ, **{f"KVMESH_{s.upper()}_PORT": str(free_port()) for s in SERVICES},
                "KVMESH_ENGINE_TORCH_THREADS": "1", "KVMESH_LOG_LEVEL": "WARNING",
                "KVMESH_ADMISSION_REQUESTS_PER_S": "100000", "KVMESH_ADMISSION_BURST": "100000", **self.setup.env}
-        self.log = self.run_dir / "up.log"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen(
@@ -181,7 +179,7 @@ async def _load(url: str, api_key: str | None, workload: str, rate: float, plan:
     await run_load(url, spec.requests(4, SEED + 1), 100.0, model=model, api_key=api_key, time_limit_s=60)
     count = max(MIN_REQUESTS, round(rate * plan.window_s))
     return await run_load(url, spec.requests(count, SEED), rate, model=model, api_key=api_key, seed=SEED,
-                          concurrency=CONCURRENCY, time_limit_s=max(plan.time_limit(), count / rate + plan.drain_s),
+                          concurrency=CONCURRENCY, time_limit_s=count / rate + plan.drain_s,
                           progress=progress, label=f"{label} · {workload} @ {rate:g} req/s")
 
 
@@ -252,11 +250,12 @@ def _result(plan: Plan, quick: bool, sweeps: dict[str, list[LoadResult]],
         skipped.append("breakdown and transfer_share: no answer carried the admission's `kvmesh.timings_ms`")
     rate, key = sweeps["arxiv"][-1].rate, "p90_latency_reduction_vs_colocated"
     pull, colocated = summarize(measured[("pull", "arxiv")]), summarize(measured[("colocated", "arxiv")])
+    rates = {w: {"colocated": sweeps[w][-1].rate, **{s.key: 2 * sweeps[w][-1].rate for s in plan.setups}}
+             for w in plan.workloads}
     return BenchResult(
         bench="serve", quick=quick, ratios=ratios, targets=targets, meets=meets, ceilings=ceilings,
-        config={**_config(plan, sweeps, breakdowns, skipped), "rate_rps": {
-            w: {"colocated": sweeps[w][-1].rate, **{s.key: 2 * sweeps[w][-1].rate for s in plan.setups}}
-            for w in plan.workloads}}, rows=rows, plots=[str(p) for p in plots],
+        config={**_config(plan, sweeps, breakdowns, skipped), "rate_rps": rates}, rows=rows,
+        plots=[str(p) for p in plots],
         headline=f"arxiv: (1) 1P1D pull at {2 * rate:g} req/s has P90 end-to-end latency "
                  f"{pull['e2e_p90_ms']:.0f} ms against {colocated['e2e_p90_ms']:.0f} ms for (3) one colocated "
                  f"engine at {rate:g} req/s: {key} = {ratios[key]:.2f} (target >= {TARGETS[key]:g})")
@@ -335,6 +334,7 @@ def _plot_latency(plan: Plan, sweeps: dict[str, list[LoadResult]],
         sweep.legend(fontsize=8)
         for ax in (cdf, sweep):
             ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
     return _save(fig, LATENCY_PLOT)
 
 
@@ -350,14 +350,15 @@ def _plot_breakdown(breakdowns: dict[str, dict[str, float]]) -> Path:
     ax.invert_yaxis()
     ax.set_xlabel("mean time per request (ms)")
     ax.set_title("latency breakdown (KVDirect Fig. 14)")
-    ax.legend(fontsize=8, ncols=len(STAGES), loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.3 / len(labels)))
     ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.legend(*ax.get_legend_handles_labels(), fontsize=8, ncols=len(STAGES), loc="upper center",
+               bbox_to_anchor=(0.5, 0.0))
     return _save(fig, BREAKDOWN_PLOT)
 
 
 def _save(fig: plt.Figure, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
