@@ -23,6 +23,10 @@ import numpy as np
 HEADER = struct.Struct("<BBHIQQ")
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 SOCKET_BUFFER = 4 << 20  # large kernel buffers keep a loopback stream busy between syscalls
+# At most this many bytes per send or receive call. Larger calls let one side copy megabytes before
+# the other touches them, so the socket's buffers leave the cache between the two copies: a
+# pool-to-pool stream measured 3.4 GB/s in 1 MiB calls against 2.3 GB/s in 256 MB calls.
+SYSCALL_BYTES = 1 << 20
 
 
 class Kind(enum.IntEnum):
@@ -68,19 +72,19 @@ def tune(sock: socket.socket) -> None:
 
 
 def send_all(sock: socket.socket, buffers: list) -> None:
-    """Gather-write every buffer, IOV_MAX at a time, resuming after partial writes."""
+    """Gather-write every buffer, one window at a time, resuming after partial writes."""
     views = [memoryview(b).cast("B") for b in buffers]
     start = 0
     while start < len(views):
-        sent = sock.sendmsg(views[start:start + IOV_MAX])
+        sent = sock.sendmsg(_window(views, start))
         start = _advance(views, start, sent)
 
 
 def recv_into_all(sock: socket.socket, views: list[memoryview]) -> None:
-    """Scatter-read until every view is full, IOV_MAX at a time; PeerClosed at end of stream."""
+    """Scatter-read until every view is full, one window at a time; PeerClosed at end of stream."""
     start = 0
     while start < len(views):
-        got = sock.recvmsg_into(views[start:start + IOV_MAX], 0, socket.MSG_WAITALL)[0]
+        got = sock.recvmsg_into(_window(views, start), 0, socket.MSG_WAITALL)[0]
         if got == 0:
             raise PeerClosed("the peer closed the connection")
         start = _advance(views, start, got)
@@ -91,6 +95,18 @@ def recv_exact(sock: socket.socket, n: int) -> bytearray:
     if n:
         recv_into_all(sock, [memoryview(buf)])
     return buf
+
+
+def _window(views: list[memoryview], start: int) -> list[memoryview]:
+    """views[start:] cut to IOV_MAX buffers and SYSCALL_BYTES bytes: what one syscall moves."""
+    window, total = [], 0
+    for view in views[start:start + IOV_MAX]:
+        if total + view.nbytes >= SYSCALL_BYTES:
+            window.append(view[:SYSCALL_BYTES - total])
+            break
+        window.append(view)
+        total += view.nbytes
+    return window
 
 
 def _advance(views: list[memoryview], start: int, done: int) -> int:
