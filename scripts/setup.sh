@@ -41,9 +41,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-# The paged-attention CPU kernel compiles once (about 30 s) into .venv; later runs just load it.
+# The C++ extensions compile once (about 30 s) into .venv; later runs just load them.
 .venv/bin/python -m kvmesh.services.engine.attention.build >/dev/null || \
   echo "setup: the C++ attention kernel did not build; the engine falls back to plain torch" >&2
+.venv/bin/python -m kvmesh.libs.rdma.shm.copy || \
+  echo "setup: the shm backend's C++ copy did not build; it falls back to a Python loop" >&2
 
 if [ "${1:-}" = "--peers" ]; then
   if ! ldconfig -p | grep -q 'libibverbs\.so\.1'; then apt_install libibverbs1; fi
