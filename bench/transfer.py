@@ -45,6 +45,7 @@ PLOT = Path("bench-results/transfer_bandwidth.png")
 TOKEN = "bench-transfer"
 BACKENDS = ("tcp", "shm")
 SMALL, POOL = 0, 1  # the socket ceilings' buffers
+CALL_BYTES = 1 << 20  # the socket ceilings' bytes per send or receive call
 POOL_BLOCKS = 8192  # per block size: room for 4x the largest transfer (transfer_pattern.POOL_FACTOR)
 BATCHED_BLOCKS = 32  # the baseline's buffer in its batched form
 # Each peer is compared with our backend of the same kind: Mooncake's TCP and NIXL over UCX tcp
@@ -71,7 +72,7 @@ def run(quick: bool) -> BenchResult:
                         "socket_pool_gbps": _socket_gbps(addresses["socket"], POOL, pool_bytes)}
             progress.advance(task, 2)
             measured, pool_sized = asyncio.run(_measure_all(addresses, sizes, counts, repeats, progress, task))
-            peers = _measure_peers(sizes, key_count, progress)
+            peers = _measure_peers(sizes, key_count, repeats, progress)
     finally:
         pipe.close()  # the prefill process ends when its end of the pipe does
         owner.join(10)
@@ -88,10 +89,14 @@ def run(quick: bool) -> BenchResult:
               "tcp_frac_of_pool_stream": pool_sized["tcp"] / ceilings["socket_pool_gbps"],
               "shm_frac_of_ceiling": pool_sized["shm"] / ceilings["memcpy_gbps"]}
     targets = {"pull_vs_message_4k": 5.0, "tcp_frac_of_ceiling": 0.7, "shm_frac_of_ceiling": 0.7}
+    # The peers' figures end when their reads complete, so ours are compared at the same point (reads
+    # landed); the _with_complete ratio adds our COMPLETE/ACK round trip, which they do not have.
+    landed = lambda backend, size: measured[(backend, "pull", size, key_count)][2]  # noqa: E731
     for peer, ours in PEER_BACKEND.items():
         if all((peer, s) in peers for s in sizes):
-            per_size = [at(ours, "pull", s) / peers[(peer, s)] for s in sizes]
+            per_size = [landed(ours, s) / peers[(peer, s)] for s in sizes]
             ratios[f"pull_vs_{peer}_4k"], ratios[f"pull_vs_{peer}_min"] = per_size[0], min(per_size)
+            ratios[f"pull_with_complete_vs_{peer}_min"] = min(at(ours, "pull", s) / peers[(peer, s)] for s in sizes)
             targets[f"pull_vs_{peer}_4k"] = targets[f"pull_vs_{peer}_min"] = 1.0
     _plot(measured, pool_sized, peers, ceilings, sizes, key_count)
     return BenchResult(
@@ -133,11 +138,11 @@ def _owner_main(conn, sizes: tuple[int, ...]) -> None:
 
 
 async def _owner(conn, sizes: tuple[int, ...]) -> None:
-    pools = {size: shared_buffer(POOL_BLOCKS * size) for size in sizes}
-    for size, pool in pools.items():
-        _fill(pool, size)
     addresses: dict[str, object] = {"socket": _start_socket_source(POOL_BLOCKS * max(sizes))}
     for backend in BACKENDS:
+        pools = {size: _pool(backend, POOL_BLOCKS * size) for size in sizes}
+        for size, pool in pools.items():
+            _fill(pool, size)
         server = KVDirectServer(open_endpoint(backend, TOKEN), on_complete=lambda request_id: True, timeout=30.0)
         for size, pool in pools.items():
             server.expose(f"b{size}", torch.from_numpy(pool).view(torch.bfloat16).view(POOL_BLOCKS, *_block_shape(size)))
@@ -153,6 +158,12 @@ async def _owner(conn, sizes: tuple[int, ...]) -> None:
         pass
 
 
+def _pool(backend: str, nbytes: int) -> np.ndarray:
+    """A pool as an engine allocates it for this data plane: private memory (torch.empty) for tcp,
+    a shared file mapping for shm, which maps its peer's pool."""
+    return shared_buffer(nbytes) if backend == "shm" else np.zeros(nbytes, np.uint8)
+
+
 def _start_socket_source(pool_bytes: int) -> str:
     """A raw TCP sender for the socket ceilings: per request, N bytes from a 1 MiB buffer (the
     cache-hot stream iperf3 measures) or from a pool-sized buffer (the bytes a pool transfer reads)."""
@@ -165,9 +176,10 @@ def _start_socket_source(pool_bytes: int) -> str:
             with sock:
                 while header := sock.recv(9, socket.MSG_WAITALL):
                     left, kind = struct.unpack("<QB", header)
-                    source = sources[kind]
-                    while left:
-                        left -= sock.send(source[:min(left, source.nbytes)])
+                    source, sent = sources[kind], 0
+                    while sent < left:  # 1 MiB calls, from successive offsets of the source
+                        at = sent % source.nbytes
+                        sent += sock.send(source[at:at + min(left - sent, CALL_BYTES, source.nbytes - at)])
 
     threading.Thread(target=serve, daemon=True).start()
     return f"127.0.0.1:{listener.getsockname()[1]}"
@@ -193,8 +205,9 @@ def _memcpy_gbps(nbytes: int = 256 << 20) -> float:
 
 
 def _socket_gbps(address: str, kind: int, nbytes: int) -> float:
-    """One TCP stream between the two processes, best of 3: sender and receiver both use 1 MiB
-    buffers (SMALL), or pool-sized ones (POOL), in which case neither side's bytes sit in cache."""
+    """One TCP stream between the two processes, best of 3, in calls of at most 1 MiB (the size
+    that streams fastest here): sender and receiver both use 1 MiB buffers (SMALL), or pool-sized
+    ones (POOL), in which case neither side's bytes sit in cache."""
     host, port = address.split(":")
     sock = socket.create_connection((host, int(port)))
     buffer = memoryview(bytearray(1 << 20) if kind == SMALL else np.zeros(nbytes, np.uint8))
@@ -203,7 +216,8 @@ def _socket_gbps(address: str, kind: int, nbytes: int) -> float:
         sock.sendall(struct.pack("<QB", nbytes, kind))
         got = 0
         while got < nbytes:
-            got += sock.recv_into(buffer[got % buffer.nbytes:], min(nbytes - got, buffer.nbytes - got % buffer.nbytes))
+            at = got % buffer.nbytes
+            got += sock.recv_into(buffer[at:], min(nbytes - got, CALL_BYTES, buffer.nbytes - at))
 
     stream()
     best = min(_timed(stream) for _ in range(3))
@@ -220,10 +234,10 @@ def _timed(fn) -> float:
 # our transfers
 
 async def _measure_all(addresses, sizes, counts, repeats, progress, task):
-    local = {size: shared_buffer(POOL_BLOCKS * size) for size in sizes}
     measured: dict[tuple[str, str, int, int], tuple[float, int]] = {}
     pool_sized: dict[str, float] = {}
     for backend in BACKENDS:
+        local = {size: _pool(backend, POOL_BLOCKS * size) for size in sizes}
         pullers = {}
         for mode, coalescing in (("pull", True), ("pull_nocoalesce", False)):
             pullers[mode] = KVDirectPuller(open_endpoint(backend, TOKEN), coalescing=coalescing, timeout=30.0)
@@ -239,18 +253,27 @@ async def _measure_all(addresses, sizes, counts, repeats, progress, task):
             for count in counts:
                 src, dst, _ = scattered_blocks(count, seed=count)
                 for mode in MODES:
-                    async def once(tag: str, mode=mode, size=size, src=src, dst=dst) -> int:
+                    async def once(tag: str, mode=mode, size=size, src=src, dst=dst) -> tuple[int, float | None]:
+                        """Reads posted (or message rounds), and for a pull the seconds until its reads landed."""
                         if mode.startswith("pull"):
                             report = await pullers[mode].pull(address, tag, [BlockReads(f"b{size}", f"b{size}", src, dst)])
-                            return report.reads_posted
+                            return report.reads_posted, report.reads_seconds
                         per_message = 1 if mode == "message" else BATCHED_BLOCKS
                         await client.transfer(tag, f"b{size}", src, local[size].reshape(POOL_BLOCKS, size), dst, per_message)
-                        return len(src) // per_message
+                        return len(src) // per_message, None
                     local[size][:] = 0
-                    reads = await once(f"{mode}-check")
+                    reads, _ = await once(f"{mode}-check")  # the warm-up: connections and mappings
                     _check(local[size], size, src, dst, f"{backend} {mode}")
-                    seconds = [await _timed_async(once, f"{mode}-{i}") for i in range(repeats)]
-                    measured[(backend, mode, size, count)] = (count * size / statistics.median(seconds) / 1e9, reads)
+                    seconds, landed = [], []
+                    for i in range(repeats):  # as the peers are measured: blocks reset, read, checked
+                        local[size].reshape(POOL_BLOCKS, size)[dst] = 0
+                        started = time.perf_counter()
+                        _, reads_seconds = await once(f"{mode}-{i}")
+                        seconds.append(time.perf_counter() - started)
+                        landed.append(reads_seconds)
+                        _check(local[size], size, src, dst, f"{backend} {mode}")
+                    gbps = lambda times: count * size / statistics.median(times) / 1e9  # noqa: E731
+                    measured[(backend, mode, size, count)] = (gbps(seconds), reads, gbps(landed) if landed[0] else None)
                     progress.advance(task)
         everything = np.arange(POOL_BLOCKS)
         whole = lambda tag: pullers["pull"].pull(address, tag, [BlockReads(f"b{sizes[-1]}", f"b{sizes[-1]}", everything, everything)])  # noqa: E731
@@ -294,7 +317,7 @@ def _peer_reasons() -> dict[str, str]:
     return {peer: reason for peer, reason in module.available().items() if reason is not None}
 
 
-def _measure_peers(sizes, count, progress) -> dict[tuple[str, int], float]:
+def _measure_peers(sizes, count, repeats, progress) -> dict[tuple[str, int], float]:
     module = _peer_module()
     if module is None:
         return {}
@@ -303,7 +326,7 @@ def _measure_peers(sizes, count, progress) -> dict[tuple[str, int], float]:
     measured = {}
     for peer in usable:
         for size in sizes:
-            measured[(peer, size)] = module.measure(peer, size, count)
+            measured[(peer, size)] = module.measure(peer, size, count, repeats)
             progress.advance(task)
     return measured
 
@@ -319,9 +342,10 @@ def _rows(measured, pool_sized, peers, ceilings, sizes, counts) -> list[Row]:
             runs = 1 + int(np.count_nonzero((np.diff(src) != 1) | (np.diff(dst) != 1)))
             for backend in BACKENDS:
                 for mode in MODES:
-                    gbps, reads = measured[(backend, mode, size, count)]
+                    gbps, reads, landed = measured[(backend, mode, size, count)]
+                    cells = {"GB/s": gbps} | ({"reads landed GB/s": landed} if landed else {})
                     rows.append(Row(compared=label, path=f"{backend}: {MODE_NAMES[mode]}",
-                                    cells={"GB/s": gbps, "reads or rounds": reads, "runs in pattern": runs}))
+                                    cells=cells | {"reads or rounds": reads, "runs in pattern": runs}))
             for (peer, peer_size), gbps in peers.items():
                 if peer_size == size and count == counts[-1]:
                     rows.append(Row(compared=label, path=f"peer: {peer}", cells={"GB/s": gbps}))
@@ -342,6 +366,8 @@ def _plot(measured, pool_sized, peers, ceilings, sizes, count) -> None:
     for ax, backend in zip(axes, BACKENDS):
         for mode in MODES:
             ax.plot(kb, [measured[(backend, mode, s, count)][0] for s in sizes], marker="o", label=MODE_NAMES[mode])
+        ax.plot(kb, [measured[(backend, "pull", s, count)][2] for s in sizes], marker="o", linestyle="--",
+                label="(a) reads landed, before COMPLETE (what the peers measure)")
         for peer in sorted({p for p, _ in peers if PEER_BACKEND.get(p) == backend}):
             ax.plot(kb, [peers.get((peer, s), np.nan) for s in sizes], marker="s", linestyle=":", label=f"peer: {peer}")
         ceiling = "socket_gbps" if backend == "tcp" else "memcpy_gbps"

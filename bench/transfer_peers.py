@@ -4,7 +4,7 @@ What is measured: one process (the owner, standing in for the prefill engine) re
 `pool_blocks` blocks of `block_bytes` bytes; a second process (the reader, standing in for the
 decode engine) registers its own pool and reads the owner's block `src[i]` into its block `dst[i]`
 for every i, with the scattered ids of `transfer_pattern.scattered_blocks`. The figure is the
-bytes moved over the wall time of one transfer, best of `repeats` after one warm-up; after every
+bytes moved over the wall time of one transfer, median of `repeats` after one warm-up; after every
 transfer the reader checks every byte of its destination blocks, and at the end that no other
 block of its pool was written.
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 import importlib
 import multiprocessing as mp
 import os
+import statistics
 import time
 import traceback
 from contextlib import suppress
@@ -313,7 +314,7 @@ class _Child:
 
 def measure(peer: str, block_bytes: int, num_blocks: int, repeats: int = 3, seed: int = 0) -> float:
     """GB/s of reading `num_blocks` scattered blocks of `block_bytes` from a pool in one process
-    into a pool in another: the best of `repeats` timed transfers after a warm-up. Raises if any
+    into a pool in another: the median of `repeats` timed transfers after a warm-up. Raises if any
     transferred byte differs, or if a child fails or stalls for CHILD_TIMEOUT_S."""
     if peer not in PEERS:
         raise ValueError(f"unknown peer {peer!r}, expected one of {PEERS}")
@@ -333,7 +334,7 @@ def measure(peer: str, block_bytes: int, num_blocks: int, repeats: int = 3, seed
             reader.close()
     finally:
         owner.close()
-    return num_blocks * block_bytes / min(seconds) / 1e9
+    return num_blocks * block_bytes / statistics.median(seconds) / 1e9
 
 
 def main() -> None:
@@ -346,7 +347,7 @@ def main() -> None:
         for num_blocks in BLOCK_COUNTS:
             cells = "".join(f"{measure(peer, size, num_blocks):>10.2f}" for size in BLOCK_SIZES)
             print(f"{peer:<14}{num_blocks:>8}{cells}", flush=True)
-    print("GB/s (1e9 bytes/s), best of 3 after a warm-up")
+    print("GB/s (1e9 bytes/s), median of 3 after a warm-up")
 
 
 if __name__ == "__main__":

@@ -56,7 +56,8 @@ class TransferReport:
     bytes: int = 0
     pieces: int = 0  # reads asked for (block pieces)
     reads_posted: int = 0  # reads posted after coalescing, in the batches that carried this request
-    seconds: float = 0.0
+    reads_seconds: float = 0.0  # from the first TRANSFER until its last read landed
+    seconds: float = 0.0  # until the prefill side ACKed the COMPLETE
 
 
 @dataclass
@@ -176,6 +177,7 @@ class PullConnection:
         request = self._requests.pop(ending.request_id)
         try:
             await asyncio.gather(*request.batches)
+            request.report.reads_seconds = time.perf_counter() - request.started
             async with self._complete_lock:  # one COMPLETE in flight: the ACK orders them
                 await self.channel.send(Complete(request_id=ending.request_id))
                 ack = await self._ack()
