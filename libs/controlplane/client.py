@@ -118,13 +118,14 @@ class ServiceClient:
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
             raise ServiceUnreachable(f"event stream {url} broke: {type(exc).__name__}: {exc}") from exc
 
-    async def frames(self, path: str, body: Any, into: type[T]) -> AsyncIterator[T]:
+    async def frames(self, path: str, body: Any, into: type[T], headers: dict[str, str] | None = None) -> AsyncIterator[T]:
         """POST `body` and decode the streamed answer: msgpack values one after another, each into `into`.
+        `headers` go with the call (say, the trace context of a span that is not current).
 
         Not retried (the call starts work on the server). Raises RemoteError or ServiceUnreachable
         like call()."""
         url = self.base_url + path
-        headers = self.headers({"Content-Type": codec.MSGPACK})
+        headers = self.headers({"Content-Type": codec.MSGPACK, **(headers or {})})
         timeout = aiohttp.ClientTimeout(total=None, connect=self.timeout.total, sock_read=None)
         try:
             async with self.session.post(url, data=codec.encode(body, codec.MSGPACK), headers=headers,

@@ -17,7 +17,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -41,6 +41,12 @@ class ServiceConfig(msgspec.Struct, kw_only=True):
     token: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     log_level: str = "INFO"
+    log_format: Literal["text", "json"] = "text"  # json: one object a line, with trace and request ids
+    # Tracing (docs/observability.md): off unless spans have somewhere to go.
+    trace_file: str | None = None        # append spans to this JSON-lines file
+    otlp_endpoint: str | None = None     # export spans over OTLP (a collector, Jaeger, Tempo)
+    otlp_protocol: Literal["http/protobuf", "grpc"] = "http/protobuf"
+    trace_sample: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 1.0  # fraction of new traces sampled; children follow their parent
 
 
 def load_config(cls: type[C], service: str | None, path: str | Path | None = None,

@@ -1,11 +1,10 @@
-"""Running a service process: logging, the effective config, uvloop, graceful shutdown."""
+"""Running a service process: the effective config, uvloop, graceful shutdown."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-import sys
 
 from aiohttp import web
 
@@ -16,10 +15,9 @@ log = logging.getLogger(__name__)
 
 
 def run(service: Service) -> None:
-    """Serve until SIGINT/SIGTERM; aiohttp finishes in-flight requests and runs the lifespans' teardown."""
+    """Serve until SIGINT/SIGTERM; aiohttp finishes in-flight requests and runs the lifespans' teardown.
+    The caller has set up logging and tracing (`kvmesh serve` does, from the same config)."""
     config = service.config
-    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s {service.name} %(levelname)s %(name)s: %(message)s")
     log.info("effective config: %s", json.dumps(effective(config), sort_keys=True))
     if not config.token:
         log.warning("no service token configured: internal endpoints are open to anyone who can reach %s:%s",

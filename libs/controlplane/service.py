@@ -6,7 +6,7 @@ A `Service` holds typed routes; `build()` turns them into an aiohttp application
 - checks the service token on internal routes (missing 401, wrong 403);
 - answers every error as `{"error": {"type", "message", "code"}}`, never an HTML page or a bare 500;
 - carries W3C trace context from the incoming request into the handler, so calls it makes go on
-  the same trace;
+  the same trace, and (tracing on) makes the request's SERVER span;
 - counts requests and latencies per route and status for `GET /metrics`;
 - serves `GET /health`, `GET /ready` (the service's own readiness checks), `GET /metrics` and
   `GET /openapi.json`, generated from the same route table.
@@ -29,8 +29,11 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
-from opentelemetry import context, propagate
+from opentelemetry import context, propagate, trace
+from opentelemetry.trace import SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+
+from kvmesh.observability import tracing
 
 from . import codec
 from .config import ServiceConfig
@@ -38,6 +41,8 @@ from .errors import ErrorBody, ErrorDetail, Forbidden, KvmeshError, ServiceUnava
 from .openapi import openapi_document
 
 log = logging.getLogger(__name__)
+
+UNTRACED = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapes: noise in every trace
 
 Handler = Callable[..., Awaitable[Any]]
 ReadinessCheck = Callable[[], Awaitable[None]]
@@ -55,6 +60,7 @@ class Route:
     response: Any = None
     internal: bool = True
     summary: str = ""
+    span_name: str | None = None
 
 
 class Health(msgspec.Struct, kw_only=True):
@@ -67,6 +73,7 @@ class Service:
         self.name = name
         self.config = config
         self.routes: list[Route] = []
+        self._declared: dict[tuple[str, str], Route] = {}
         self.metrics = CollectorRegistry()
         self._readiness: list[ReadinessCheck] = []
         self._lifespans: list[Lifespan] = []
@@ -86,14 +93,17 @@ class Service:
 
     def route(self, method: str, path: str, *, body: type | None = None, query: type | None = None,
               params: type | None = None, response: Any = None, internal: bool = True,
-              summary: str = "") -> Callable[[Handler], Handler]:
+              summary: str = "", span_name: str | None = None) -> Callable[[Handler], Handler]:
         """Register a handler. It receives the request and, when declared, `body`, `query` and
         `params` already validated; it returns a struct (encoded for the caller), None (204), or an
-        aiohttp response of its own (streams)."""
+        aiohttp response of its own (streams). Its requests are traced as SERVER spans named
+        `span_name`, or "METHOD path"."""
 
         def register(handler: Handler) -> Handler:
-            self.routes.append(Route(method.upper(), path, handler, body, query, params, response, internal,
-                                     summary or (handler.__doc__ or "").strip().split("\n")[0]))
+            route = Route(method.upper(), path, handler, body, query, params, response, internal,
+                          summary or (handler.__doc__ or "").strip().split("\n")[0], span_name)
+            self.routes.append(route)
+            self._declared[(route.method, path)] = route
             return handler
 
         return register
@@ -131,17 +141,31 @@ class Service:
 
     @web.middleware
     async def _trace_context(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        token = context.attach(propagate.extract(request.headers))
+        incoming = propagate.extract(request.headers)
+        token = context.attach(incoming)
         try:
-            return await handler(request)
+            if tracing.tracer() is None or request.path in UNTRACED:
+                return await handler(request)
+            route = _route_of(request)
+            declared = self._declared.get((request.method, route))
+            # An internal call starts no trace of its own: heartbeats, watches and leases made in
+            # the background would bury the one trace per client request.
+            if declared is None or (declared.internal and not trace.get_current_span(incoming).get_span_context().is_valid):
+                return await handler(request)
+            with tracing.span(declared.span_name or f"{request.method} {route}", kind=SpanKind.SERVER,
+                              attributes={"http.request.method": request.method, "http.route": route}) as span:
+                response = await handler(request)
+                span.set_attribute("http.response.status_code", response.status)
+                if response.status >= 500:
+                    tracing.failed(span, f"answered HTTP {response.status}")
+                return response
         finally:
             context.detach(token)
 
     @web.middleware
     async def _count(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         started = time.perf_counter()
-        resource = request.match_info.route.resource
-        route = resource.canonical if resource is not None else "unmatched"
+        route = _route_of(request)
         response = await handler(request)
         self._latency.labels(route, request.method).observe(time.perf_counter() - started)
         self._requests.labels(route, request.method, str(response.status)).inc()
@@ -230,6 +254,11 @@ class Service:
 
     async def _openapi(self, request: web.Request) -> web.Response:
         return web.json_response(openapi_document(self.name, self.routes, secured=bool(self.config.token)))
+
+
+def _route_of(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
 
 
 def _convert(values: dict[str, str], into: type, where: str) -> Any:

@@ -103,9 +103,10 @@ class EngineClients:
             self._clients[url] = ServiceClient(url, token=self.token, timeout=self.connect_timeout_s, retries=1)
         return self._clients[url]
 
-    def generate(self, engine: EngineRef, body: GenerateBody) -> AsyncIterator[EngineFrame]:
+    def generate(self, engine: EngineRef, body: GenerateBody, headers: dict[str, str] | None = None
+                 ) -> AsyncIterator[EngineFrame]:
         """The request's frames; raises RemoteError (an error answer) or ServiceUnreachable (none)."""
-        return self.client(engine).frames("/v1/generate", body, EngineFrame)
+        return self.client(engine).frames("/v1/generate", body, EngineFrame, headers)
 
     async def reserve(self, engine: EngineRef, request_id: str, num_tokens: int, timeout: float) -> KVHandle:
         """Push mode: blocks on a decode engine for the prompt's KV (waits until its policy gives them)."""

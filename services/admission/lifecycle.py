@@ -20,7 +20,10 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
+from opentelemetry.trace import SpanKind
+
 from kvmesh.libs.controlplane import KvmeshError, RemoteError, ServiceUnreachable
+from kvmesh.observability import tracing
 
 from .engine_client import EngineClients, EngineFrame, EngineRef, EngineTimings, GenerateBody
 from .openai_api import KvmeshInfo, OpenAIError, Sampling
@@ -94,6 +97,8 @@ class Lifecycle:
         try:
             for attempt in range(self.max_retries + 1):
                 route = await self._route(generation, excluded)
+                tracing.annotate({"kvmesh.retries": attempt, "kvmesh.transfer_mode": (
+                    "colocated" if route.mode == "colocated" else self.transfer_mode)})
                 request_id = f"{generation.request_id}.{attempt}"
                 steps = (self._colocated(journey, route.engine, request_id) if route.mode == "colocated"
                          else self._disaggregated(journey, route.prefill, route.decode, request_id))
@@ -117,7 +122,11 @@ class Lifecycle:
 
     async def _route(self, generation: Generation, excluded: list[str]) -> Route:
         try:
-            return await self.scheduler.route(generation.model, generation.prompt_ids, excluded)
+            with tracing.span("route", kind=SpanKind.CLIENT):
+                route = await self.scheduler.route(generation.model, generation.prompt_ids, excluded)
+                tracing.annotate({"kvmesh.policy": route.policy, "kvmesh.mode": route.mode, **_engines(route)})
+            tracing.annotate(_engines(route))  # on the request's span: where it ran in the end
+            return route
         except RemoteError as exc:
             if exc.status == 400:
                 raise OpenAIError(400, f"the scheduler refused the request: {exc.message}") from None
@@ -129,7 +138,7 @@ class Lifecycle:
 
     async def _colocated(self, journey: Journey, engine: EngineRef, request_id: str) -> AsyncIterator[Piece]:
         journey.holding[engine.id] = (engine, request_id)
-        async for frame in self._frames(engine, journey.generation.body(request_id)):
+        async for frame in self._frames("generate", engine, journey.generation.body(request_id)):
             piece = _piece(frame)
             if frame.timings is not None:
                 piece.served = KvmeshInfo(mode="colocated", timings_ms=breakdown(frame.timings, None))
@@ -147,7 +156,8 @@ class Lifecycle:
             transfer = {"mode": "push", "target": await self._reserve(decode, request_id, len(generation.prompt_ids))}
             reserve_ms = (time.monotonic() - started) * 1e3
         journey.holding[prefill.id] = (prefill, request_id)
-        frames = [f async for f in self._frames(prefill, generation.body(request_id, max_tokens=1, kv_transfer=transfer))]
+        frames = [f async for f in self._frames("prefill", prefill,
+                                                 generation.body(request_id, max_tokens=1, kv_transfer=transfer))]
         if push:
             del journey.holding[prefill.id]  # written and freed: nothing is held there
         first, last = _merge(frames), frames[-1]
@@ -171,7 +181,7 @@ class Lifecycle:
             journey.holding[decode.id] = (decode, request_id)
             decoded = False
             try:
-                async for frame in self._frames(decode, body):
+                async for frame in self._frames("decode", decode, body):
                     piece = _piece(frame)
                     if frame.timings is not None:
                         piece.served = served(frame.timings)
@@ -193,7 +203,8 @@ class Lifecycle:
         journey.holding.pop(prefill.id, None)  # pulled and COMPLETEd: the prefill freed it
 
     async def _reserve(self, decode: EngineRef, request_id: str, num_tokens: int) -> dict:
-        with _engine_errors(decode):
+        with _engine_errors(decode), tracing.span("reserve", kind=SpanKind.CLIENT,
+                                                  attributes={"kvmesh.engine": decode.id}):
             return await self.engines.reserve(decode, request_id, num_tokens, self.stall_timeout_s)
 
     async def _another_decode(self, generation: Generation, failed: list[str], failure: EngineFailed) -> EngineRef:
@@ -205,9 +216,13 @@ class Lifecycle:
             raise failure
         return route.decode
 
-    async def _frames(self, engine: EngineRef, body: GenerateBody) -> AsyncIterator[EngineFrame]:
-        """The engine's frames up to the finishing one; any way the engine fails is EngineFailed."""
-        stream = self.engines.generate(engine, body)
+    async def _frames(self, step: str, engine: EngineRef, body: GenerateBody) -> AsyncIterator[EngineFrame]:
+        """The engine's frames up to the finishing one; any way the engine fails is EngineFailed. The
+        call is the CLIENT span `step` (not made current: this generator yields to its consumer)."""
+        span = tracing.start(step, kind=SpanKind.CLIENT,
+                             attributes={"kvmesh.engine": engine.id, "kvmesh.request_id": body.request_id})
+        stream = self.engines.generate(engine, body, tracing.headers(span))
+        error: BaseException | None = None
         try:
             while True:
                 try:
@@ -223,13 +238,24 @@ class Lifecycle:
                 yield frame
                 if frame.finish_reason is not None:
                     return
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
+            tracing.finish(span, error)
             await stream.aclose()
 
     def _abort_all(self, journey: Journey) -> None:
         for engine, request_id in journey.holding.values():
             self.engines.abort(engine, request_id)
         journey.holding.clear()
+
+
+def _engines(route: Route) -> dict[str, str | None]:
+    if route.engine is not None:
+        return {"kvmesh.prefill_engine": route.engine.id, "kvmesh.decode_engine": route.engine.id}
+    return {"kvmesh.prefill_engine": route.prefill.id if route.prefill else None,
+            "kvmesh.decode_engine": route.decode.id if route.decode else None}
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@ answer as JSON, or one server-sent event per piece (completions and chat), then 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -11,12 +12,16 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from kvmesh.observability import tracing
+
 from .lifecycle import AfterFirstToken, Piece
 from .openai_api import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChoiceLogprobs,
                          ChunkChoice, Completion, CompletionChoice, CompletionLogprobs, Delta, KvmeshInfo,
                          OpenAIError, PromptTokensDetails, TokenLogprob, Usage)
 from .slo import Timing
 from .tokenizers import ModelTokenizer
+
+log = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
 
@@ -150,7 +155,9 @@ async def stream(request: web.Request, pieces: AsyncIterator[Piece], answer: Ans
             await response.write(sse(answer.chat_usage_chunk() if chat else answer.completion_usage_chunk()))
         await response.write(DONE)
     except AfterFirstToken as exc:
+        tracing.fail_current(exc)
         await response.write(sse(OpenAIError(503, str(exc), type="server_error", code="engine_failed").body()) + DONE)
     except ConnectionResetError:  # the client went away: the caller closing `pieces` aborts the request
-        pass
+        log.info("the client went away mid-stream after %d tokens; request aborted", len(timing.token_times))
+        tracing.fail_current("the client went away mid-stream", abort=True)
     return response

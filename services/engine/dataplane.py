@@ -31,7 +31,7 @@ POOL = "device"
 class KVDataPlane:
     def __init__(self, backend: str, token: str, host: str, port: int, role: str, pool: torch.Tensor,
                  release: Callable[[str], Awaitable[bool]], timeout: float = 10.0):
-        self.role, self.timeout = role, timeout
+        self.backend, self.role, self.timeout = backend, role, timeout
         self.server = KVDirectServer(open_endpoint(backend, token, host, port), release, timeout=timeout)
         self.server.expose(POOL, pool)
         # Our own connections to peers leave from an endpoint of their own (an ephemeral port).

@@ -52,6 +52,17 @@ class KVReserve(Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     num_tokens: Annotated[int, Meta(gt=0)]
 
 
+class TransferStats(Struct, kw_only=True, frozen=True):
+    """What one request's KV pull moved, for its trace and the transfer metrics."""
+
+    bytes: int
+    pieces: int        # contiguous block pieces asked for
+    reads_posted: int  # reads posted after coalescing
+    seconds: float     # from the first read posted to the prefill side's ACK of COMPLETE
+    backend: str       # tcp | shm | verbs
+    peer: str          # the prefill engine's data-plane address
+
+
 class KVPushTarget(Protocol):
     """What the engine thread asks of a push in flight (dataplane.KVPush)."""
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .handoff import KVHandle, KVPushTarget
+from .handoff import KVHandle, KVPushTarget, TransferStats
 from .sampling import SamplingParams
 
 
@@ -52,6 +52,7 @@ class Request:
     generator: torch.Generator | None = None
     scheduled_at: float | None = None      # when it first got blocks (compute or a pull): the end of its queueing
     pull_times: tuple[float, float] | None = None  # decode role: when its KV pull started and ended
+    transfer: TransferStats | None = None  # decode role: what the pull moved
     hold_kv: bool = False                  # prefill role: keep the prompt's KV for a decode engine when done
     push: KVPushTarget | None = None       # prefill role, push mode: write each layer's KV there as it is done
     kv_source: KVHandle | None = None      # decode role: where the prompt's KV is, until it has arrived
