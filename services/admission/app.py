@@ -25,6 +25,7 @@ from pathlib import Path
 from aiohttp import web
 
 from kvmesh.libs.controlplane import Service, ServiceConfig
+from kvmesh.observability import logs, tracing
 
 from .engine_client import EngineClients
 from .lifecycle import Generation, Lifecycle
@@ -33,7 +34,7 @@ from .openai_api import (ChatCompletionRequest, CompletionRequest, Model, ModelL
                          chat_checks, completion_checks, decode_body, messages_of, prompt_of, sampling_of)
 from .responses import Answer, json_response, stream, whole
 from .scheduler_client import SchedulerClient
-from .slo import Slo, SloMetrics, Timing, slo_of
+from .slo import Slo, SloClass, SloMetrics, Timing, slo_defaults, slo_of
 from .tokenizers import Models, ModelTokenizer
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class Config(ServiceConfig, kw_only=True):
     queue_retry_after_s: float = 1.0
     default_ttft_ms: float | None = None
     default_tbt_ms: float | None = None
+    slo_classes: dict[str, SloClass] = {}  # by name: a request's `slo_class` gives its default SLOs
     max_retries: int = 2                # engines tried again when one fails before the first token
     transfer_mode: Literal["pull", "push"] = "pull"  # how KV moves prefill -> decode (KVDirect 4.3)
     route_timeout_s: float = 5.0        # a scheduler call
@@ -99,8 +101,8 @@ def build_service(config: Config) -> Service:
     engines = EngineClients(config.token, config.connect_timeout_s, abort_timeout_s=config.route_timeout_s)
     models = Models(scheduler, engines, config.models_refresh_s)
     lifecycle = Lifecycle(scheduler, engines, config.max_retries, config.stall_timeout_s, config.transfer_mode)
-    slo_metrics = SloMetrics(service.metrics)
-    defaults = {"ttft_ms": config.default_ttft_ms, "tbt_ms": config.default_tbt_ms}
+    slo_metrics = SloMetrics(service.metrics, queue)
+    defaults = slo_defaults(config.slo_classes, config.default_ttft_ms, config.default_tbt_ms)
 
     @service.lifespan
     async def clients(app: web.Application) -> AsyncIterator[None]:
@@ -138,6 +140,8 @@ def build_service(config: Config) -> Service:
                                       code="rate_limit_exceeded", retry_after_s=wait)
                 return await handler(request)
             except OpenAIError as exc:
+                if exc.status >= 500:
+                    tracing.fail_current(str(exc))
                 return exc.response()
             except web.HTTPException as exc:  # aiohttp's own, e.g. a body over max_body_bytes
                 return OpenAIError(exc.status, exc.text or exc.reason).response()
@@ -171,29 +175,36 @@ def build_service(config: Config) -> Service:
 
     async def answer(request: web.Request, prepared: Prepared, chat: bool) -> web.StreamResponse:
         """Hold a place in the queue while the request runs; the client going away cancels it."""
+        timing = Timing(time.monotonic())  # the client's clock starts before admission's own queue
+
         async def run() -> web.StreamResponse:
             try:
                 async with queue.slot():
-                    reply, timing = _answer(prepared), Timing(time.monotonic())
-                    async with contextlib.aclosing(lifecycle.run(prepared.generation)) as pieces:
-                        response = await (stream if prepared.stream else whole)(
-                            request, pieces, reply, chat, prepared.include_usage, timing)
-                    slo_metrics.record(prepared.slo, timing)
+                    reply = _answer(prepared)
+                    try:
+                        async with contextlib.aclosing(lifecycle.run(prepared.generation)) as pieces:
+                            response = await (stream if prepared.stream else whole)(
+                                request, pieces, reply, chat, prepared.include_usage, timing)
+                    finally:
+                        tracing.annotate(_outcome(reply, timing))
+                    slo_metrics.record(prepared.slo, timing, reply.served, reply.finish_reason)
                     return response
             except QueueFull as exc:
                 raise OpenAIError(429, str(exc), type="requests", code="queue_full",
                                   retry_after_s=config.queue_retry_after_s) from None
 
-        return await _while_connected(request, run())
+        tracing.annotate(_request_attributes(prepared))
+        with logs.request_context(prepared.generation.request_id):  # the run task copies it
+            return await _while_connected(request, run())
 
-    @service.route("POST", "/v1/completions", internal=False)
+    @service.route("POST", "/v1/completions", internal=False, span_name="admission")
     @public
     async def completions(request: web.Request) -> web.StreamResponse:
         """OpenAI completions: a prompt (text or token ids) in, text out; SSE when `stream`."""
         body = decode_body(await request.read(), CompletionRequest)
         return await answer(request, await prepare_completion(request, body), chat=False)
 
-    @service.route("POST", "/v1/chat/completions", internal=False)
+    @service.route("POST", "/v1/chat/completions", internal=False, span_name="admission")
     @public
     async def chat_completions(request: web.Request) -> web.StreamResponse:
         """OpenAI chat completions: messages through the model's chat template; SSE when `stream`."""
@@ -221,7 +232,7 @@ def build_service(config: Config) -> Service:
 
 
 def _prepared(request: web.Request, body, tokenizer: ModelTokenizer, ids: list[int], max_tokens: int, sampling,
-              prompt_param: str, defaults: dict[str, float | None]) -> Prepared:
+              prompt_param: str, defaults: dict[str, SloClass]) -> Prepared:
     """The context check and the request's SLOs; the request is ready to run."""
     limit, wanted = tokenizer.max_model_len, max(max_tokens, 1)
     if max_tokens < 1 and len(ids) < limit:
@@ -231,12 +242,29 @@ def _prepared(request: web.Request, body, tokenizer: ModelTokenizer, ids: list[i
                           f"{len(ids) + wanted} tokens ({len(ids)} in the {prompt_param}, {wanted} for the "
                           f"completion); reduce the {prompt_param} or max_tokens",
                           param=prompt_param, code="context_length_exceeded")
-    slo = slo_of({"ttft_ms": body.ttft_ms, "tbt_ms": body.tbt_ms}, request.headers, defaults)
+    slo = slo_of(body, request.headers, defaults)
     prefix = "chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl"
     generation = Generation(request_id=f"{prefix}-{uuid.uuid4().hex}", model=body.model, prompt_ids=list(ids),
                             max_tokens=max_tokens, sampling=sampling)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Prepared(generation, tokenizer, bool(body.stream), include_usage, slo)
+
+
+def _request_attributes(prepared: Prepared) -> dict:
+    generation = prepared.generation
+    return {"kvmesh.request_id": generation.request_id, "kvmesh.model": generation.model,
+            "kvmesh.slo_class": prepared.slo.slo_class, "kvmesh.stream": prepared.stream,
+            "kvmesh.prompt_tokens": len(generation.prompt_ids)}
+
+
+def _outcome(reply: Answer, timing: Timing) -> dict:
+    """The admission span's account of how the request went, as the client saw it."""
+    times = timing.token_times
+    return {"kvmesh.completion_tokens": len(times), "kvmesh.cached_tokens": reply.cached_tokens,
+            "kvmesh.finish_reason": reply.finish_reason,
+            "kvmesh.ttft_ms": (times[0] - timing.arrived) * 1e3 if times else None,
+            "kvmesh.tbt_ms": [(b - a) * 1e3 for a, b in zip(times, times[1:])],
+            "kvmesh.e2e_ms": (time.monotonic() - timing.arrived) * 1e3}
 
 
 def _answer(prepared: Prepared) -> Answer:
@@ -265,4 +293,5 @@ async def _while_connected(request: web.Request, work: Awaitable[web.StreamRespo
     with contextlib.suppress(asyncio.CancelledError):
         return await task
     log.info("%s %s: the client went away; request aborted", request.method, request.path)
+    tracing.fail_current("the client went away; request aborted", abort=True)
     return web.Response(status=499)

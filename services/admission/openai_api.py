@@ -4,7 +4,8 @@ Requests: `CompletionRequest` (`POST /v1/completions`) and `ChatCompletionReques
 (`POST /v1/chat/completions`). Unknown fields are ignored, as vLLM does; fields kvmesh cannot honour
 (n > 1, echo, suffix, penalties, logit_bias, tools, a non-text response_format) are a 400 that says
 so, never silently dropped. kvmesh's own extensions, which the official client sends through
-`extra_body`: `ttft_ms` and `tbt_ms` (per-request SLOs), `top_k` and `ignore_eos`.
+`extra_body`: `slo_class` (one of admission's `slo_classes`), `ttft_ms` and `tbt_ms` (per-request SLOs),
+`top_k` and `ignore_eos`.
 
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, not kvmesh's internal one:
 
@@ -77,6 +78,7 @@ class SamplingFields(Struct, kw_only=True):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     # kvmesh extensions (the official client sends them through `extra_body`)
+    slo_class: str | None = None
     ttft_ms: float | None = None
     tbt_ms: float | None = None
     top_k: int | None = None

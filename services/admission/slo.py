@@ -1,43 +1,77 @@
-"""Per-request SLOs (time to first token, time between tokens) and how often they are met.
+"""Per-request SLOs (time to first token, time between tokens), SLO classes, and admission's
+request metrics by class.
 
-A request names its SLOs in the body (`ttft_ms`, `tbt_ms`), else in headers (`X-KVMesh-TTFT-Ms`,
-`X-KVMesh-TBT-Ms`), else gets the configured defaults. Today admission measures each request against
-them and counts attainment in `/metrics`; the scheduler's and the engines' request bodies do not take
-SLOs yet, and they are the next place these values go (SLO-aware routing, LayerKV's prefill admission).
+A request names its SLO class in the body (`slo_class`), else in the header `X-KVMesh-SLO-Class`,
+else its class is `default`. Admission's config `slo_classes` maps class names to SLOs; a class it
+does not know is a 400. A request may also name its own SLOs in the body (`ttft_ms`, `tbt_ms`), else
+in headers (`X-KVMesh-TTFT-Ms`, `X-KVMesh-TBT-Ms`); what it leaves out comes from its class, then
+from `default_ttft_ms` / `default_tbt_ms`. Today admission measures each request against them and
+counts attainment in `/metrics`; the scheduler's and the engines' request bodies do not take SLOs
+yet, and they are the next place these values go (SLO-aware routing, LayerKV's prefill admission).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Annotated
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+import msgspec
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from .openai_api import bad_request
+from .limits import BoundedQueue
+from .openai_api import KvmeshInfo, SamplingFields, bad_request
 
 HEADERS = {"ttft_ms": "X-KVMesh-TTFT-Ms", "tbt_ms": "X-KVMesh-TBT-Ms"}
+CLASS_HEADER = "X-KVMesh-SLO-Class"
+DEFAULT_CLASS = "default"
+
+Millis = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class SloClass(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """The SLOs of one class of requests (admission's `slo_classes`): a request's defaults."""
+
+    ttft_ms: Millis | None = None
+    tbt_ms: Millis | None = None
 
 
 @dataclass(frozen=True)
 class Slo:
+    slo_class: str
     ttft_ms: float | None
     tbt_ms: float | None
 
 
-def slo_of(body_values: dict[str, float | None], headers, defaults: dict[str, float | None]) -> Slo:
-    """The request's SLOs: body, then header, then default; a value that is not a positive number is a 400."""
+def slo_defaults(classes: Mapping[str, SloClass], ttft_ms: float | None, tbt_ms: float | None) -> dict[str, SloClass]:
+    """The classes a request may name, `default` always among them; a value a class leaves out is
+    the service-wide default (`ttft_ms`, `tbt_ms`)."""
+    named = {DEFAULT_CLASS: SloClass(), **classes}
+    return {name: SloClass(ttft_ms=c.ttft_ms if c.ttft_ms is not None else ttft_ms,
+                           tbt_ms=c.tbt_ms if c.tbt_ms is not None else tbt_ms)
+            for name, c in named.items()}
+
+
+def slo_of(body: SamplingFields, headers: Mapping[str, str], classes: Mapping[str, SloClass]) -> Slo:
+    """The request's class (body, then header, then `default`) and SLOs (body, then header, then its
+    class's); an unknown class, or a value that is not a positive number, is a 400."""
+    name = body.slo_class if body.slo_class is not None else headers.get(CLASS_HEADER, DEFAULT_CLASS)
+    if name not in classes:
+        raise bad_request(f"unknown slo_class {name!r}; the classes served here are: {', '.join(sorted(classes))}",
+                          param="slo_class")
     chosen: dict[str, float | None] = {}
-    for name, header in HEADERS.items():
-        value: object = body_values.get(name)
+    for slo, header in HEADERS.items():
+        value: object = getattr(body, slo)
         if value is None and header in headers:
             try:
                 value = float(headers[header])
             except ValueError:
-                raise bad_request(f"the {header} header must be a number of milliseconds", param=name) from None
+                raise bad_request(f"the {header} header must be a number of milliseconds", param=slo) from None
         if value is not None and not (math.isfinite(value) and value > 0):
-            raise bad_request(f"{name} must be a positive number of milliseconds, got {value}", param=name)
-        chosen[name] = value if value is not None else defaults.get(name)
-    return Slo(**chosen)
+            raise bad_request(f"{slo} must be a positive number of milliseconds, got {value}", param=slo)
+        chosen[slo] = value if value is not None else getattr(classes[name], slo)
+    return Slo(slo_class=name, **chosen)
 
 
 @dataclass
@@ -55,27 +89,74 @@ class Timing:
         return self.token_times[0] - self.arrived if self.token_times else None
 
     @property
+    def gaps_s(self) -> list[float]:
+        """Every time between two tokens as the client saw them (0 for tokens that came together)."""
+        times = self.token_times
+        return [later - earlier for earlier, later in zip(times, times[1:])]
+
+    @property
     def mean_tbt_s(self) -> float | None:
         times = self.token_times
         return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
 
+    @property
+    def e2e_s(self) -> float | None:
+        """To the last token."""
+        return self.token_times[-1] - self.arrived if self.token_times else None
+
+
+LATENCY_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120)
+QUEUES = {"prefill": "prefill_queue", "decode": "decode_queue"}  # queue label -> KvmeshInfo.timings_ms key
+
 
 class SloMetrics:
-    """TTFT and mean TBT histograms, and per-SLO attainment counts (met / missed)."""
+    """Admission's request metrics, labelled by SLO class: TTFT, TBT (every gap, and each request's
+    mean), end-to-end latency, time in the engines' queues, SLO attainment and outcomes; and
+    admission's own queue, read when scraped."""
 
-    def __init__(self, registry: CollectorRegistry):
-        buckets = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30)
-        self.ttft = Histogram("kvmesh_admission_ttft_seconds", "Time to first token at the front door",
-                              registry=registry, buckets=buckets)
-        self.tbt = Histogram("kvmesh_admission_tbt_seconds", "Mean time between tokens of a request",
-                             registry=registry, buckets=buckets)
+    def __init__(self, registry: CollectorRegistry, queue: BoundedQueue):
+        def latency(name: str, help: str, *labels: str) -> Histogram:
+            return Histogram(name, help, ["slo_class", *labels], registry=registry, buckets=LATENCY_BUCKETS)
+
+        self.ttft = latency("kvmesh_admission_ttft_seconds", "Time to first token at the front door")
+        self.tbt = latency("kvmesh_admission_tbt_seconds", "Time between two tokens as the client saw them, every gap")
+        self.mean_tbt = latency("kvmesh_admission_mean_tbt_seconds", "Mean time between tokens of a request")
+        self.e2e = latency("kvmesh_admission_e2e_seconds", "Request start to its last token, as the client saw it")
+        self.queued = latency("kvmesh_admission_queue_seconds",
+                              "Time a request waited in an engine's queue (prefill: for blocks; decode: from "
+                              "the first token to the start of its KV transfer)", "queue")
         self.attainment = Counter("kvmesh_admission_slo_requests", "Requests with an SLO, by SLO and whether met",
-                                  ["slo", "met"], registry=registry)
+                                  ["slo_class", "slo", "met"], registry=registry)
+        self.finished = Counter("kvmesh_admission_finished_requests",
+                                "Requests answered, by finish_reason (incomplete: the stream ended without one)",
+                                ["slo_class", "finish_reason"], registry=registry)
+        Gauge("kvmesh_admission_inflight_requests", "Requests holding a running slot (at the engines)",
+              registry=registry).set_function(lambda: queue.running)
+        Gauge("kvmesh_admission_queued_requests", "Requests waiting in admission's queue for a running slot",
+              registry=registry).set_function(lambda: queue.waiting)
 
-    def record(self, slo: Slo, timing: Timing) -> None:
-        for name, measured, target in (("ttft", timing.ttft_s, slo.ttft_ms), ("tbt", timing.mean_tbt_s, slo.tbt_ms)):
+    def record(self, slo: Slo, timing: Timing, served: KvmeshInfo | None, finish_reason: str | None) -> None:
+        """One answered request: its latencies, where it queued, its outcome and SLO attainment."""
+        by_class = slo.slo_class
+        self.finished.labels(by_class, finish_reason or "incomplete").inc()
+        for gap in timing.gaps_s:
+            self.tbt.labels(by_class).observe(gap)
+        if timing.e2e_s is not None:
+            self.e2e.labels(by_class).observe(timing.e2e_s)
+        for queue, seconds in _queue_times(served).items():
+            self.queued.labels(by_class, queue).observe(seconds)
+        for name, histogram, measured, target in (("ttft", self.ttft, timing.ttft_s, slo.ttft_ms),
+                                                  ("tbt", self.mean_tbt, timing.mean_tbt_s, slo.tbt_ms)):
             if measured is None:
                 continue
-            (self.ttft if name == "ttft" else self.tbt).observe(measured)
+            histogram.labels(by_class).observe(measured)
             if target is not None:
-                self.attainment.labels(name, str(measured * 1000 <= target).lower()).inc()
+                self.attainment.labels(by_class, name, str(measured * 1000 <= target).lower()).inc()
+
+
+def _queue_times(served: KvmeshInfo | None) -> dict[str, float]:
+    """Seconds in each engine queue the request went through (a colocated request has no decode queue)."""
+    if served is None or served.timings_ms is None:
+        return {}
+    queues = QUEUES if served.mode == "disaggregated" else {"prefill": QUEUES["prefill"]}
+    return {queue: served.timings_ms[key] / 1e3 for queue, key in queues.items() if key in served.timings_ms}

@@ -12,6 +12,7 @@ import msgspec
 from aiohttp import web
 
 from kvmesh.libs.controlplane import BadRequest, Service
+from kvmesh.observability import tracing
 from kvmesh.libs.kvmeta.client import KvmetaClient, WorkerPresence
 from kvmesh.libs.kvmeta.messages import BlockGeometry, Capacity, GpuNic, Load, WorkerInfo
 
@@ -20,6 +21,8 @@ from .engine import EngineLoop, EngineState, Frame
 from .factory import EngineConfig, build_engine, max_model_len
 from .handoff import KVHandle, KVReserve
 from .handoff_service import KVHandoff
+from .metrics import EngineCollector
+from .phases import trace_phases
 
 Config = EngineConfig
 
@@ -44,6 +47,7 @@ def build_service(config: EngineConfig) -> Service:
 
     loop = EngineLoop(engine, lambda frames: main_loop.call_soon_threadsafe(dispatch, frames))
     handoff = KVHandoff(config, engine, loop)
+    service.metrics.register(EngineCollector(loop, config.engine_id, config.role))
 
     @service.lifespan
     async def run_engine(app: web.Application) -> AsyncIterator[None]:
@@ -80,6 +84,8 @@ def build_service(config: EngineConfig) -> Service:
         push = await handoff.push_for(body)
         frames: asyncio.Queue[Frame] = asyncio.Queue()
         streams[request_id] = frames  # before the engine can produce the first frame
+        if body.kv_transfer is not None:
+            handoff.traced(request_id)
         if handoff.claims(body):  # push mode: the KV is already in blocks reserved here
             def claim() -> tuple[bool, list[Frame]]:
                 return engine.claim(request_id, ids, sampling), []
@@ -100,12 +106,16 @@ def build_service(config: EngineConfig) -> Service:
             while not finished:
                 frame = await frames.get()
                 finished = frame.finish_reason is not None
+                if finished:
+                    trace_phases(frame, config.engine_id, config.role)
                 await response.write(msgspec.json.encode(frame) + b"\n" if as_json else msgspec.msgpack.encode(frame))
             await response.write_eof()
         except ConnectionResetError:  # the client went away mid-stream: nothing to answer
-            pass
+            tracing.fail_current("the client went away mid-stream", abort=True)
         finally:
             streams.pop(request_id, None)
+            if not (finished and frame.kv_handle is not None):
+                handoff.untraced(request_id)
             if not finished:  # the client went away: free the request's blocks now
                 loop.submit(lambda: engine.abort(request_id))
         return response

@@ -46,9 +46,16 @@ class BlockManager:
         self.evictable: dict[str, CachedNode] = {}
         self._named: set[int] = set()   # device blocks that belong to a cached node
         self.hit_tokens = 0             # prompt tokens served from the prefix cache, all time
+        self.lookup_blocks = 0          # full blocks looked up in the prefix cache, all time
+        self.hit_blocks = 0             # of those, found
         self._view: tuple[tuple[int, ...], PoolView] | None = None  # pool_view() and the counts it was built from
 
     # -- accounting -------------------------------------------------------------------------------
+
+    @property
+    def cache_tier(self) -> str:
+        """The tier the prefix cache's blocks live in."""
+        return self.device.tier
 
     def free(self, tier: str) -> int:
         """Blocks of `tier` a request could get now (unused cached blocks count: they can be evicted)."""
@@ -84,6 +91,8 @@ class BlockManager:
         request.num_committed = len(request.cached_nodes)
         request.num_computed = min(request.num_committed * self.block_size, request.num_tokens - 1)
         self.hit_tokens += request.num_computed
+        self.lookup_blocks += len(request.node_ids)
+        self.hit_blocks += len(request.cached_nodes)
         return request.num_computed
 
     def commit(self, request: Request, now: float) -> None:

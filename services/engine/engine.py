@@ -22,7 +22,7 @@ import torch
 
 from .block_manager import BlockManager
 from .detokenizer import advance_text
-from .handoff import KVHandle, KVPushTarget
+from .handoff import KVHandle, KVPushTarget, TransferStats
 from .model_runner import ModelRunner
 from .request import Request, Status
 from .sampling import SamplingParams, sample
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-STATE_EVERY_S = 0.05  # how stale GET /v1/state and the heartbeat load may be while the engine is busy
+STATE_EVERY_S = 0.05  # how stale GET /v1/state, /metrics and the heartbeat load may be while the engine is busy
 
 
 class Usage(msgspec.Struct, kw_only=True):
@@ -50,6 +50,24 @@ class Timings(msgspec.Struct, kw_only=True, omit_defaults=True):
     pull_end: float | None = None
     first_token: float | None = None
     finished: float | None = None
+    transfer: TransferStats | None = None  # decode role: what the pull moved
+
+
+class TransferTotals(msgspec.Struct, kw_only=True):
+    """Decode role: what this engine's KV pulls have moved, all time."""
+
+    pulls: int = 0
+    bytes: int = 0
+    pieces: int = 0          # contiguous block pieces asked for
+    reads_posted: int = 0    # reads posted after coalescing
+    seconds: float = 0.0
+
+    def add(self, stats: TransferStats) -> None:
+        self.pulls += 1
+        self.bytes += stats.bytes
+        self.pieces += stats.pieces
+        self.reads_posted += stats.reads_posted
+        self.seconds += stats.seconds
 
 
 class Frame(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -80,6 +98,12 @@ class EngineState(msgspec.Struct, kw_only=True):
     preemptions: dict[str, int]
     prefix_cache_hit_tokens: int
     policies: dict[str, str]
+    # All time, for the metrics (services/engine/metrics.py reads this snapshot when scraped).
+    generated_tokens: int
+    computed_prompt_tokens: int                # of prompts, tokens whose KV this engine computed
+    prefix_cache_lookup_blocks: dict[str, int]  # by tier: full blocks looked up
+    prefix_cache_hit_blocks: dict[str, int]     # by tier: of those, found
+    kv_transfer: TransferTotals
 
 
 @dataclass
@@ -92,6 +116,9 @@ class Engine:
     clock: Callable[[], float] = time.time
     steps: int = 0
     preemptions: dict[str, int] = field(default_factory=lambda: {"recompute": 0, "swap": 0})
+    generated_tokens: int = 0
+    computed_prompt_tokens: int = 0
+    transferred: TransferTotals = field(default_factory=TransferTotals)
     # The KV hand-off (docs/serving.md): who we are on the data plane, how long held KV waits for its
     # decode engine, and the service's hooks for starting a pull and for KV given up.
     engine_id: str = "engine-0"
@@ -147,8 +174,11 @@ class Engine:
             self._aborted_pulls[request_id] = request
         return [self._frame(request, [], [], [], "")]
 
-    def pull_done(self, request_id: str, started: float, error: str | None = None) -> list[Frame]:
+    def pull_done(self, request_id: str, started: float, error: str | None = None,
+                  transfer: TransferStats | None = None) -> list[Frame]:
         """A pull has ended: the request decodes on, or (failed, or aborted meanwhile) it is freed."""
+        if transfer is not None:
+            self.transferred.add(transfer)
         aborted = self._aborted_pulls.pop(request_id, None)
         if aborted is not None:  # aborted while pulling: its blocks were kept until now
             self.blocks.release(aborted)
@@ -156,7 +186,7 @@ class Engine:
         request = next((r for r in self.scheduler.pulling if r.request_id == request_id), None)
         if request is None:
             return []
-        request.pull_times = (started, self.clock())
+        request.pull_times, request.transfer = (started, self.clock()), transfer
         if error is None:
             self.scheduler.pulled(request, self.clock())
             return []
@@ -209,6 +239,8 @@ class Engine:
                                   [c.request.generator for c in sampling]) if sampling else ([], [])
         done = self.clock()
         for chunk in plan.chunks:
+            prompt_left = len(chunk.request.prompt_ids) - chunk.request.num_computed
+            self.computed_prompt_tokens += max(0, min(chunk.num_tokens, prompt_left))
             chunk.request.num_computed += chunk.num_tokens
             self.blocks.commit(chunk.request, done)
         self.steps += 1
@@ -233,6 +265,7 @@ class Engine:
     def _emit(self, request: Request, token: int, logprob: float, now: float) -> Frame:
         if request.output_times:
             self._tbt.append(now - request.output_times[-1])
+        self.generated_tokens += 1
         request.output_ids.append(token)
         request.output_logprobs.append(logprob)
         request.output_times.append(now)
@@ -273,7 +306,7 @@ class Engine:
             pull = request.pull_times or (None, None)
             timings = Timings(arrival=request.arrival, scheduled=request.scheduled_at, pull_start=pull[0],
                               pull_end=pull[1], first_token=request.output_times[0] if request.output_times else None,
-                              finished=self.clock())
+                              finished=self.clock(), transfer=request.transfer)
         return Frame(request_id=request.request_id, token_ids=tokens, text=text, times=times,
                      logprobs=logprobs if request.sampling.logprobs else None,
                      finish_reason=request.finish_reason, usage=usage, timings=timings)
@@ -289,7 +322,11 @@ class Engine:
                            tbt_ms_p99=tbt[min(len(tbt) - 1, int(len(tbt) * 0.99))] * 1e3 if tbt else None,
                            steps=self.steps, preemptions=dict(self.preemptions),
                            prefix_cache_hit_tokens=self.blocks.hit_tokens,
-                           policies=dict(self.scheduler.policies.names))
+                           policies=dict(self.scheduler.policies.names),
+                           generated_tokens=self.generated_tokens, computed_prompt_tokens=self.computed_prompt_tokens,
+                           prefix_cache_lookup_blocks={self.blocks.cache_tier: self.blocks.lookup_blocks},
+                           prefix_cache_hit_blocks={self.blocks.cache_tier: self.blocks.hit_blocks},
+                           kv_transfer=msgspec.structs.replace(self.transferred))
 
 
 class EngineLoop:

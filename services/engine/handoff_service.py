@@ -9,16 +9,19 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
+from opentelemetry.context import Context
+
 from kvmesh.libs.controlplane import BadRequest, ServiceUnavailable
 from kvmesh.libs.kvmeta.client import KvmetaClient
 from kvmesh.libs.kvmeta.messages import BlockLease
 from kvmesh.libs.rdma.work import RdmaError
+from kvmesh.observability import tracing
 
 from .api import GenerateRequest
 from .dataplane import KVDataPlane, KVPush
 from .engine import Engine, EngineLoop
 from .factory import EngineConfig, device_pool_path
-from .handoff import KVHandle
+from .handoff import KVHandle, TransferStats
 from .request import Request
 
 log = logging.getLogger(__name__)
@@ -35,6 +38,7 @@ class KVHandoff:
                                          timeout=config.kv_timeout_ms / 1e3)
         self._main: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._traces: dict[str, Context] = {}  # prefill role: request id -> its trace, while its KV is held
         self._reservations: dict[str, asyncio.Future[list[list[int]]]] = {}
 
     async def __aenter__(self) -> KVHandoff:
@@ -42,7 +46,7 @@ class KVHandoff:
         if self.dataplane is not None:
             self.engine.data_address = await self.dataplane.start()
             self.engine.on_pull = self._on_pull
-            self.engine.on_kv_released = lambda request_id: self._main.call_soon_threadsafe(self._spawn, self._unlease(request_id))
+            self.engine.on_kv_released = lambda request_id: self._main.call_soon_threadsafe(self._released, request_id)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -120,14 +124,16 @@ class KVHandoff:
             ready.set_result(layers)
 
     async def _pull(self, request_id: str, handle: KVHandle, local: list[list[int]]) -> None:
-        error, started = None, self.engine.clock()
+        error, started, stats = None, self.engine.clock(), None
         try:
             report = await self.dataplane.pull(handle, local)
+            stats = TransferStats(bytes=report.bytes, pieces=report.pieces, reads_posted=report.reads_posted,
+                                  seconds=report.seconds, backend=self.dataplane.backend, peer=handle.data_address)
             log.debug("pulled %s: %d bytes in %d reads, %.1f ms", request_id, report.bytes, report.reads_posted,
                       report.seconds * 1e3)
         except Exception as exc:  # any failure ends the request with an error frame, never a hang
             error = f"{type(exc).__name__}: {exc}"
-        self.loop.submit(lambda: self.engine.pull_done(request_id, started, error))
+        self.loop.submit(lambda: self.engine.pull_done(request_id, started, error, stats))
 
     # prefill role: KV held for a decode engine
 
@@ -145,7 +151,16 @@ class KVHandoff:
         if self.kvmeta is not None:
             lease = BlockLease(engine=self.engine.engine_id, layers=handle.layers, token_count=handle.num_tokens,
                                lease_ms=self.config.kv_lease_ms)
-            self._spawn(self.kvmeta.lease_blocks(handle.request_id, lease))
+            self._spawn(self.kvmeta.lease_blocks(handle.request_id, lease), self._traces.get(handle.request_id))
+
+    def traced(self, request_id: str) -> None:
+        """Prefill role: the kvmeta calls about this request's held KV go on its trace."""
+        if (captured := tracing.captured()) is not None:
+            self._traces[request_id] = captured
+
+    def untraced(self, request_id: str) -> None:
+        """The request ended holding no KV: nothing more goes on its trace from here."""
+        self._traces.pop(request_id, None)
 
     async def _unlease(self, request_id: str) -> None:
         if self.kvmeta is not None:
@@ -179,8 +194,11 @@ class KVHandoff:
                     log.info("%s left (%s): dropping its connection", event.worker_id, event.reason)
                     await self.dataplane.forget(address)
 
-    def _spawn(self, coroutine) -> None:
-        task = asyncio.ensure_future(coroutine)
+    def _released(self, request_id: str) -> None:
+        self._spawn(self._unlease(request_id), self._traces.pop(request_id, None))
+
+    def _spawn(self, coroutine, trace: Context | None = None) -> None:
+        task = tracing.task_in(trace, coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._done)
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections import Counter as Tally
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from aiohttp import web
 from prometheus_client import Counter
+from prometheus_client.metrics_core import GaugeMetricFamily
 
 from kvmesh.libs.controlplane import BadRequest, KvmeshError, Service, ServiceConfig, ServiceUnavailable
 from kvmesh.libs.kvmeta.client import KvmetaClient
@@ -56,6 +58,7 @@ def build_service(config: Config) -> Service:
     tasks: list[asyncio.Task] = []
     routes = Counter("kvmesh_scheduler_routes", "Routes answered, by policy and mode (no_engine: none found)",
                      ["policy", "mode"], registry=service.metrics)
+    service.metrics.register(EnginesByState(cluster))
 
     @service.lifespan
     async def follow_kvmeta(app: web.Application) -> AsyncIterator[None]:
@@ -135,6 +138,27 @@ def build_service(config: Config) -> Service:
         return PolicyInfo(policy=body.policy, available=registry.names())
 
     return service
+
+
+class EnginesByState:
+    """A prometheus collector: the live engines the scheduler knows, by role and state, when scraped."""
+
+    ROLES = ("prefill", "decode", "both")
+    STATES = ("idle", "busy")  # busy: its last load report, or routes sent since, has requests
+
+    def __init__(self, cluster: LiveCluster):
+        self.cluster = cluster
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        counts = Tally((m.info.role, "busy" if m.load.waiting + m.load.running + m.routed else "idle")
+                       for m in self.cluster.members.values())
+        family = GaugeMetricFamily("kvmesh_scheduler_engines", "Live engines the scheduler knows, by role and state "
+                                   "(busy: waiting or running requests reported, or routed since)",
+                                   labels=["role", "state"])
+        for role in self.ROLES:
+            for state in self.STATES:
+                family.add_metric([role, state], counts[(role, state)])
+        yield family
 
 
 def _route(decision: RouteDecision, policy: str, workers: Mapping[str, WorkerInfo]) -> Route:

@@ -222,8 +222,8 @@ async def test_slos_from_body_and_headers_are_measured(stack, client):
     async with aiohttp.ClientSession() as http:
         async with http.get(stack.admission.url + "/metrics") as r:
             metrics = await r.text()
-    assert 'kvmesh_admission_slo_requests_total{met="true",slo="ttft"}' in metrics
-    assert 'kvmesh_admission_slo_requests_total{met="true",slo="tbt"}' in metrics
+    assert 'kvmesh_admission_slo_requests_total{met="true",slo="ttft",slo_class="default"}' in metrics
+    assert 'kvmesh_admission_slo_requests_total{met="true",slo="tbt",slo_class="default"}' in metrics
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "Basic abc"},
