@@ -107,10 +107,14 @@ class Segments:
         into one (KVDirect section 4.2): the same bytes move, in fewer reads."""
         if len(self) == 1:
             return self
+        starts = self.run_starts()
+        return Segments(self.local_offsets[starts], self.remote_addrs[starts], np.add.reduceat(self.lengths, starts))
+
+    def run_starts(self) -> np.ndarray:
+        """Indices of the segments that begin a run (`coalesced()` makes one segment of each run)."""
         local, remote, lengths = self.local_offsets, self.remote_addrs, self.lengths
         continues = (local[1:] == local[:-1] + lengths[:-1]) & (remote[1:] == remote[:-1] + lengths[:-1])
-        starts = np.flatnonzero(np.r_[True, ~continues])
-        return Segments(local[starts], remote[starts], np.add.reduceat(lengths, starts))
+        return np.flatnonzero(np.r_[True, ~continues])
 
     def check_local(self, region_length: int) -> None:
         if int((self.local_offsets + self.lengths).max()) > region_length:

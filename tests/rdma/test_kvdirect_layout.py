@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmesh.libs.rdma.kvdirect.descriptor import TensorDescriptor, describe
+from kvmesh.libs.rdma.kvdirect.puller import reads_carrying
 from kvmesh.libs.rdma.work import Segments
 
 
@@ -82,3 +83,16 @@ def test_coalesced_reads_move_exactly_the_requested_bytes(pairs, size):
     assert s.sum() == size * len(pairs)
     mergeable = (r[1:] == r[:-1] + s[:-1]) & (l[1:] == l[:-1] + s[:-1])
     assert not mergeable.any()  # and nothing left that could still merge
+
+
+@settings(max_examples=200, deadline=None)
+@given(continues=st.lists(st.booleans(), min_size=1, max_size=40), data=st.data())
+def test_a_request_is_credited_the_reads_that_carry_its_pieces(continues, data):
+    """Segments 0..n-1 merged into runs (segment i+1 continues i's run when continues[i]); a request
+    owning segments begin..end-1 is credited the runs holding any of them, counted by brute force."""
+    n = len(continues) + 1
+    run_of = np.cumsum([0] + [not c for c in continues])
+    starts = np.flatnonzero(np.r_[True, ~np.array(continues)])
+    begin = data.draw(st.integers(0, n - 1))
+    end = data.draw(st.integers(begin + 1, n))
+    assert reads_carrying(starts, begin, end) == len(set(run_of[begin:end].tolist()))

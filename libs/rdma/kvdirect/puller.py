@@ -55,7 +55,7 @@ class TransferReport:
     request_id: str
     bytes: int = 0
     pieces: int = 0  # reads asked for (block pieces)
-    reads_posted: int = 0  # reads posted after coalescing, in the batches that carried this request
+    reads_posted: int = 0  # reads posted after coalescing that carry this request's pieces
     reads_seconds: float = 0.0  # from the first TRANSFER until its last read landed
     seconds: float = 0.0  # until the prefill side ACKed the COMPLETE
 
@@ -81,6 +81,12 @@ class _Request:
     report: TransferReport
     started: float = field(default_factory=time.perf_counter)
     batches: list[asyncio.Future] = field(default_factory=list)
+
+
+def reads_carrying(run_starts: np.ndarray, begin: int, end: int) -> int:
+    """How many runs (reads after coalescing; each begins at an index of `run_starts`, the first at 0)
+    hold some of the segments begin..end-1."""
+    return int(np.searchsorted(run_starts, end) - np.searchsorted(run_starts, begin, "right")) + 1
 
 
 class PullConnection:
@@ -163,15 +169,19 @@ class PullConnection:
             segments = Segments(np.concatenate([r.local_offsets for r in group]),
                                 remote.addr + np.concatenate([r.remote_offsets for r in group]),
                                 np.concatenate([np.full(len(r.remote_offsets), r.size, dtype=np.int64) for r in group]))
+            starts = segments.run_starts() if self.coalescing else np.arange(len(segments))
             if self.coalescing:
                 segments = segments.coalesced()
             wr_id = self.qp.endpoint.next_wr_id()
             self.qp.post_read(wr_id, region, segments, remote.rkey)
             batch = asyncio.ensure_future(self.qp.finish(wr_id, self.timeout))
-            for request_id in {r.request_id for r in group}:
-                request = self._requests[request_id]
-                request.batches.append(batch)
-                request.report.reads_posted += len(segments)
+            end = 0
+            for read in group:  # a request's reads: those carrying any of its pieces (a run may span two)
+                begin, end = end, end + len(read.remote_offsets)
+                request = self._requests[read.request_id]
+                if batch not in request.batches:
+                    request.batches.append(batch)
+                request.report.reads_posted += reads_carrying(starts, begin, end)
 
     async def _finish(self, ending: _Complete) -> None:
         request = self._requests.pop(ending.request_id)
