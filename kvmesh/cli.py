@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--prefill", type=int, default=1, help="prefill engines (default 1)")
     up.add_argument("--decode", type=int, default=1, help="decode engines (default 1)")
     up.add_argument("--colocated", action="store_true", help="one engine doing prefill and decode instead")
+    up.add_argument("--trace-file", type=Path, help="every service appends its spans here (JSON lines)")
+    up.add_argument("--otlp-endpoint", metavar="URL", help="every service exports its spans over OTLP here")
+    up.add_argument("--trace-sample", type=float, metavar="R", help="fraction of requests traced (default 1.0)")
+    up.add_argument("--log-format", choices=("text", "json"), help="service logs as text or JSON lines")
 
     scale = commands.add_parser("scale", help="add or remove engines while the local cluster serves")
     scale.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
@@ -45,11 +50,18 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", dest="json_path", type=Path, help="also write the results here")
     bench.add_argument("--target", metavar="URL", help="serve only: load this OpenAI-compatible server instead")
 
+    report = commands.add_parser("report", help="latency breakdown, percentiles and span trees from a span file")
+    report.add_argument("trace_file", metavar="TRACEFILE", type=Path, help="the span JSON-lines file (trace_file)")
+    report.add_argument("--out", type=Path, help="where the PNGs go (default: next to TRACEFILE)")
+    report.add_argument("--json", dest="json_path", type=Path, help="also write the rows and aggregates here")
+    report.add_argument("--slowest", type=_count, default=5, metavar="N", help="span trees of the N slowest (5)")
+
     args = parser.parse_args(argv)
     if args.command == "up":
         from kvmesh.infra.local.launcher import up as run_up
         from kvmesh.infra.local.processes import StartError
         from kvmesh.infra.local.topology import Topology
+        _observability_env(args)
         try:
             topology = Topology(colocated=1, prefill=0, decode=0) if args.colocated else \
                 Topology(prefill=args.prefill, decode=args.decode)
@@ -71,12 +83,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from kvmesh.bench.runner import run_bench
         return run_bench(args.name, quick=args.quick, json_path=args.json_path, target=args.target)
+    if args.command == "report":
+        from kvmesh.observability.report import run as run_report
+        return run_report(args.trace_file, out_dir=args.out, json_path=args.json_path, slowest=args.slowest)
     return 2
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _observability_env(args: argparse.Namespace) -> None:
+    """`kvmesh up`'s tracing and logging flags, as the shared config every service reads."""
+    chosen = {"KVMESH_TRACE_FILE": args.trace_file and str(args.trace_file.resolve()),
+              "KVMESH_OTLP_ENDPOINT": args.otlp_endpoint, "KVMESH_LOG_FORMAT": args.log_format,
+              "KVMESH_TRACE_SAMPLE": None if args.trace_sample is None else str(args.trace_sample)}
+    os.environ.update({name: value for name, value in chosen.items() if value is not None})
 
 
 def _serve(name: str, config_path: str | None) -> int:
     from kvmesh.libs.controlplane import ConfigError, load_config
     from kvmesh.libs.controlplane.serve import run
+    from kvmesh.observability import logs, tracing
 
     try:
         module = importlib.import_module(f"kvmesh.services.{name}.app")
@@ -88,6 +119,9 @@ def _serve(name: str, config_path: str | None) -> int:
     except ConfigError as exc:
         print(f"kvmesh serve {name}: {exc}", file=sys.stderr)
         return 2
+    instance = getattr(config, "engine_id", None) or name  # engines are told apart in traces and logs
+    logs.configure(instance, config.log_level, config.log_format)
+    tracing.setup(name, instance, config)
     try:
         run(module.build_service(config))
     except OSError as exc:
