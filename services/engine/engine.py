@@ -131,8 +131,10 @@ class Engine:
     _tbt: deque[float] = field(default_factory=lambda: deque(maxlen=512))
 
     def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, *, hold_kv: bool = False,
-            push: KVPushTarget | None = None, kv_source: KVHandle | None = None) -> Request:
-        request = Request(request_id, list(prompt_ids), sampling, self.clock(), self.blocks.num_layers,
+            push: KVPushTarget | None = None, kv_source: KVHandle | None = None, arrival: float | None = None) -> Request:
+        """Queue a request; `arrival` (default now) is when it reached the engine, so the wait for
+        the engine thread to take it counts as queueing."""
+        request = Request(request_id, list(prompt_ids), sampling, arrival or self.clock(), self.blocks.num_layers,
                           hold_kv=hold_kv, push=push, kv_source=kv_source)
         self._seed(request)
         self.scheduler.add(request)
@@ -147,12 +149,13 @@ class Engine:
         self.scheduler.add(request)
         return request
 
-    def claim(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> bool:
+    def claim(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+              arrival: float | None = None) -> bool:
         """Push mode: the request whose KV a prefill engine wrote into reserved blocks decodes on."""
         request = next((r for r in self.scheduler.pulling if r.request_id == request_id and r.reservation), None)
         if request is None or len(prompt_ids) != request.num_tokens:
             return False
-        request.prompt_ids, request.sampling, request.arrival = list(prompt_ids), sampling, self.clock()
+        request.prompt_ids, request.sampling, request.arrival = list(prompt_ids), sampling, arrival or self.clock()
         request.pull_times = (request.scheduled_at, request.arrival)
         self._seed(request)
         self.scheduler.pulled(request, request.arrival)
