@@ -6,7 +6,9 @@ benchmarks, so all three start things the same way.
 
 from __future__ import annotations
 
+import http.client
 import os
+import random
 import shutil
 import signal
 import socket
@@ -23,10 +25,31 @@ class StartError(RuntimeError):
     pass
 
 
+PICKED_PORTS_FROM = 20000  # free_port picks from here up to the ephemeral range
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A port free to listen on, picked below the kernel's ephemeral range when there is room: a
+    port from that range can meanwhile become the source port of an outgoing connection, and a
+    readiness probe to it before its service listens can even connect to itself (TCP
+    self-connect), read its own request back and take the port."""
+    low = _ephemeral_low()
+    for _ in range(100):
+        port = random.randint(PICKED_PORTS_FROM, low - 1) if low > PICKED_PORTS_FROM + 1000 else 0
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise RuntimeError(f"no free port on {host}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0  # unknown: let the kernel choose
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -128,7 +151,7 @@ def http_ok(url: str, timeout: float = 1.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             return response.status == 200
-    except (urllib.error.URLError, OSError):
+    except (urllib.error.URLError, OSError, http.client.HTTPException):
         return False
 
 
