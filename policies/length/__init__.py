@@ -1,0 +1,9 @@
+"""Output-length prediction and confidence padding (CacheOpt 3.2): pure functions and small in-memory
+predictors, no I/O. `padding` holds Eq. 2-4, `predictors` the LengthPredictor contract with the
+baselines (history, RLP, S3, oracle), `registry` finds predictors by name."""
+
+from .padding import Direction, adaptive_confidence, confidence_padding, padded_length
+from .predictors import LengthPredictor, LengthQuery, Prediction
+
+__all__ = ["Direction", "LengthPredictor", "LengthQuery", "Prediction", "adaptive_confidence",
+           "confidence_padding", "padded_length"]
