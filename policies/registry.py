@@ -6,13 +6,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
-from . import admission, allocation, cache, preemption
+from . import admission, allocation, cache, preemption, swap_recompute
 
 HOOKS: dict[str, dict[str, Callable]] = {
     "prefill_admission": {"fcfs": admission.fcfs},
     "kv_allocation": {"block_at_a_time": allocation.block_at_a_time},
-    "preemption_order": {"latest_arrival_first": preemption.latest_arrival_first},
-    "preemption_strategy": {"recompute": preemption.recompute, "swap": preemption.swap},
+    "preemption_order": {"latest_arrival_first": preemption.latest_arrival_first,
+                         "fcfs": preemption.latest_arrival_first, "srtf": preemption.srtf,
+                         "lkvo": preemption.lkvo, "cacheopt": preemption.cacheopt},
+    "preemption_strategy": {"recompute": preemption.recompute, "swap": preemption.swap,
+                            "sweet_spot": swap_recompute.sweet_spot_strategy},
     "cache_policy": {"lru": cache.lru},
 }
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
+
+if TYPE_CHECKING:
+    from .swap_recompute import SwapCurves
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,10 +21,19 @@ class RequestView:
     blocks_per_layer: int     # blocks the request holds in each layer
     tier: str                 # where those blocks are: "device", or "cxl" when swapped out
     preemptions: int = 0
+    tbt_slo_ms: float | None = None          # SLO_tbt; None: the request has none
+    predicted_output_len: int | None = None  # the predictor's output length; None: not predicted
 
     @property
     def remaining_tokens(self) -> int:
         return self.max_tokens - self.num_generated
+
+    @property
+    def predicted_remaining_tokens(self) -> int:
+        """Output tokens still to come by the prediction (capped by max_tokens), or by max_tokens
+        when there is none; 0 once the request has outrun its prediction."""
+        predicted = self.max_tokens if self.predicted_output_len is None else self.predicted_output_len
+        return max(0, min(predicted, self.max_tokens) - self.num_generated)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +42,7 @@ class PoolView:
     num_layers: int
     free: Mapping[str, int]    # per tier: blocks free now (cached-but-unused ones included)
     total: Mapping[str, int]
+    swap_curves: SwapCurves | None = None   # profiled swap and recompute times (CacheOpt 3.5); None: not profiled
 
     def blocks_for(self, tokens: int) -> int:
         """Blocks one layer needs for `tokens` tokens."""
