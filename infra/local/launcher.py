@@ -30,7 +30,7 @@ from .topology import Topology, read_wanted, wanted_path, write_wanted
 
 # Started in this order, the engines between the scheduler and admission; a service whose code is
 # not there (an issue not built yet) is skipped.
-CONTROL_SERVICES = ("kvmeta", "scheduler")
+CONTROL_SERVICES = ("kvmeta", "predictor", "scheduler")
 FRONT_SERVICES = ("admission",)
 
 STABLE_AFTER_S = 30.0  # a child that ran this long before dying restarts without delay growth

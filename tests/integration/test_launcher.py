@@ -41,12 +41,12 @@ def wait_for(predicate, timeout: float = 30.0):
     raise AssertionError("condition not met in time")
 
 
-SERVICES = ["redis", "kvmeta", "scheduler", "engine-p0", "engine-d0", "admission"]
+SERVICES = ["redis", "kvmeta", "predictor", "scheduler", "engine-p0", "engine-d0", "admission"]
 
 
 def launch(run_dir: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "KVMESH_ENGINE_TORCH_THREADS": "1",
-           **{f"KVMESH_{name}_PORT": str(free_port()) for name in ("KVMETA", "SCHEDULER", "ADMISSION", "ENGINE")}}
+           **{f"KVMESH_{name}_PORT": str(free_port()) for name in ("KVMETA", "PREDICTOR", "SCHEDULER", "ADMISSION", "ENGINE")}}
     return subprocess.Popen([sys.executable, "-m", "kvmesh", "up", "--run-dir", str(run_dir), *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -64,7 +64,7 @@ def ready(run_dir: Path, names: list[str]) -> Status | None:
     return None
 
 
-COLOCATED = ["redis", "kvmeta", "scheduler", "engine-c0", "admission"]
+COLOCATED = ["redis", "kvmeta", "predictor", "scheduler", "engine-c0", "admission"]
 
 
 def colocated_cluster(run_dir: Path):
@@ -126,7 +126,7 @@ async def test_the_engines_register_with_their_roles_and_data_addresses(disaggre
 async def test_scale_adds_and_removes_an_engine_while_the_cluster_runs(disaggregated):
     _, run_dir = disaggregated
     assert kvmesh("scale", "--run-dir", str(run_dir), "--prefill", "2").returncode == 0
-    wait_for(lambda: ready(run_dir, SERVICES[:4] + ["engine-d0", "admission", "engine-p1"]), timeout=90)
+    wait_for(lambda: ready(run_dir, SERVICES[:5] + ["engine-d0", "admission", "engine-p1"]), timeout=90)
     assert ("engine-p1", "prefill", True) in await registered(run_dir)
     assert kvmesh("scale", "--run-dir", str(run_dir), "--prefill", "1").returncode == 0
     wait_for(lambda: ready(run_dir, SERVICES), timeout=60)

@@ -1,0 +1,180 @@
+"""The predictor: `POST /v1/predict` estimates a request's output length with CacheOpt's confidence
+padding (Eq. 3, c from Eq. 4 and the measured arrival rate), `POST /v1/observe` learns from the
+actual length when a request ends, `GET`/`PUT /v1/config` (docs/cacheopt.md, "The predictor service").
+
+The predictors are the pure ones of `policies/length`; this service adds the clock, the arrival rate
+(rate.py) and the metrics. It keeps one `history` predictor for its whole life, and a predictor built
+on a base one (rlp, s3) gets it as its base, so switching predictor keeps what was learned.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Annotated
+
+from aiohttp import web
+from msgspec import Meta
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvmesh.libs.controlplane import BadRequest, Service, ServiceConfig
+from kvmesh.policies.length import LengthPredictor, LengthQuery, adaptive_confidence, registry
+from kvmesh.policies.length.padding import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_CONFIDENCE
+from kvmesh.policies.length.predictors import HistoryPredictor
+
+from .api import ConfigChange, ObserveRequest, OpenUnit, PredictedLength, PredictorSettings, PredictRequest
+from .rate import ArrivalRate, arrive, rate_at
+
+log = logging.getLogger(__name__)
+
+ERROR_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)  # tokens
+
+
+class Config(ServiceConfig, kw_only=True):
+    port: int = 8101
+    predictor: str = registry.DEFAULT
+    alpha: OpenUnit = DEFAULT_ALPHA          # Eq. 4: the confidence as the arrival rate goes to 0
+    beta: Annotated[float, Meta(gt=0)] = DEFAULT_BETA  # Eq. 4: how fast it falls as the rate rises
+    confidence: OpenUnit = DEFAULT_CONFIDENCE  # the fixed c when not `adaptive`
+    adaptive: bool = True                    # c from Eq. 4 and the measured rate, else `confidence`
+    rate_window_s: Annotated[float, Meta(gt=0)] = 10.0  # the arrival rate's time constant (rate.py)
+
+    def __post_init__(self) -> None:
+        if self.predictor not in registry.names():
+            raise ValueError(f"predictor {self.predictor!r} is not one of {', '.join(registry.names())}")
+        for name in ("beta", "rate_window_s"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+
+
+@dataclass
+class InForce:
+    """The settings `PUT /v1/config` changes, and the predictor they name."""
+
+    name: str
+    predictor: LengthPredictor
+    alpha: float
+    beta: float
+    confidence: float
+    adaptive: bool
+
+    def confidence_at(self, arrival_rate: float) -> float:
+        """c_i for a request arriving at this rate: CacheOpt Eq. 4 when adaptive, else the fixed c."""
+        return adaptive_confidence(arrival_rate, self.alpha, self.beta) if self.adaptive else self.confidence
+
+
+class PredictionMetrics:
+    """How well the predictions served: absolute error and under/over-provisioning, per predictor."""
+
+    def __init__(self, metrics: CollectorRegistry):
+        self.predictions = Counter("kvmesh_predictor_predictions", "Predictions answered, by predictor",
+                                   ["predictor"], registry=metrics)
+        self.observations = Counter("kvmesh_predictor_observations", "Actual lengths observed, by the "
+                                    "predictor in force", ["predictor"], registry=metrics)
+        self.error = Histogram("kvmesh_predictor_abs_error_tokens", "Prediction absolute error "
+                               "|predicted - actual| in tokens, of observations that carry `predicted`",
+                               ["predictor"], buckets=ERROR_BUCKETS, registry=metrics)
+        self.under = Counter("kvmesh_predictor_underprovisioned", "Observed requests whose estimated "
+                             "length was below the actual one (estimated < actual)", ["predictor"], registry=metrics)
+        self.over = Counter("kvmesh_predictor_overprovisioned", "Observed requests whose estimated "
+                            "length was above the actual one (estimated > actual)", ["predictor"], registry=metrics)
+
+    def show(self, predictor: str) -> None:
+        """Expose the predictor's series at zero before its first prediction."""
+        for family in (self.predictions, self.observations, self.error, self.under, self.over):
+            family.labels(predictor)
+
+    def observed(self, predictor: str, body: ObserveRequest) -> None:
+        self.observations.labels(predictor).inc()
+        if body.predicted is not None:
+            self.error.labels(predictor).observe(abs(body.predicted - body.actual))
+        if body.estimated is not None and body.estimated < body.actual:
+            self.under.labels(predictor).inc()
+        if body.estimated is not None and body.estimated > body.actual:
+            self.over.labels(predictor).inc()
+
+
+def build_predictor(name: str, history: HistoryPredictor) -> LengthPredictor:
+    """Predictor `name` (KeyError when unknown), built on the service's `history` when it takes a base."""
+    if name == "history":
+        return history
+    factory = registry.resolve(name)
+    if "base" in inspect.signature(factory).parameters:
+        return factory(base=history)
+    return factory()
+
+
+def build_service(config: Config) -> Service:
+    service = Service("predictor", config)
+    history = HistoryPredictor()
+    current = InForce(config.predictor, build_predictor(config.predictor, history), config.alpha, config.beta,
+                      config.confidence, config.adaptive)
+    arrivals = ArrivalRate(at=time.monotonic())
+    metrics = PredictionMetrics(service.metrics)
+    metrics.show(current.name)
+    Gauge("kvmesh_predictor_arrival_rate", f"Arrival rate of /v1/predict calls, requests/s, exponentially "
+          f"weighted with a {config.rate_window_s:g} s time constant", registry=service.metrics
+          ).set_function(lambda: rate_at(arrivals, time.monotonic(), config.rate_window_s))
+
+    @service.route("POST", "/v1/predict", body=PredictRequest, response=PredictedLength)
+    async def predict(request: web.Request, body: PredictRequest) -> PredictedLength:
+        """Predict a request's output length, padded for the confidence in force."""
+        nonlocal arrivals
+        now = time.monotonic()
+        arrivals = arrive(arrivals, now, config.rate_window_s)
+        confidence = current.confidence_at(rate_at(arrivals, now, config.rate_window_s))
+        try:
+            prediction = current.predictor.predict(_query(body), confidence)
+        except ValueError as exc:  # e.g. the oracle without a true_length
+            raise BadRequest(f"predictor {current.name!r}: {exc}") from None
+        metrics.predictions.labels(current.name).inc()
+        return PredictedLength(predicted=prediction.predicted, direction=str(prediction.direction),
+                               padding=prediction.padding, estimated=prediction.estimated,
+                               confidence=prediction.confidence, predictor=current.name)
+
+    @service.route("POST", "/v1/observe", body=ObserveRequest)
+    async def observe(request: web.Request, body: ObserveRequest) -> None:
+        """Learn a finished request's actual output length."""
+        # Learning reads only the keys; max_tokens is any valid cap.
+        query = LengthQuery(tenant=body.tenant, max_tokens=max(body.actual, 1), template=body.template)
+        current.predictor.observe(query, body.actual)
+        metrics.observed(current.name, body)
+
+    @service.route("GET", "/v1/config", response=PredictorSettings)
+    async def get_config(request: web.Request) -> PredictorSettings:
+        """The settings in force, the predictors to choose from and the measured arrival rate."""
+        return settings()
+
+    @service.route("PUT", "/v1/config", body=ConfigChange, response=PredictorSettings)
+    async def set_config(request: web.Request, body: ConfigChange) -> PredictorSettings:
+        """Change the predictor or the confidence settings; the next prediction uses them."""
+        if body.predictor is not None and body.predictor != current.name:
+            try:
+                predictor = build_predictor(body.predictor, history)
+            except KeyError:
+                raise BadRequest(f"no length predictor named {body.predictor!r}; "
+                                 f"known: {', '.join(registry.names())}") from None
+            log.info("length predictor: %s -> %s", current.name, body.predictor)
+            current.name, current.predictor = body.predictor, predictor
+            metrics.show(current.name)
+        for name in ("alpha", "beta", "confidence", "adaptive"):
+            if getattr(body, name) is not None:
+                setattr(current, name, getattr(body, name))
+        return settings()
+
+    def settings() -> PredictorSettings:
+        return PredictorSettings(predictor=current.name, alpha=current.alpha, beta=current.beta,
+                                 confidence=current.confidence, adaptive=current.adaptive,
+                                 rate_window_s=config.rate_window_s,
+                                 arrival_rate=rate_at(arrivals, time.monotonic(), config.rate_window_s),
+                                 available=registry.names())
+
+    return service
+
+
+def _query(body: PredictRequest) -> LengthQuery:
+    return LengthQuery(tenant=body.tenant, max_tokens=body.max_tokens, prompt_ids=tuple(body.prompt_token_ids or ()),
+                       text=body.prompt, template=body.template, true_length=body.true_length)
