@@ -245,7 +245,7 @@ def _prepared(request: web.Request, body, tokenizer: ModelTokenizer, ids: list[i
     slo = slo_of(body, request.headers, defaults)
     prefix = "chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl"
     generation = Generation(request_id=f"{prefix}-{uuid.uuid4().hex}", model=body.model, prompt_ids=list(ids),
-                            max_tokens=max_tokens, sampling=sampling)
+                            max_tokens=max_tokens, sampling=sampling, ttft_slo_ms=slo.ttft_ms, tbt_slo_ms=slo.tbt_ms)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Prepared(generation, tokenizer, bool(body.stream), include_usage, slo)
 

@@ -74,6 +74,9 @@ class GenerateBody(Struct, kw_only=True, omit_defaults=True):
     logprobs: bool = False
     kv_transfer: dict[str, Any] | None = None
     kv_source: KVHandle | None = None
+    ttft_slo_ms: float | None = None
+    tbt_slo_ms: float | None = None
+    predicted_output_len: int | None = None
 
 
 class TokenizerSpec(Struct, kw_only=True):

@@ -41,12 +41,16 @@ class Generation:
     prompt_ids: list[int]
     max_tokens: int
     sampling: Sampling
+    ttft_slo_ms: float | None = None           # the request's SLOs and predicted output length, for the
+    tbt_slo_ms: float | None = None            # engines' policies (CacheOpt 3.4); None: it has none
+    predicted_output_len: int | None = None
 
     def body(self, request_id: str, **changes) -> GenerateBody:
         s = self.sampling
         fields = dict(request_id=request_id, prompt_token_ids=self.prompt_ids, max_tokens=self.max_tokens,
                       temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed, stop=s.stop,
-                      ignore_eos=s.ignore_eos, logprobs=s.logprobs)
+                      ignore_eos=s.ignore_eos, logprobs=s.logprobs, ttft_slo_ms=self.ttft_slo_ms,
+                      tbt_slo_ms=self.tbt_slo_ms, predicted_output_len=self.predicted_output_len)
         return GenerateBody(**{**fields, **changes})
 
 
@@ -175,6 +179,8 @@ class Lifecycle:
         yield first
         body = generation.body(request_id, prompt_token_ids=generation.prompt_ids + first.token_ids,
                                max_tokens=generation.max_tokens - len(first.token_ids),
+                               predicted_output_len=_still_to_come(generation.predicted_output_len,
+                                                                   len(first.token_ids)),
                                kv_source=transfer["target"] if push else last.kv_handle)
         failed: list[str] = []
         while True:
@@ -249,6 +255,12 @@ class Lifecycle:
         for engine, request_id in journey.holding.values():
             self.engines.abort(engine, request_id)
         journey.holding.clear()
+
+
+def _still_to_come(predicted: int | None, generated: int) -> int | None:
+    """The predicted output length left for the decode engine, whose output starts after the prefill's
+    tokens; at least 1 (a request past its prediction is predicted to end soon)."""
+    return None if predicted is None else max(1, predicted - generated)
 
 
 def _engines(route: Route) -> dict[str, str | None]:

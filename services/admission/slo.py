@@ -5,9 +5,9 @@ A request names its SLO class in the body (`slo_class`), else in the header `X-K
 else its class is `default`. Admission's config `slo_classes` maps class names to SLOs; a class it
 does not know is a 400. A request may also name its own SLOs in the body (`ttft_ms`, `tbt_ms`), else
 in headers (`X-KVMesh-TTFT-Ms`, `X-KVMesh-TBT-Ms`); what it leaves out comes from its class, then
-from `default_ttft_ms` / `default_tbt_ms`. Today admission measures each request against them and
-counts attainment in `/metrics`; the scheduler's and the engines' request bodies do not take SLOs
-yet, and they are the next place these values go (SLO-aware routing, LayerKV's prefill admission).
+from `default_ttft_ms` / `default_tbt_ms`. Admission measures each request against them,
+counts attainment in `/metrics`, and sends them with every engine call (`ttft_slo_ms`, `tbt_slo_ms`),
+where the engine's policies read them; the scheduler does not take them yet (SLO-aware routing).
 """
 
 from __future__ import annotations

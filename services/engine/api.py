@@ -11,6 +11,7 @@ from kvmesh.libs.controlplane import BadRequest
 from kvmesh.libs.kvmeta.messages import Id
 
 from .handoff import KVHandle, KVTransfer
+from .request import Targets
 from .sampling import SamplingParams
 
 
@@ -31,6 +32,9 @@ class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     logprobs: bool = False
     kv_transfer: KVTransfer | None = None  # prefill role: keep the prompt's KV for a decode engine
     kv_source: KVHandle | None = None      # decode role: the prompt's KV (all but its last token) is there
+    ttft_slo_ms: float | None = None       # the request's SLOs and predicted output length, for the policies
+    tbt_slo_ms: float | None = None
+    predicted_output_len: int | None = None
 
     def validated(self, tokenizer, vocab_size: int, max_model_len: int) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and the sampling parameters, or a 400 saying what is wrong."""
@@ -65,6 +69,17 @@ class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True):
         return ids, SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
                                    top_p=self.top_p, seed=self.seed, stop_token_ids=tuple(self.stop_token_ids),
                                    stop=tuple(self.stop), ignore_eos=self.ignore_eos, logprobs=self.logprobs)
+
+    def targets(self) -> Targets:
+        """The request's SLOs and predicted output length, or a 400 saying what is wrong."""
+        for name in ("ttft_slo_ms", "tbt_slo_ms"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise BadRequest(f"{name} must be a positive number of milliseconds, got {value}")
+        if self.predicted_output_len is not None and self.predicted_output_len < 1:
+            raise BadRequest(f"predicted_output_len must be at least 1, got {self.predicted_output_len}")
+        return Targets(ttft_slo_ms=self.ttft_slo_ms, tbt_slo_ms=self.tbt_slo_ms,
+                       predicted_output_len=self.predicted_output_len)
 
 
 class AbortRequest(Struct, kw_only=True, forbid_unknown_fields=True):

@@ -78,6 +78,9 @@ def build_service(config: EngineConfig) -> Service:
         """Generate from a prompt; streams one frame per token (msgpack, or JSON lines on Accept: JSON)."""
         arrival = engine.clock()
         ids, sampling = body.validated(engine.tokenizer, model_config.vocab_size, context_limit)
+        targets = body.targets()
+        tracing.annotate({"kvmesh.ttft_slo_ms": targets.ttft_slo_ms, "kvmesh.tbt_slo_ms": targets.tbt_slo_ms,
+                          "kvmesh.predicted_output_len": targets.predicted_output_len})
         request_id = body.request_id or uuid.uuid4().hex
         if request_id in streams:
             raise BadRequest(f"request {request_id} is already running on this engine")
@@ -89,7 +92,7 @@ def build_service(config: EngineConfig) -> Service:
             handoff.traced(request_id)
         if handoff.claims(body):  # push mode: the KV is already in blocks reserved here
             def claim() -> tuple[bool, list[Frame]]:
-                return engine.claim(request_id, ids, sampling, arrival), []
+                return engine.claim(request_id, ids, sampling, arrival, targets), []
             if not await asyncio.wrap_future(loop.call(claim)):
                 streams.pop(request_id, None)
                 raise BadRequest(f"kv_source: no reservation {request_id} for {len(ids) - 1} tokens on this engine "
@@ -97,7 +100,7 @@ def build_service(config: EngineConfig) -> Service:
         else:
             def add() -> None:
                 engine.add(request_id, ids, sampling, hold_kv=body.kv_transfer is not None and push is None,
-                           push=push, kv_source=body.kv_source, arrival=arrival)
+                           push=push, kv_source=body.kv_source, arrival=arrival, targets=targets)
             loop.submit(add)
         as_json = any(media in request.headers.get("Accept", "") for media in ("application/json", NDJSON))
         response = web.StreamResponse(headers={"Content-Type": NDJSON if as_json else "application/msgpack"})

@@ -17,6 +17,7 @@ from types import MappingProxyType
 import torch
 
 from kvmesh.libs.kvmeta.nodeid import node_ids
+from kvmesh.policies.swap_recompute import SwapCurves
 from kvmesh.policies.views import CachedBlockView, PoolView
 
 from .kv_pool import KVPool
@@ -48,6 +49,7 @@ class BlockManager:
         self.hit_tokens = 0             # prompt tokens served from the prefix cache, all time
         self.lookup_blocks = 0          # full blocks looked up in the prefix cache, all time
         self.hit_blocks = 0             # of those, found
+        self.swap_curves: SwapCurves | None = None  # profiled at start (swap_profile.py), for the policies
         self._view: tuple[tuple[int, ...], PoolView] | None = None  # pool_view() and the counts it was built from
 
     # -- accounting -------------------------------------------------------------------------------
@@ -70,9 +72,14 @@ class BlockManager:
         if self._view is None or self._view[0] != counts:
             view = PoolView(block_size=self.block_size, num_layers=self.num_layers,
                             free=MappingProxyType({t: self.free(t) for t in self.pools}),
-                            total=MappingProxyType({t: p.num_blocks for t, p in self.pools.items()}))
+                            total=MappingProxyType({t: p.num_blocks for t, p in self.pools.items()}),
+                            swap_curves=self.swap_curves)
             self._view = counts, view
         return self._view[1]
+
+    def use_swap_curves(self, curves: SwapCurves | None) -> None:
+        """Hand profiled swap and recompute curves to the policies, from the next pool_view() on."""
+        self.swap_curves, self._view = curves, None
 
     # -- prefix cache -----------------------------------------------------------------------------
 

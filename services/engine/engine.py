@@ -24,9 +24,10 @@ from .block_manager import BlockManager
 from .detokenizer import advance_text
 from .handoff import KVHandle, KVPushTarget, TransferStats
 from .model_runner import ModelRunner
-from .request import Request, Status
+from .request import Request, Status, Targets
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
+from .swap_profile import SwapProfile
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ class EngineState(msgspec.Struct, kw_only=True):
     prefix_cache_lookup_blocks: dict[str, int]  # by tier: full blocks looked up
     prefix_cache_hit_blocks: dict[str, int]     # by tier: of those, found
     kv_transfer: TransferTotals
+    swap_profile: SwapProfile | None   # CacheOpt 3.5's start-up profile and fitted curves; None: not profiled
 
 
 @dataclass
@@ -119,6 +121,7 @@ class Engine:
     generated_tokens: int = 0
     computed_prompt_tokens: int = 0
     transferred: TransferTotals = field(default_factory=TransferTotals)
+    swap_profile: SwapProfile | None = None
     # The KV hand-off (docs/serving.md): who we are on the data plane, how long held KV waits for its
     # decode engine, and the service's hooks for starting a pull and for KV given up.
     engine_id: str = "engine-0"
@@ -131,11 +134,12 @@ class Engine:
     _tbt: deque[float] = field(default_factory=lambda: deque(maxlen=512))
 
     def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, *, hold_kv: bool = False,
-            push: KVPushTarget | None = None, kv_source: KVHandle | None = None, arrival: float | None = None) -> Request:
+            push: KVPushTarget | None = None, kv_source: KVHandle | None = None, arrival: float | None = None,
+            targets: Targets = Targets()) -> Request:
         """Queue a request; `arrival` (default now) is when it reached the engine, so the wait for
         the engine thread to take it counts as queueing."""
         request = Request(request_id, list(prompt_ids), sampling, arrival or self.clock(), self.blocks.num_layers,
-                          hold_kv=hold_kv, push=push, kv_source=kv_source)
+                          hold_kv=hold_kv, push=push, kv_source=kv_source, targets=targets)
         self._seed(request)
         self.scheduler.add(request)
         return request
@@ -150,12 +154,13 @@ class Engine:
         return request
 
     def claim(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-              arrival: float | None = None) -> bool:
+              arrival: float | None = None, targets: Targets = Targets()) -> bool:
         """Push mode: the request whose KV a prefill engine wrote into reserved blocks decodes on."""
         request = next((r for r in self.scheduler.pulling if r.request_id == request_id and r.reservation), None)
         if request is None or len(prompt_ids) != request.num_tokens:
             return False
         request.prompt_ids, request.sampling, request.arrival = list(prompt_ids), sampling, arrival or self.clock()
+        request.targets = targets
         request.pull_times = (request.scheduled_at, request.arrival)
         self._seed(request)
         self.scheduler.pulled(request, request.arrival)
@@ -329,7 +334,7 @@ class Engine:
                            generated_tokens=self.generated_tokens, computed_prompt_tokens=self.computed_prompt_tokens,
                            prefix_cache_lookup_blocks={self.blocks.cache_tier: self.blocks.lookup_blocks},
                            prefix_cache_hit_blocks={self.blocks.cache_tier: self.blocks.hit_blocks},
-                           kv_transfer=msgspec.structs.replace(self.transferred))
+                           kv_transfer=msgspec.structs.replace(self.transferred), swap_profile=self.swap_profile)
 
 
 class EngineLoop:

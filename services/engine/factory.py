@@ -3,12 +3,17 @@ scheduler and the runner."""
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from pathlib import Path
+from typing import Annotated, Literal
 
+import msgspec
 import torch
 
-from kvmesh.libs.controlplane import ServiceConfig
+from kvmesh.libs.controlplane import ConfigError, ServiceConfig
+from kvmesh.policies import registry
 
 from .block_manager import BlockManager
 from .engine import Engine
@@ -17,6 +22,11 @@ from .model_runner import ModelRunner
 from .models import PRESETS, build_preset, load_checkpoint
 from .policy_set import Policies
 from .scheduler import Scheduler
+from .swap_profile import profile_lengths, profile_swap
+
+log = logging.getLogger(__name__)
+
+SWAP_BLIND_STRATEGIES = ("recompute", "swap")  # built-in preemption strategies that never read swap curves
 
 
 class EngineConfig(ServiceConfig, kw_only=True):
@@ -38,6 +48,11 @@ class EngineConfig(ServiceConfig, kw_only=True):
     max_model_len: int = 0             # 0: the model's limit, or what the device tier holds if less
     prefix_caching: bool = True
     policies: dict[str, str] = {}
+    # CacheOpt 3.5: time recompute and swap at start (with a cxl tier) and fit the curves `sweet_spot` reads.
+    # auto: when the configured preemption strategy may read them (any but `recompute` and `swap`).
+    swap_profile: Literal["auto", "on", "off"] = "auto"
+    swap_profile_lengths: list[int] = []  # tokens; empty: 5 spaced geometrically from one block to the context
+    swap_profile_repeats: Annotated[int, msgspec.Meta(ge=1)] = 3  # timings at each length; the median counts
     torch_threads: int = 0             # 0: torch's default
     dataplane: str = "tcp"             # KV hand-off between engines: tcp | shm | verbs | none
     data_host: str = "127.0.0.1"       # where this engine's data-plane endpoint listens
@@ -72,8 +87,36 @@ def build_engine(config: EngineConfig) -> Engine:
                           prefix_caching=config.prefix_caching)
     scheduler = Scheduler(blocks, policies, config.max_num_seqs, config.token_budget)
     runner = ModelRunner(model, pools["device"], spec.num_layers, spec.head_dim)
-    return Engine(runner, blocks, scheduler, tokenizer, tuple(spec.eos_token_ids), engine_id=config.engine_id,
-                  kv_lease_s=config.kv_lease_ms / 1e3)
+    engine = Engine(runner, blocks, scheduler, tokenizer, tuple(spec.eos_token_ids), engine_id=config.engine_id,
+                    kv_lease_s=config.kv_lease_ms / 1e3)
+    if wants_swap_profile(config, blocks):
+        _profile_swap(config, engine)
+    return engine
+
+
+def wants_swap_profile(config: EngineConfig, blocks: BlockManager) -> bool:
+    """Whether to profile swap vs recompute at start: never without a cxl tier to swap to."""
+    if "cxl" not in blocks.pools or config.swap_profile == "off":
+        return False
+    strategy = config.policies.get("preemption_strategy", registry.DEFAULTS["preemption_strategy"])
+    return config.swap_profile == "on" or strategy not in SWAP_BLIND_STRATEGIES
+
+
+def _profile_swap(config: EngineConfig, engine: Engine) -> None:
+    blocks = engine.blocks
+    cxl_tokens = blocks.pools["cxl"].num_blocks // blocks.num_layers * blocks.block_size
+    longest = min(max_model_len(config, engine), cxl_tokens)
+    lengths = config.swap_profile_lengths or profile_lengths(blocks.block_size, longest)
+    if not all(1 <= length <= longest for length in lengths):
+        raise ConfigError(f"swap_profile_lengths must lie in [1, {longest}] (the context, and what the cxl tier "
+                          f"holds), got {lengths}")
+    started = time.perf_counter()
+    engine.swap_profile = profile_swap(engine.runner, blocks, config.token_budget, lengths,
+                                       config.swap_profile_repeats)
+    blocks.use_swap_curves(engine.swap_profile.curves)
+    curves = engine.swap_profile.curves
+    log.info("swap profile: %d lengths in %.2fs, sweet spot %s tokens", len(lengths), time.perf_counter() - started,
+             curves.sweet_spot if curves else "not fitted")
 
 
 def device_pool_path(config: EngineConfig) -> Path:

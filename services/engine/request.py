@@ -27,6 +27,16 @@ class LayerBlocks:
     blocks: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Targets:
+    """What admission says of a request beyond its tokens, for the policies: its SLOs and the
+    predictor's output length (CacheOpt 3.4); None where it has none."""
+
+    ttft_slo_ms: float | None = None
+    tbt_slo_ms: float | None = None
+    predicted_output_len: int | None = None
+
+
 @dataclass
 class Request:
     request_id: str
@@ -58,6 +68,7 @@ class Request:
     kv_source: KVHandle | None = None      # decode role: where the prompt's KV is, until it has arrived
     reservation: bool = False              # decode role, push mode: blocks held for KV a prefill engine writes
     kv_deadline: float | None = None       # a reservation nobody claims is freed then
+    targets: Targets = Targets()
     layers: list[LayerBlocks] = field(init=False)
 
     def __post_init__(self) -> None:

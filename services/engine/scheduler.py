@@ -202,4 +202,5 @@ def view(request: Request) -> RequestView:
                        num_tokens=request.num_tokens, num_computed=request.num_computed,
                        num_generated=len(request.output_ids), max_tokens=request.sampling.max_tokens,
                        blocks_per_layer=request.blocks_per_layer, tier=request.tier,
-                       preemptions=request.preemptions)
+                       preemptions=request.preemptions, tbt_slo_ms=request.targets.tbt_slo_ms,
+                       predicted_output_len=request.targets.predicted_output_len)

@@ -120,6 +120,11 @@ async def test_client_disconnect_frees_blocks(engine: Child, client):
     ({"prompt": "a", "stop": [""]}, "stop"),
     ({"prompt": "a", "best_of": 3}, "unknown field"),
     ({"prompt": "a", "max_tokens": "many"}, "Expected `int`"),
+    ({"prompt": "a", "tbt_slo_ms": 0}, "tbt_slo_ms must be a positive number"),
+    ({"prompt": "a", "ttft_slo_ms": -5.0}, "ttft_slo_ms must be a positive number"),
+    ({"prompt": "a", "tbt_slo_ms": "soon"}, "Expected `float"),
+    ({"prompt": "a", "predicted_output_len": 0}, "predicted_output_len must be at least 1"),
+    ({"prompt": "a", "predicted_output_len": 2.5}, "Expected `int"),
 ])
 async def test_bad_input_is_400_with_a_reason(engine: Child, client, body, message):
     async with aiohttp.ClientSession() as http:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -59,13 +60,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str, request: pyt
 
 
 @pytest.fixture(scope="module")
-def disaggregated(tmp_path_factory: pytest.TempPathFactory, redis_url: str,
-                  request: pytest.FixtureRequest) -> Iterator[Cluster]:
+def split_spans(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the disaggregated cluster's services append their trace spans."""
+    return tmp_path_factory.mktemp("disaggregated-spans") / "spans.jsonl"
+
+
+@pytest.fixture(scope="module")
+def disaggregated(tmp_path_factory: pytest.TempPathFactory, redis_url: str, request: pytest.FixtureRequest,
+                  split_spans: Path) -> Iterator[Cluster]:
     """A prefill engine and a decode engine (KV pulled over tcp), with their scheduler and admission."""
     with ExitStack() as exits:
         cluster = start_cluster(exits, tmp_path_factory.mktemp("disaggregated"), redis_url,
                                 cluster_name(request) + "-pd", {"engine-p0": "prefill", "engine-d0": "decode"},
-                                KVMESH_API_KEY=KEY)
+                                every_env={"KVMESH_TRACE_FILE": str(split_spans)}, KVMESH_API_KEY=KEY)
         yield cluster
         with cluster.kvmeta.redis() as redis:
             assert_consistent(redis, cluster.kvmeta.prefix)
@@ -372,6 +379,28 @@ async def test_answers_say_how_they_were_served_and_where_the_time_went(client, 
             extra_body={"ignore_eos": True}):
         last = chunk if chunk.choices and chunk.choices[0].finish_reason else last
     assert set(last.model_extra["kvmesh"]["timings_ms"]) == parts
+
+
+async def test_both_engines_are_given_the_requests_slos(split_client, split_spans):
+    reply = await split_client.completions.create(model=MODEL, prompt="On time", max_tokens=4,
+                                                  extra_body={"ignore_eos": True, "ttft_ms": 60_000, "tbt_ms": 250})
+    calls = await _engine_calls(split_spans, reply.id)
+    assert {engine: (a.get("kvmesh.ttft_slo_ms"), a.get("kvmesh.tbt_slo_ms")) for engine, a in calls.items()} == {
+        "engine-p0": (60_000, 250), "engine-d0": (60_000, 250)}
+
+
+async def _engine_calls(spans_file: Path, request_id: str, timeout: float = 10.0) -> dict[str, dict]:
+    """The attributes of each engine's `POST /v1/generate` span on the trace of admission's `request_id`."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        spans = [json.loads(line) for line in spans_file.read_text().splitlines()] if spans_file.exists() else []
+        traces = {s["trace_id"] for s in spans
+                  if s["name"] == "admission" and s["attributes"].get("kvmesh.request_id") == request_id}
+        calls = {s["service"]: s["attributes"] for s in spans
+                 if s["trace_id"] in traces and s["name"] == "POST /v1/generate" and s["service"].startswith("engine")}
+        if len(calls) == 2 or asyncio.get_running_loop().time() > deadline:
+            return calls
+        await asyncio.sleep(0.1)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,86 @@
+"""CacheOpt's engine side (issue 7): a request's SLOs and predicted length reach the policies' views,
+and the start-up profile of swap vs recompute feeds the `sweet_spot` strategy and `GET /v1/state`."""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+import pytest
+
+from kvmesh.policies import preemption, registry
+from kvmesh.policies.swap_recompute import RecomputeCurve, SwapCurve, SwapCurves
+from kvmesh.services.engine.request import Targets
+from kvmesh.services.engine.sampling import SamplingParams
+
+from .conftest import assert_all_blocks_free, engine_for
+from .test_engine_correctness import prompts
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+# 4 layers x 96 blocks of 16 tokens: two or three of the requests below at once, so some are preempted.
+PRESSED = dict(device_blocks=96, prefix_caching=False)
+
+
+def run(engine, targets: dict[str, Targets] | None = None, seed: int = 2) -> list:
+    requests = [engine.add(f"r{i}", p, GREEDY, targets=(targets or {}).get(f"r{i}", Targets()))
+                for i, p in enumerate(prompts(6, seed=seed, lengths=(30, 60)))]
+    for _ in range(10_000):
+        if not engine.scheduler.has_work():
+            break
+        engine.step()
+    assert all(r.finished and r.finish_reason == "length" for r in requests)
+    return requests
+
+
+def test_slos_and_predicted_length_reach_the_preemption_order(tiny_checkpoint, monkeypatch):
+    seen: dict[str, tuple[float | None, int | None]] = {}
+
+    def recording(running, pool):
+        seen.update({r.request_id: (r.tbt_slo_ms, r.predicted_output_len) for r in running})
+        return preemption.cacheopt(running, pool)
+
+    monkeypatch.setitem(registry.HOOKS["preemption_order"], "recording", recording)
+    engine = engine_for(tiny_checkpoint, **PRESSED, policies={"preemption_order": "recording"})
+    targets = {f"r{i}": Targets(ttft_slo_ms=1000.0, tbt_slo_ms=100.0 * (i + 1), predicted_output_len=5 + i)
+               for i in range(6)}
+    run(engine, targets)
+    assert engine.preemptions["recompute"] > 0 and len(seen) >= 2
+    assert seen == {r: (targets[r].tbt_slo_ms, targets[r].predicted_output_len) for r in seen}
+    assert_all_blocks_free(engine)
+
+
+def test_the_profile_feeds_sweet_spot_and_shows_in_state(tiny_checkpoint):
+    engine = engine_for(tiny_checkpoint, **PRESSED, policies={"preemption_strategy": "sweet_spot"})
+    profile = engine.swap_profile
+    context = 96 // 4 * 16
+    assert len(profile.lengths) >= 4 and profile.lengths[0] == 16 and profile.lengths[-1] == context
+    assert len(profile.recompute_s) == len(profile.swap_s) == len(profile.lengths)
+    assert profile.curves is not None and engine.blocks.pool_view().swap_curves is profile.curves
+    state = msgspec.json.decode(msgspec.json.encode(engine.state()))["swap_profile"]
+    assert state["curves"]["sweet_spot"] == profile.curves.sweet_spot and set(state["curves"]["recompute"]) == set("abke")
+    assert_all_blocks_free(engine)  # profiling gave back every block it used
+    run(engine)
+    assert sum(engine.preemptions.values()) > 0
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("recompute_slope, strategy", [(1e-3, "swap"), (1e-9, "recompute")])
+def test_sweet_spot_swaps_only_past_the_crossing(tiny_checkpoint, recompute_slope, strategy):
+    """Recompute far dearer than swap: every victim swaps; far cheaper: every victim recomputes."""
+    engine = engine_for(tiny_checkpoint, **PRESSED, policies={"preemption_strategy": "sweet_spot"},
+                        swap_profile="off")
+    engine.blocks.use_swap_curves(SwapCurves.of(RecomputeCurve(a=1e-12, b=2.0, k=recompute_slope, e=0.0),
+                                                SwapCurve(g=1e-6, d=0.0)))
+    run(engine)
+    assert engine.preemptions[strategy] > 0 and sum(engine.preemptions.values()) == engine.preemptions[strategy]
+    assert_all_blocks_free(engine)
+
+
+def test_profiling_is_off_for_strategies_that_ignore_it_and_a_failed_fit_leaves_no_curves(tiny_checkpoint, caplog):
+    assert engine_for(tiny_checkpoint).swap_profile is None  # recompute: nothing would read the curves
+    assert engine_for(tiny_checkpoint, policies={"preemption_strategy": "sweet_spot"},
+                      swap_profile="off").swap_profile is None
+    with caplog.at_level(logging.WARNING):
+        engine = engine_for(tiny_checkpoint, swap_profile="on", swap_profile_lengths=[16, 32, 48], swap_profile_repeats=1)
+    assert engine.swap_profile.lengths == [16, 32, 48] and engine.swap_profile.curves is None
+    assert engine.blocks.pool_view().swap_curves is None and "no curves fitted" in caplog.text
