@@ -14,6 +14,7 @@ from typing import Literal
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import time
@@ -32,6 +33,7 @@ from .lifecycle import Generation, Lifecycle
 from .limits import BoundedQueue, QueueFull, RateLimiter
 from .openai_api import (ChatCompletionRequest, CompletionRequest, Model, ModelList, OpenAIError, bad_request,
                          chat_checks, completion_checks, decode_body, messages_of, prompt_of, sampling_of)
+from .predictor_client import PredictorClient
 from .responses import Answer, json_response, stream, whole
 from .scheduler_client import SchedulerClient
 from .slo import Slo, SloClass, SloMetrics, Timing, slo_defaults, slo_of
@@ -45,6 +47,10 @@ DISCONNECT_POLL_S = 0.1  # how soon a client that went away is noticed while not
 class Config(ServiceConfig, kw_only=True):
     port: int = 8100
     scheduler_url: str = "http://127.0.0.1:8102"
+    # The length predictor (CacheOpt): each request's output length to allocate for goes to the
+    # engines; none configured, or one that fails or takes longer than predict_timeout_s: no prediction.
+    predictor_url: str | None = None
+    predict_timeout_s: float = 0.5
     # API keys: `api_key` (KVMESH_API_KEY), `api_keys`, and `api_key_file` (one key a line, `#` comments)
     # all count. With none, every public request is refused: admission is never open by default.
     api_key: str | None = None
@@ -98,6 +104,8 @@ def build_service(config: Config) -> Service:
     limiter = RateLimiter(config.requests_per_s, config.burst)
     queue = BoundedQueue(config.max_running, config.max_queued)
     scheduler = SchedulerClient(config.scheduler_url, config.token, config.route_timeout_s)
+    predictor = PredictorClient(config.predictor_url, config.token, config.predict_timeout_s) \
+        if config.predictor_url else None
     engines = EngineClients(config.token, config.connect_timeout_s, abort_timeout_s=config.route_timeout_s)
     models = Models(scheduler, engines, config.models_refresh_s)
     lifecycle = Lifecycle(scheduler, engines, config.max_retries, config.stall_timeout_s, config.transfer_mode)
@@ -109,6 +117,8 @@ def build_service(config: Config) -> Service:
         yield
         await engines.close()
         await scheduler.close()
+        if predictor is not None:
+            await predictor.close()
 
     @service.readiness
     async def scheduler_answers() -> None:
@@ -178,16 +188,24 @@ def build_service(config: Config) -> Service:
         timing = Timing(time.monotonic())  # the client's clock starts before admission's own queue
 
         async def run() -> web.StreamResponse:
+            generation, prediction = prepared.generation, None
+            if predictor is not None:  # before the queue: the predictor's arrival rate is the arrivals'
+                prediction = await predictor.predict(generation.prompt_ids, generation.max_tokens, generation.model)
+                if prediction is not None:
+                    generation = dataclasses.replace(generation, predicted_output_len=prediction.estimated)
             try:
                 async with queue.slot():
                     reply = _answer(prepared)
                     try:
-                        async with contextlib.aclosing(lifecycle.run(prepared.generation)) as pieces:
+                        async with contextlib.aclosing(lifecycle.run(generation)) as pieces:
                             response = await (stream if prepared.stream else whole)(
                                 request, pieces, reply, chat, prepared.include_usage, timing)
                     finally:
                         tracing.annotate(_outcome(reply, timing))
                     slo_metrics.record(prepared.slo, timing, reply.served, reply.finish_reason)
+                    if prediction is not None and reply.finish_reason in ("stop", "length"):
+                        predictor.observe(generation.model, len(generation.prompt_ids), len(timing.token_times),
+                                          prediction)
                     return response
             except QueueFull as exc:
                 raise OpenAIError(429, str(exc), type="requests", code="queue_full",

@@ -1,0 +1,64 @@
+"""Admission's calls to the predictor service (CacheOpt): the output length to allocate for before
+a request runs, and its actual length after. A prediction only helps the engines plan, so a
+predictor that fails or is slow never fails a request: the request runs without one."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from msgspec import Struct
+from opentelemetry.trace import SpanKind
+
+from kvmesh.libs.controlplane import KvmeshError, ServiceClient
+from kvmesh.observability import tracing
+
+log = logging.getLogger(__name__)
+
+
+class PredictedLength(Struct, kw_only=True, frozen=True):
+    """`POST /v1/predict`'s answer: `estimated` is `predicted` moved by the confidence padding."""
+
+    predicted: int
+    direction: str
+    padding: float
+    estimated: int
+    confidence: float | None = None
+
+
+class PredictorClient:
+    def __init__(self, url: str, token: str | None, timeout_s: float):
+        self._client = ServiceClient(url, token=token, timeout=timeout_s, retries=0)
+        self._observing: set[asyncio.Task] = set()
+
+    async def predict(self, prompt_ids: list[int], max_tokens: int, tenant: str) -> PredictedLength | None:
+        with tracing.span("predict", kind=SpanKind.CLIENT) as span:
+            try:
+                answer = await self._client.call("POST", "/v1/predict", {
+                    "prompt_token_ids": prompt_ids, "max_tokens": max_tokens, "tenant": tenant}, into=PredictedLength)
+            except KvmeshError as exc:
+                log.warning("no length prediction (the request runs without one): %s", exc)
+                tracing.failed(span, exc)
+                return None
+            tracing.annotate({"kvmesh.predicted": answer.predicted, "kvmesh.estimated": answer.estimated,
+                              "kvmesh.padding": answer.padding, "kvmesh.confidence": answer.confidence})
+            return answer
+
+    def observe(self, tenant: str, prompt_len: int, actual: int, prediction: PredictedLength) -> None:
+        """The request's actual output length, in the background (the answer has gone already)."""
+        task = asyncio.create_task(self._observe({
+            "tenant": tenant, "prompt_len": prompt_len, "actual": actual,
+            "predicted": prediction.predicted, "estimated": prediction.estimated}))
+        self._observing.add(task)
+        task.add_done_callback(self._observing.discard)
+
+    async def _observe(self, body: dict) -> None:
+        try:
+            await self._client.call("POST", "/v1/observe", body)
+        except KvmeshError as exc:
+            log.warning("the predictor did not take an observed length: %s", exc)
+
+    async def close(self) -> None:
+        if self._observing:
+            await asyncio.gather(*self._observing, return_exceptions=True)
+        await self._client.close()
