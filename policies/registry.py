@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from importlib.metadata import entry_points
 
-from . import admission, allocation, cache, preemption, swap_recompute
+from . import admission, allocation, cache, plugins, preemption, swap_recompute
 
 HOOKS: dict[str, dict[str, Callable]] = {
     "prefill_admission": {"fcfs": admission.fcfs},
@@ -26,9 +25,4 @@ DEFAULTS = {"prefill_admission": "fcfs", "kv_allocation": "block_at_a_time",
 def resolve(hook: str, name: str) -> Callable:
     if hook not in HOOKS:
         raise KeyError(f"unknown policy hook {hook!r}; hooks: {', '.join(HOOKS)}")
-    if name in HOOKS[hook]:
-        return HOOKS[hook][name]
-    for entry in entry_points(group="kvmesh.policies"):
-        if entry.name == f"{hook}:{name}":
-            return entry.load()
-    raise KeyError(f"no {hook} policy named {name!r}; known: {', '.join(HOOKS[hook])}")
+    return plugins.resolve(hook, HOOKS[hook], name, f"{hook} policy")
