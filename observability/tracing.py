@@ -83,6 +83,11 @@ def tracer() -> Tracer | None:
     return _tracer
 
 
+def enabled() -> bool:
+    """Whether spans are being made: callers skip building attributes nobody would record."""
+    return _tracer is not None
+
+
 @contextlib.contextmanager
 def span(name: str, *, kind: SpanKind = SpanKind.INTERNAL,
          attributes: Mapping[str, AttributeValue] | None = None) -> Iterator[Span | None]:

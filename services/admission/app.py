@@ -201,7 +201,8 @@ def build_service(config: Config) -> Service:
                             response = await (stream if prepared.stream else whole)(
                                 request, pieces, reply, chat, prepared.include_usage, timing)
                     finally:
-                        tracing.annotate(_outcome(reply, timing))
+                        if tracing.enabled():
+                            tracing.annotate(_outcome(reply, timing))
                     slo_metrics.record(prepared.slo, timing, reply.served, reply.finish_reason)
                     if prediction is not None and reply.finish_reason in ("stop", "length"):
                         predictor.observe(generation.model, len(generation.prompt_ids), len(timing.token_times),
@@ -211,7 +212,8 @@ def build_service(config: Config) -> Service:
                 raise OpenAIError(429, str(exc), type="requests", code="queue_full",
                                   retry_after_s=config.queue_retry_after_s) from None
 
-        tracing.annotate(_request_attributes(prepared))
+        if tracing.enabled():
+            tracing.annotate(_request_attributes(prepared))
         with logs.request_context(prepared.generation.request_id):  # the run task copies it
             return await _while_connected(request, run())
 
@@ -277,12 +279,10 @@ def _request_attributes(prepared: Prepared) -> dict:
 
 def _outcome(reply: Answer, timing: Timing) -> dict:
     """The admission span's account of how the request went, as the client saw it."""
-    times = timing.token_times
-    return {"kvmesh.completion_tokens": len(times), "kvmesh.cached_tokens": reply.cached_tokens,
-            "kvmesh.finish_reason": reply.finish_reason,
-            "kvmesh.ttft_ms": (times[0] - timing.arrived) * 1e3 if times else None,
-            "kvmesh.tbt_ms": [(b - a) * 1e3 for a, b in zip(times, times[1:])],
-            "kvmesh.e2e_ms": (time.monotonic() - timing.arrived) * 1e3}
+    ms = lambda seconds: None if seconds is None else seconds * 1e3  # noqa: E731
+    return {"kvmesh.completion_tokens": len(timing.token_times), "kvmesh.cached_tokens": reply.cached_tokens,
+            "kvmesh.finish_reason": reply.finish_reason, "kvmesh.ttft_ms": ms(timing.ttft_s),
+            "kvmesh.tbt_ms": [gap * 1e3 for gap in timing.gaps_s], "kvmesh.e2e_ms": ms(timing.e2e_s)}
 
 
 def _answer(prepared: Prepared) -> Answer:

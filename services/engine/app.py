@@ -12,9 +12,9 @@ import msgspec
 from aiohttp import web
 
 from kvmesh.libs.controlplane import BadRequest, Service
-from kvmesh.observability import tracing
 from kvmesh.libs.kvmeta.client import KvmetaClient, WorkerPresence
 from kvmesh.libs.kvmeta.messages import BlockGeometry, Capacity, GpuNic, Load, WorkerInfo
+from kvmesh.observability import tracing
 
 from .api import Aborted, AbortRequest, GenerateRequest, PolicyNames, TokenizerSpec
 from .engine import EngineLoop, EngineState, Frame
@@ -79,8 +79,9 @@ def build_service(config: EngineConfig) -> Service:
         arrival = engine.clock()
         ids, sampling = body.validated(engine.tokenizer, model_config.vocab_size, context_limit)
         targets = body.targets()
-        tracing.annotate({"kvmesh.ttft_slo_ms": targets.ttft_slo_ms, "kvmesh.tbt_slo_ms": targets.tbt_slo_ms,
-                          "kvmesh.predicted_output_len": targets.predicted_output_len})
+        if tracing.enabled():
+            tracing.annotate({"kvmesh.ttft_slo_ms": targets.ttft_slo_ms, "kvmesh.tbt_slo_ms": targets.tbt_slo_ms,
+                              "kvmesh.predicted_output_len": targets.predicted_output_len})
         request_id = body.request_id or uuid.uuid4().hex
         if request_id in streams:
             raise BadRequest(f"request {request_id} is already running on this engine")

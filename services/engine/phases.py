@@ -17,7 +17,7 @@ from .engine import Frame
 def trace_phases(frame: Frame, engine_id: str, role: str) -> None:
     """Record the phases of the request `frame` finished, as children of the current span."""
     timings = frame.timings
-    if timings is None or tracing.tracer() is None:
+    if timings is None or not tracing.enabled():
         return
     usage = frame.usage
     common = {"kvmesh.request_id": frame.request_id, "kvmesh.engine": engine_id,
