@@ -9,7 +9,8 @@ from . import admission, allocation, cache, plugins, preemption, swap_recompute
 
 HOOKS: dict[str, dict[str, Callable]] = {
     "prefill_admission": {"fcfs": admission.fcfs},
-    "kv_allocation": {"block_at_a_time": allocation.block_at_a_time},
+    "kv_allocation": {"block_at_a_time": allocation.block_at_a_time, "estimate": allocation.estimate,
+                      "rlp": allocation.estimate, "s3": allocation.s3, "cacheopt": allocation.cacheopt},
     "preemption_order": {"latest_arrival_first": preemption.latest_arrival_first,
                          "fcfs": preemption.latest_arrival_first, "srtf": preemption.srtf,
                          "lkvo": preemption.lkvo, "cacheopt": preemption.cacheopt},

@@ -22,7 +22,10 @@ class RequestView:
     tier: str                 # where those blocks are: "device", or "cxl" when swapped out
     preemptions: int = 0
     tbt_slo_ms: float | None = None          # SLO_tbt; None: the request has none
-    predicted_output_len: int | None = None  # the predictor's output length; None: not predicted
+    predicted_output_len: int | None = None  # the estimated output length (padded prediction); None: not predicted
+    ttft_slo_ms: float | None = None         # SLO_tft; None: the request has none
+    allocation: int | None = None            # a_i, tokens of KV allotted (CacheOpt 3.3); None: blocks as it goes
+    last_token_at: float | None = None       # when its last token came out (engine clock); None: none yet
 
     @property
     def remaining_tokens(self) -> int:
@@ -32,8 +35,13 @@ class RequestView:
     def predicted_remaining_tokens(self) -> int:
         """Output tokens still to come by the prediction (capped by max_tokens), or by max_tokens
         when there is none; 0 once the request has outrun its prediction."""
-        predicted = self.max_tokens if self.predicted_output_len is None else self.predicted_output_len
-        return max(0, min(predicted, self.max_tokens) - self.num_generated)
+        return max(0, self.estimated_output_len - self.num_generated)
+
+    @property
+    def estimated_output_len(self) -> int:
+        """s_i^o: the estimated output length, capped by max_tokens; max_tokens without a prediction."""
+        return self.max_tokens if self.predicted_output_len is None else min(self.predicted_output_len,
+                                                                              self.max_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -98,6 +98,8 @@ class EngineState(msgspec.Struct, kw_only=True):
     steps: int
     preemptions: dict[str, int]
     prefix_cache_hit_tokens: int
+    unallocated_tokens: int                    # KV allotted to nobody, the reservation left out (CacheOpt 3.3)
+    allocations_grown: dict[str, int]          # all time: allocations a request outgrew, grown from where
     policies: dict[str, str]
     # All time, for the metrics (services/engine/metrics.py reads this snapshot when scraped).
     generated_tokens: int
@@ -246,6 +248,7 @@ class Engine:
         tokens, logprobs = sample(logits, [c.request.sampling for c in sampling],
                                   [c.request.generator for c in sampling]) if sampling else ([], [])
         done = self.clock()
+        self.scheduler.iteration_s.append(done - now)
         for chunk in plan.chunks:
             prompt_left = len(chunk.request.prompt_ids) - chunk.request.num_computed
             self.computed_prompt_tokens += max(0, min(chunk.num_tokens, prompt_left))
@@ -330,6 +333,8 @@ class Engine:
                            tbt_ms_p99=tbt[min(len(tbt) - 1, int(len(tbt) * 0.99))] * 1e3 if tbt else None,
                            steps=self.steps, preemptions=dict(self.preemptions),
                            prefix_cache_hit_tokens=self.blocks.hit_tokens,
+                           unallocated_tokens=self.scheduler.unallocated_tokens(),
+                           allocations_grown=dict(self.scheduler.grown),
                            policies=dict(self.scheduler.policies.names),
                            generated_tokens=self.generated_tokens, computed_prompt_tokens=self.computed_prompt_tokens,
                            prefix_cache_lookup_blocks={self.blocks.cache_tier: self.blocks.lookup_blocks},

@@ -14,6 +14,7 @@ import torch
 
 from kvmesh.libs.controlplane import ConfigError, ServiceConfig
 from kvmesh.policies import registry
+from kvmesh.policies.allocation import AllocationParams
 
 from .block_manager import BlockManager
 from .engine import Engine
@@ -48,6 +49,13 @@ class EngineConfig(ServiceConfig, kw_only=True):
     max_model_len: int = 0             # 0: the model's limit, or what the device tier holds if less
     prefix_caching: bool = True
     policies: dict[str, str] = {}
+    # CacheOpt 3.3's allocation ledger (read by every kv_allocation policy but block_at_a_time).
+    kv_block_tokens: Annotated[int, msgspec.Meta(ge=1)] = 8       # B: basic extra KV, and one on-demand step
+    kv_embed_buffer: Annotated[int, msgspec.Meta(ge=0)] = 8       # b: buffer between an embedded guest and its host
+    kv_proactive_iterations: Annotated[int, msgspec.Meta(ge=0)] = 2  # m
+    kv_reserved_blocks: Annotated[int, msgspec.Meta(ge=0)] = 8    # the global reservation, blocks per layer
+    kv_critical_epsilon_ms: Annotated[float, msgspec.Meta(ge=0)] = 5.0  # epsilon
+    kv_no_slo_rt_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0   # RT of a request without an SLO
     # CacheOpt 3.5: time recompute and swap at start (with a cxl tier) and fit the curves `sweet_spot` reads.
     # auto: when the configured preemption strategy may read them (any but `recompute` and `swap`).
     swap_profile: Literal["auto", "on", "off"] = "auto"
@@ -85,13 +93,20 @@ def build_engine(config: EngineConfig) -> Engine:
     policies = Policies(config.policies)
     blocks = BlockManager(pools, spec.num_layers, policies, model=config.model,
                           prefix_caching=config.prefix_caching)
-    scheduler = Scheduler(blocks, policies, config.max_num_seqs, config.token_budget)
+    scheduler = Scheduler(blocks, policies, config.max_num_seqs, config.token_budget, allocation_params(config))
     runner = ModelRunner(model, pools["device"], spec.num_layers, spec.head_dim)
     engine = Engine(runner, blocks, scheduler, tokenizer, tuple(spec.eos_token_ids), engine_id=config.engine_id,
                     kv_lease_s=config.kv_lease_ms / 1e3)
     if wants_swap_profile(config, blocks):
         _profile_swap(config, engine)
     return engine
+
+
+def allocation_params(config: EngineConfig) -> AllocationParams:
+    return AllocationParams(block_tokens=config.kv_block_tokens, embed_buffer=config.kv_embed_buffer,
+                            proactive_iterations=config.kv_proactive_iterations,
+                            reserved_blocks=config.kv_reserved_blocks, epsilon_s=config.kv_critical_epsilon_ms / 1e3,
+                            no_slo_rt_s=config.kv_no_slo_rt_s)
 
 
 def wants_swap_profile(config: EngineConfig, blocks: BlockManager) -> bool:

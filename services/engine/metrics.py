@@ -37,6 +37,9 @@ class EngineCollector:
         yield self._by(CounterMetricFamily, "kvmesh_engine_preemptions",
                        "Requests preempted, by strategy (recompute: KV dropped; swap: KV moved to the cxl tier)",
                        "strategy", state.preemptions)
+        yield self._by(CounterMetricFamily, "kvmesh_engine_kv_allocations_grown",
+                       "Allocations a request outgrew and got more for, by where from (unallocated KV or the "
+                       "global reservation)", "source", state.allocations_grown)
         yield self._by(CounterMetricFamily, "kvmesh_engine_prompt_tokens",
                        "Prompt tokens whose KV this engine computed, or found in its prefix cache", "source",
                        {"computed": state.computed_prompt_tokens, "cached": state.prefix_cache_hit_tokens})

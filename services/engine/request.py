@@ -69,6 +69,12 @@ class Request:
     reservation: bool = False              # decode role, push mode: blocks held for KV a prefill engine writes
     kv_deadline: float | None = None       # a reservation nobody claims is freed then
     targets: Targets = Targets()
+    # CacheOpt 3.3's ledger: tokens of KV allotted (None: blocks as it goes), and allocation this
+    # request hands on when it ends, (request id, tokens): back to its host when it was embedded,
+    # to a borrower when it lends.
+    allocation: int | None = None
+    passes: list[tuple[str, int]] = field(default_factory=list)
+    guests: list[str] = field(default_factory=list)   # requests embedded in its allotted KV
     layers: list[LayerBlocks] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -1,10 +1,16 @@
 """The iteration scheduler: each step, which requests compute how many tokens (continuous
 batching at iteration level, as in Orca and vLLM), with chunked prefill under a token budget.
 
-The decisions are the policies' (policies/): who is admitted, how many blocks a request gets, who
+The decisions are the policies' (policies/): who is admitted, how much KV a request is allotted, who
 is preempted and how, what the prefix cache drops. This file carries them out, in the order of
 ARCHITECTURE.md: running requests first (decodes and unfinished prefill chunks), then swapped-out
 ones coming back, then waiting ones in admission order.
+
+Allocation is a ledger (policies/allocation/plan.py): with any policy but vLLM's block_at_a_time,
+each step starts with the policy's plan for the batch; a request's blocks still come as its tokens
+do, but only within its allocation, and the KV allotted to nobody (less the global reservation)
+bounds what can be granted. A request that outgrows its allocation gets B tokens more on demand,
+then from the reservation, and only then preempts someone.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from kvmesh.policies.allocation import block_at_a_time
+from kvmesh.policies.allocation import AllocationInput, AllocationParams, AllocationPlan, Grant, block_at_a_time
 from kvmesh.policies.views import RequestView, blocks_for
 
 from .block_manager import BlockManager
@@ -40,15 +46,24 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, policies: Policies, max_num_seqs: int, token_budget: int):
+    def __init__(self, blocks: BlockManager, policies: Policies, max_num_seqs: int, token_budget: int,
+                 allocation: AllocationParams = AllocationParams()):
         self.blocks = blocks
         self.policies = policies
         self.max_num_seqs = max_num_seqs
         self.token_budget = token_budget
+        self.allocation = allocation
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.pulling: list[Request] = []
+        self.iteration_s: deque[float] = deque(maxlen=256)  # recent step times, for T_I^max
+        self.grown = {"unallocated": 0, "reserved": 0}       # allocations grown on demand, by where from
+
+    @property
+    def ledger(self) -> bool:
+        """Whether the allocation policy in force allots KV ahead (every one but vLLM's)."""
+        return self.policies.kv_allocation is not block_at_a_time
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -71,6 +86,7 @@ class Scheduler:
                 queue.remove(request)
         if release:
             self.blocks.release(request)
+        self._settle(request)
         request.status, request.finish_reason = Status.FINISHED, reason
 
     def pulled(self, request: Request, now: float) -> None:
@@ -85,11 +101,34 @@ class Scheduler:
 
     def schedule(self, now: float) -> Plan:
         plan = Plan()
+        grants = self._plan_allocation(plan, now) if self.ledger else None
+        preempted = len(plan.preempted)
         budget = self._schedule_running(plan, self.token_budget)
-        if not plan.preempted:
+        if len(plan.preempted) == preempted:  # nobody lost their place for want of blocks
             budget = self._resume_swapped(plan, budget)
-            self._admit_waiting(plan, budget, now)
+            self._admit_waiting(plan, budget, now, grants)
         return plan
+
+    def _plan_allocation(self, plan: Plan, now: float) -> list[Grant]:
+        """Ask the allocation policy for this step's plan, apply its grants to running requests,
+        preempt to make the room it asks for; the waiting requests' grants, in order."""
+        running_tokens = sum(r.num_tokens - r.num_computed for r in self.running)
+        batch = AllocationInput(waiting=[view(r) for r in self._admission_order(now)],
+                                running=[view(r) for r in self.running], unallocated=self.unallocated_tokens(),
+                                token_budget=self.token_budget - running_tokens,
+                                max_iteration_s=max(self.iteration_s, default=0.0), now=now, params=self.allocation)
+        allocation: AllocationPlan = self.policies.kv_allocation(batch)
+        by_id = {r.request_id: r for r in self.running}
+        for grant in allocation.grants:
+            if grant.request_id in by_id:
+                self._allot(by_id[grant.request_id], grant)
+        goal = batch.unallocated + allocation.preempt_tokens
+        while allocation.preempt_tokens and self.unallocated_tokens() < goal:
+            victims = [r for r in self.running if r.request_id not in allocation.critical]
+            if not victims:
+                break
+            self._preempt(self._pick_victim(victims), plan)
+        return [g for g in allocation.grants if g.request_id not in by_id]
 
     def _schedule_running(self, plan: Plan, budget: int) -> int:
         pending, kept = list(self.running), []
@@ -97,7 +136,7 @@ class Scheduler:
             request = pending.pop(0)
             n = min(request.num_tokens - request.num_computed, budget)
             while not self._reserve(request, n):
-                victim = self._pick_victim(pending + [request])
+                victim = self._pick_victim(pending + [request], short=request)
                 self._preempt(victim, plan)
                 if victim is request:
                     break
@@ -113,28 +152,42 @@ class Scheduler:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.swapped[0]
             n = min(request.num_tokens - request.num_computed, budget)
-            target = self._target_blocks(request, n)
-            if self.blocks.free("device") < max(target, request.blocks_per_layer) * self.blocks.num_layers:
+            target = blocks_for(request.num_computed + n, self.blocks.block_size)
+            room = self.headroom() - (self.allocation.reserved_blocks if self.ledger else 0)
+            if min(room, self.blocks.free("device") // self.blocks.num_layers) < max(target, request.blocks_per_layer):
                 break
             self.blocks.swap_in(request)
             if not self._reserve(request, n):  # cannot happen: room was checked above
                 raise AssertionError("swap-in left no room for the step it was resumed for")
+            if self.ledger:  # allotted what it holds; past that it grows on demand or by the plan
+                request.allocation = request.blocks_per_layer * self.blocks.block_size
             self.swapped.popleft()
             self._run(request, n, plan)
             budget -= n
         return budget
 
-    def _admit_waiting(self, plan: Plan, budget: int, now: float) -> None:
+    def _admission_order(self, now: float) -> list[Request]:
         if not self.waiting:
-            return
+            return []
         by_id = {r.request_id: r for r in self.waiting}
-        order = self.policies.prefill_admission([view(r) for r in self.waiting], self.blocks.pool_view(), now)
-        for request_id in order:
+        return [by_id[i] for i in self.policies.prefill_admission([view(r) for r in self.waiting],
+                                                                  self.blocks.pool_view(), now)]
+
+    def _admit_waiting(self, plan: Plan, budget: int, now: float, grants: list[Grant] | None) -> None:
+        """Offer waiting requests a place: the allocation plan's, in its order, or (vLLM) every one in
+        the admission policy's order, until the budget, the sequence limit or the KV says stop."""
+        by_id = {r.request_id: r for r in self.waiting}
+        if grants is None:
+            grants = [Grant(r.request_id, None) for r in self._admission_order(now)]
+        for grant in grants:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
-            request = by_id[request_id]
+            request = by_id[grant.request_id]
+            if not self._allot(request, grant):
+                return
             if request.kv_source is not None or request.reservation:
                 if not self._start_pull(request, plan, now):
+                    self._settle(request)
                     return
                 continue
             cached = self.blocks.attach_prefix(request, now)
@@ -143,6 +196,7 @@ class Scheduler:
             n = min(request.num_tokens - request.num_computed, budget)
             if not self._reserve(request, n):
                 self.blocks.release(request)  # give back the prefix it was lent; it waits its turn
+                self._settle(request)
                 request.num_computed = 0
                 return
             self.waiting.remove(request)
@@ -167,17 +221,78 @@ class Scheduler:
         self.running.append(request)
         plan.chunks.append(ScheduledChunk(request, n))
 
-    def _target_blocks(self, request: Request, n: int) -> int:
-        if self.policies.kv_allocation is block_at_a_time:
-            # The default policy's own formula, without building the views it would read them from
-            # (~2.5 us a request, every step: a measurable share of a small decode step).
-            return blocks_for(request.num_computed + n, self.blocks.block_size)
-        return self.policies.kv_allocation(view(request), n, self.blocks.pool_view())
-
     def _reserve(self, request: Request, n: int) -> bool:
-        return self.blocks.reserve(request, self._target_blocks(request, n), n)
+        """Blocks for this step's `n` tokens, within the request's allocation (grown if it must)."""
+        needed = request.num_computed + n
+        if request.allocation is not None and request.allocation < needed and not self._grow(request, needed):
+            return False
+        return self.blocks.reserve(request, blocks_for(needed, self.blocks.block_size), n)
 
-    def _pick_victim(self, candidates: list[Request]) -> Request:
+    # -- the allocation ledger --------------------------------------------------------------------
+
+    def headroom(self) -> int:
+        """Device blocks per layer that are free and allotted to nobody (the reservation included)."""
+        free = self.blocks.free("device") // self.blocks.num_layers
+        return free - sum(self._promised(r, r.allocation) for r in (*self.running, *self.pulling))
+
+    def unallocated_tokens(self) -> int:
+        """A'_kvc: tokens of device KV allotted to nobody, the global reservation left out."""
+        return max(0, self.headroom() - self.allocation.reserved_blocks) * self.blocks.block_size
+
+    def _promised(self, request: Request, allocation: int | None) -> int:
+        """Blocks per layer `allocation` promises the request beyond those it holds."""
+        if allocation is None or request.tier != "device":
+            return 0
+        return max(0, blocks_for(allocation, self.blocks.block_size) - request.blocks_per_layer)
+
+    def _allot(self, request: Request, grant: Grant) -> bool:
+        """Apply a grant if the ledger covers it: out of a host's allotted KV, or out of the unallocated."""
+        if grant.tokens is None:
+            return True
+        if grant.host is not None:
+            host = next((r for r in self.running if r.request_id == grant.host), None)
+            if host is None or host.allocation is None or host.allocation - grant.tokens < host.num_tokens:
+                return False
+            host.allocation -= grant.tokens
+            host.guests.append(request.request_id)
+            request.passes.append((host.request_id, grant.tokens))
+        else:
+            more = self._promised(request, grant.tokens) - self._promised(request, request.allocation)
+            # With nothing running nobody would ever free KV: then the reservation may go too.
+            room = self.unallocated_tokens() if self.running or self.pulling else self.headroom() * self.blocks.block_size
+            if more > 0 and more * self.blocks.block_size > room:
+                return False
+        request.allocation = grant.tokens
+        lender = next((r for r in self.running if r.request_id == grant.lender), None) if grant.lender else None
+        if lender is not None:
+            lender.passes.append((request.request_id, grant.lent))
+        return True
+
+    def _grow(self, request: Request, needed: int) -> bool:
+        """A request outgrew its allocation: B tokens more at a time, from the unallocated KV, else
+        from the global reservation (CacheOpt 3.3.3)."""
+        block = self.allocation.block_tokens
+        grown = request.allocation + -(-(needed - request.allocation) // block) * block
+        more = self._promised(request, grown) - self._promised(request, request.allocation)
+        if more > self.headroom():
+            return False
+        self.grown["unallocated" if more * self.blocks.block_size <= self.unallocated_tokens() else "reserved"] += 1
+        request.allocation = grown
+        return True
+
+    def _settle(self, request: Request) -> None:
+        """The request ends or loses its place: hand on the allocation it owes, drop its own."""
+        for request_id, tokens in request.passes:
+            beneficiary = self.find(request_id)
+            if beneficiary is not None and beneficiary.allocation is not None and beneficiary.status is not Status.WAITING:
+                beneficiary.allocation += tokens
+        request.allocation, request.passes, request.guests = None, [], []
+
+    def _pick_victim(self, candidates: list[Request], short: Request | None = None) -> Request:
+        """The preemption policy's first victim; a host short of KV takes back its embedded guest first."""
+        guest = next((r for r in candidates if short is not None and r.request_id in short.guests), None)
+        if guest is not None:
+            return guest
         by_id = {r.request_id: r for r in candidates}
         order = self.policies.preemption_order([view(r) for r in candidates], self.blocks.pool_view())
         return by_id[order[0]]
@@ -185,6 +300,9 @@ class Scheduler:
     def _preempt(self, victim: Request, plan: Plan) -> None:
         strategy = self.policies.preemption_strategy(view(victim), self.blocks.pool_view())
         victim.preemptions += 1
+        self._settle(victim)
+        if victim in self.running:
+            self.running.remove(victim)
         if strategy == "swap" and self.blocks.swap_out(victim):
             victim.status = Status.SWAPPED
             self.swapped.append(victim)
@@ -203,4 +321,6 @@ def view(request: Request) -> RequestView:
                        num_generated=len(request.output_ids), max_tokens=request.sampling.max_tokens,
                        blocks_per_layer=request.blocks_per_layer, tier=request.tier,
                        preemptions=request.preemptions, tbt_slo_ms=request.targets.tbt_slo_ms,
-                       predicted_output_len=request.targets.predicted_output_len)
+                       predicted_output_len=request.targets.predicted_output_len,
+                       ttft_slo_ms=request.targets.ttft_slo_ms, allocation=request.allocation,
+                       last_token_at=request.output_times[-1] if request.output_times else None)

@@ -84,3 +84,34 @@ def test_profiling_is_off_for_strategies_that_ignore_it_and_a_failed_fit_leaves_
         engine = engine_for(tiny_checkpoint, swap_profile="on", swap_profile_lengths=[16, 32, 48], swap_profile_repeats=1)
     assert engine.swap_profile.lengths == [16, 32, 48] and engine.swap_profile.curves is None
     assert engine.blocks.pool_view().swap_curves is None and "no curves fitted" in caplog.text
+
+
+# -- CacheOpt 3.3: allocation ---------------------------------------------------------------------
+
+def test_underprovisioned_requests_grow_instead_of_being_preempted(tiny_checkpoint):
+    """Every request is predicted 2 tokens and makes 12: under block allocation the pool runs dry and
+    requests are preempted; under CacheOpt's ledger none is, as each one that runs out of its
+    allocation gets more on demand or from the global reservation, and the tokens are the same."""
+    underestimated = {f"r{i}": Targets(predicted_output_len=2) for i in range(6)}
+    block = engine_for(tiny_checkpoint, **PRESSED)
+    by_block = run(block, underestimated)
+    assert block.preemptions["recompute"] > 0
+    engine = engine_for(tiny_checkpoint, **PRESSED, policies={"kv_allocation": "cacheopt"})
+    requests = run(engine, underestimated)
+    state = engine.state()
+    assert state.preemptions == {"recompute": 0, "swap": 0}
+    assert state.allocations_grown["unallocated"] > 0 and state.allocations_grown["reserved"] > 0
+    assert [r.output_ids for r in requests] == [r.output_ids for r in by_block]
+    assert_all_blocks_free(engine)
+    assert engine.scheduler.unallocated_tokens() == (96 // 4 - 8) * 16  # all but the reservation
+
+
+@pytest.mark.parametrize("allocation", ["estimate", "s3", "cacheopt"])
+def test_no_request_starves_under_any_allocation_policy(tiny_checkpoint, allocation):
+    """Estimates wrong both ways and tight SLOs: every request still finishes and the KV comes back."""
+    targets = {f"r{i}": Targets(ttft_slo_ms=50.0 * (i + 1), tbt_slo_ms=20.0, predicted_output_len=[1, 40][i % 2])
+               for i in range(6)}
+    engine = engine_for(tiny_checkpoint, **PRESSED, policies={"kv_allocation": allocation})
+    run(engine, targets)
+    assert_all_blocks_free(engine)
+    assert engine.scheduler.unallocated_tokens() == (96 // 4 - 8) * 16

@@ -1,0 +1,173 @@
+"""CacheOpt's SLO-aware batching and KV allocation (3.3), in tokens, as pure functions.
+
+Each step: (1) critical requests, the waiting ones about to miss their TTFT SLO (N_w) and the
+returned ones that used up their allocation and are about to miss their TBT SLO (N_r), get their
+basic requirement first (s_i^p + B, or B), embedded in another request's allotted but unused KV
+where they fit (3.3.1), else from the unallocated KV, preempting to cover D_kvc; (2) what is left
+goes to everyone in the batch (critical, the other returned requests N'_r, the waiting requests the
+token budget reaches N'_w, and the unfulfilled requests predicted to end within m steps, 3.3.3) up to
+each one's demand M_i, cut by weight when it does not stretch (the amortised cut); a request cut short
+borrows the allocation of a running request that ends shortly before it would run out (lending).
+
+Reading of the amortised cut. The paper states its intent ("a request with a looser SLO and a longer
+predicted output length should have a higher KVC demand cut") and defines E_kvc = sum M_i - A'_kvc
+(Table 2), but prints A_i = A'_kvc * w_i / sum w. kvmesh cuts E_kvc by the weights, cut_i = E_kvc *
+w_i / sum w with w_i = RT_i / sum RT * s_i^p / sum s^p as printed, so the looser and longer a request,
+the more it gives up, and no request is allotted more than it asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from ..views import RequestView
+from .plan import AllocationInput, AllocationParams, AllocationPlan, Grant, critical_time, demand, exhausted
+
+MIN_RT_S = 1e-3  # a request already past its deadline still weighs something in the cut
+
+
+def embedding_start(host_allocation: int, host_used: int, guest_prompt: int, guest_output: int,
+                    buffer: int) -> int | None:
+    """3.3.1: the token offset s_0 = a_j - (u_j + s_i^o) - b in host r_j's allotted KV where guest r_i
+    can live, or None unless a_j - (u_j + s_i^o) - (s_i^p + s_i^o) >= b (after s_i^o steps the host
+    has not reached the guest's space, b tokens to spare)."""
+    ahead = host_allocation - (host_used + guest_output)
+    if ahead - (guest_prompt + guest_output) < buffer:
+        return None
+    return ahead - buffer
+
+
+def choose_host(guest: RequestView, hosts: Mapping[str, tuple[int, int]], params: AllocationParams) -> str | None:
+    """The running request (id -> (a_j, u_j)) the guest can be embedded in with the least allotted
+    but unused KV, to waste the least; None if it fits in none."""
+    fits = [(allocation - used, host) for host, (allocation, used) in hosts.items()
+            if embedding_start(allocation, used, guest.num_tokens, guest.estimated_output_len, params.embed_buffer)
+            is not None]
+    return min(fits)[1] if fits else None
+
+
+def critical_demand(critical_waiting: Sequence[RequestView], critical_returned: Sequence[RequestView],
+                    params: AllocationParams) -> int:
+    """D_kvc = sum over N_w of (s_i^p + B) + |N_r| * B."""
+    return sum(r.num_tokens + params.block_tokens for r in critical_waiting) + len(critical_returned) * params.block_tokens
+
+
+def cut_weights(remaining_times: Sequence[float], prompt_lens: Sequence[int]) -> list[float]:
+    """w_i = RT_i / sum RT * s_i^p / sum s^p."""
+    total_rt, total_prompt = sum(remaining_times), sum(prompt_lens)
+    return [rt / total_rt * p / total_prompt for rt, p in zip(remaining_times, prompt_lens)]
+
+
+def amortised_cut(needs: Sequence[int], floors: Sequence[int], weights: Sequence[float], available: int) -> list[int]:
+    """Tokens for each request when sum(needs) exceeds `available`: the excess E_kvc is cut in
+    proportion to the (positive) weights, no request below its floor (a cut that would go past a floor stops
+    there and the rest of the excess is shared among the others by weight). Rounded down, so the
+    total never exceeds `available`."""
+    if sum(floors) > available:
+        raise ValueError(f"the floors ({sum(floors)} tokens) exceed the {available} tokens available")
+    if sum(needs) <= available:
+        return list(needs)
+    give = [float(n) for n in needs]
+    open_ = {i for i, (n, f) in enumerate(zip(needs, floors)) if n > f}
+    excess = sum(needs) - available
+    while excess > 1e-9 and open_:
+        total = sum(weights[i] for i in open_)
+        share = {i: excess * weights[i] / total for i in open_}
+        capped = {i for i in open_ if give[i] - share[i] <= floors[i]}
+        if not capped:
+            for i in open_:
+                give[i] -= share[i]
+            break
+        for i in capped:  # these stop at their floor; the others share what they could not give
+            excess -= give[i] - floors[i]
+            give[i] = floors[i]
+        open_ -= capped
+    return [int(g) for g in give]
+
+
+def cacheopt(batch: AllocationInput) -> AllocationPlan:
+    params, block = batch.params, batch.params.block_tokens
+    rt = {r.request_id: critical_time(r, batch.now, params) for r in (*batch.waiting, *batch.running)}
+
+    def urgent(r: RequestView) -> bool:
+        """Critical: it must run in this step to meet its SLO, and still can (one already missed
+        is not, or under overload the missed ones would preempt each other in turn)."""
+        return 0 < rt[r.request_id] < batch.max_iteration_s + params.epsilon_s
+
+    waiting = sorted(batch.waiting, key=lambda r: rt[r.request_id])
+    returned = [r for r in batch.running if exhausted(r)]
+    critical_w = [r for r in waiting if urgent(r)]
+    critical_r = [r for r in returned if urgent(r)]
+    budget = batch.token_budget - sum(r.num_tokens for r in critical_w)
+    chosen_w = []
+    for r in waiting:  # N'_w: the waiting requests the token budget reaches, least remaining time first
+        if budget <= 0:
+            break
+        if r not in critical_w:
+            chosen_w.append(r)
+            budget -= r.num_tokens
+    hosts = {r.request_id: (r.allocation, r.num_computed) for r in batch.running
+             if r.allocation is not None and r.tier == "device" and not exhausted(r)}
+    embedded: dict[str, str] = {}
+
+    def embed(r: RequestView) -> bool:
+        host = choose_host(r, hosts, params)
+        if host is not None:  # the host's allotted KV shrinks by the guest's until the guest ends
+            allocation, used = hosts[host]
+            hosts[host] = (allocation - demand(r, params), used)
+            embedded[r.request_id] = host
+        return host is not None
+
+    # (1) critical requests: their basic requirement, embedded first, largest first.
+    critical = sorted(critical_w + critical_r, key=lambda r: r.num_tokens if r in critical_w else 0, reverse=True)
+    placed_w = [r for r in critical if r in critical_w and not embed(r)]
+    d_kvc = critical_demand(placed_w, critical_r, params)
+    allotted = {r.request_id: r.num_tokens + block for r in placed_w}
+    allotted |= {r.request_id: r.allocation + block for r in critical_r}
+    left = max(0, batch.unallocated - d_kvc)
+
+    # (2) the rest, to everyone in the batch up to their demand.
+    others_w = [r for r in chosen_w if not embed(r)]
+    proactive = [r for r in batch.running if r.allocation is not None and not exhausted(r)
+                 and r.allocation < demand(r, params) and r.predicted_remaining_tokens <= params.proactive_iterations]
+    fill = [*placed_w, *critical_r, *[r for r in returned if r not in critical_r], *proactive]
+    while True:  # a non-critical waiting request joins only if its basic requirement fits
+        members = fill + others_w
+        current = [allotted.get(r.request_id, r.allocation or 0) for r in members]
+        floors = [r.num_tokens + block if r in others_w else c for r, c in zip(members, current)]
+        if sum(floors) <= left + sum(current) or not others_w:
+            break
+        others_w.pop()
+    needs = [max(d, c) for d, c in zip((demand(r, params) for r in members), current)]
+    floors = [min(f, n) for f, n in zip(floors, needs)]
+    extra_needs = [n - c for n, c in zip(needs, current)]
+    extra_floors = [max(0, f - c) for f, c in zip(floors, current)]
+    weights = cut_weights([max(rt[r.request_id], MIN_RT_S) for r in members], [max(1, r.prompt_len) for r in members])
+    extras = amortised_cut(extra_needs, extra_floors, weights, left) if members else []
+
+    lenders = {r.request_id: r for r in batch.running if r.allocation is not None and not exhausted(r)}
+    grants: dict[str, Grant] = {}
+    for r, have, extra, need in zip(members, current, extras, needs):
+        tokens = have + extra
+        lender = _lender(r, tokens, need - tokens, lenders) if tokens < need else None
+        if lender is not None:
+            del lenders[lender.request_id]
+        grants[r.request_id] = Grant(r.request_id, tokens, lender=lender and lender.request_id,
+                                     lent=need - tokens if lender else 0)
+    for r in waiting:
+        if r.request_id in embedded:
+            grants[r.request_id] = Grant(r.request_id, demand(r, params), host=embedded[r.request_id])
+    running_ids = {r.request_id for r in batch.running}
+    order = [g for g in grants.values() if g.request_id in running_ids]
+    order += [grants[r.request_id] for r in waiting if r.request_id in grants]
+    return AllocationPlan(grants=tuple(order), preempt_tokens=max(0, d_kvc - batch.unallocated),
+                          critical=frozenset(r.request_id for r in critical))
+
+
+def _lender(borrower: RequestView, allotted: int, short: int, lenders: Mapping[str, RequestView]) -> RequestView | None:
+    """The running request that ends (by its prediction) last before the borrower would run out of
+    its `allotted` tokens, with an allocation of at least `short` tokens to pass on."""
+    steps_left = allotted - borrower.num_tokens
+    fits = [r for r in lenders.values() if r.request_id != borrower.request_id and r.allocation >= short
+            and r.predicted_remaining_tokens <= steps_left]
+    return max(fits, key=lambda r: r.predicted_remaining_tokens, default=None)
