@@ -1,8 +1,9 @@
-"""Allocation by estimated length, the baselines CacheOpt compares with: RLP [7] allots each request
-its prompt and estimated output (the predictor's estimate carries RLP's fixed padding) and a request
-that outgrows it gets B more tokens at a time; S^3 [8] allots the same way (its estimate is the upper
-bound of a length bucket) and doubles a request's allocation when it runs out. Both admit in the
-admission policy's order (FCFS) while the unallocated KV covers the next request's whole estimate."""
+"""Allocation by estimated length, the baselines CacheOpt compares with (its section 2.1). RLP [7]
+allots each request its prompt and estimated output (the predictor's estimate carries RLP's fixed
+padding); S^3 [8] allots the same way (its estimate is the upper bound of a length bucket). Both admit
+in the admission policy's order (FCFS) while the unallocated KV covers the next request's whole
+estimate, and preempt a request that runs out of its allocation; it comes back with the estimate
+once more (RLP) or with its output allotment doubled (S^3), up to max_tokens."""
 
 from __future__ import annotations
 
@@ -10,32 +11,34 @@ from collections.abc import Callable
 
 from ..length.predictors import s3_doubled_allocation
 from ..views import RequestView
-from .plan import AllocationInput, AllocationParams, AllocationPlan, Grant, demand, exhausted
+from .plan import AllocationInput, AllocationParams, AllocationPlan, Grant, exhausted
 
 
 def estimate(batch: AllocationInput) -> AllocationPlan:
-    return _by_estimate(batch, lambda r, params: demand(r, params))
+    return _by_estimate(batch, lambda r: r.estimated_output_len * (r.preemptions + 1))
 
 
 def s3(batch: AllocationInput) -> AllocationPlan:
-    def doubled(r: RequestView, params: AllocationParams) -> int:
-        """The output part of the allocation doubled, as S^3 reallocates after a failure."""
-        output = s3_doubled_allocation(max(1, r.allocation - r.prompt_len), r.max_tokens)
-        return max(r.prompt_len + output, r.num_tokens)
+    def doubled(r: RequestView) -> int:
+        output = r.estimated_output_len
+        for _ in range(r.preemptions):
+            output = s3_doubled_allocation(output, r.max_tokens)
+        return output
     return _by_estimate(batch, doubled)
 
 
-def _by_estimate(batch: AllocationInput, grown: Callable[[RequestView, AllocationParams], int]) -> AllocationPlan:
+def allotment(request: RequestView, output: int, params: AllocationParams) -> int:
+    """The prompt and `output` tokens (at most max_tokens), and B past what the request has."""
+    return max(request.prompt_len + min(output, request.max_tokens), request.num_tokens + params.block_tokens)
+
+
+def _by_estimate(batch: AllocationInput, output: Callable[[RequestView], int]) -> AllocationPlan:
     left, grants = batch.unallocated, []
-    for request in filter(exhausted, batch.running):
-        tokens = grown(request, batch.params)
-        if tokens - request.allocation <= left:
-            left -= tokens - request.allocation
-            grants.append(Grant(request.request_id, tokens))
     for request in batch.waiting:
-        tokens = demand(request, batch.params)
+        tokens = allotment(request, output(request), batch.params)
         if tokens > left:
             break
         left -= tokens
         grants.append(Grant(request.request_id, tokens))
-    return AllocationPlan(grants=tuple(grants))
+    return AllocationPlan(grants=tuple(grants),
+                          preempt=tuple(r.request_id for r in batch.running if exhausted(r)))

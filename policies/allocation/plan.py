@@ -58,7 +58,8 @@ class Grant:
 @dataclass(frozen=True, slots=True)
 class AllocationPlan:
     grants: tuple[Grant, ...] = ()   # running requests' new allocations, then waiting ones in admission order
-    preempt_tokens: int = 0          # free this much of A'_kvc by preemption first (D_kvc > A'_kvc)
+    preempt: tuple[str, ...] = ()    # running requests to preempt now: their allocation ran out and will not grow
+    preempt_tokens: int = 0          # then free this much of A'_kvc by preemption (D_kvc > A'_kvc)
     critical: frozenset[str] = field(default_factory=frozenset)  # never preempted to make that room
 
 

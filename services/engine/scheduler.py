@@ -122,7 +122,9 @@ class Scheduler:
         for grant in allocation.grants:
             if grant.request_id in by_id:
                 self._allot(by_id[grant.request_id], grant)
-        goal = batch.unallocated + allocation.preempt_tokens
+        for victim in [by_id[i] for i in allocation.preempt]:
+            self._preempt(victim, plan)
+        goal = self.unallocated_tokens() + allocation.preempt_tokens
         while allocation.preempt_tokens and self.unallocated_tokens() < goal:
             victims = [r for r in self.running if r.request_id not in allocation.critical]
             if not victims:
