@@ -56,6 +56,19 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--json", dest="json_path", type=Path, help="also write the rows and aggregates here")
     report.add_argument("--slowest", type=_count, default=5, metavar="N", help="span trees of the N slowest (5)")
 
+    predictor = commands.add_parser("predictor", help="the output-length predictor's model")
+    predictor_commands = predictor.add_subparsers(dest="predictor_command", required=True)
+    train = predictor_commands.add_parser("train", help="train the embedding length predictor (CacheOpt Fig. 10)")
+    train.add_argument("data", metavar="DATA.jsonl", type=Path,
+                       help='one {"prompt": str, "output_len": int} a line')
+    train.add_argument("--out", type=Path, required=True, help="the model directory to write (model_path)")
+    train.add_argument("--epochs", type=_positive, metavar="N",
+                       help="passes over the training split in each training step (default: 300 optimiser steps)")
+    train.add_argument("--validation", type=float, default=0.1, metavar="F",
+                       help="fraction held out to measure the model and its error range (%(default)s)")
+    train.add_argument("--seed", type=int, default=0, help="split, batches and initial weights (%(default)s)")
+    train.add_argument("--threads", type=_count, default=0, metavar="N", help="torch threads (default: torch's)")
+
     args = parser.parse_args(argv)
     if args.command == "up":
         from kvmesh.infra.local.launcher import up as run_up
@@ -86,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         from kvmesh.observability.report import run as run_report
         return run_report(args.trace_file, out_dir=args.out, json_path=args.json_path, slowest=args.slowest)
+    if args.command == "predictor":
+        from kvmesh.services.predictor.train import run as run_train
+        return run_train(args.data, args.out, args.epochs, args.validation, args.seed, args.threads)
     return 2
 
 
@@ -93,6 +109,13 @@ def _count(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
     return value
 
 

@@ -3,7 +3,7 @@
 A predictor turns one request into a `Prediction` (predicted length, deviation direction, padding,
 estimated length, confidence) and learns from the actual length when the request ends. All of them
 are in-memory and bounded; none does I/O. The learned `embedding` predictor (CacheOpt 3.2, Fig. 10)
-comes with the predictor service.
+is in embedding.py.
 """
 
 from __future__ import annotations

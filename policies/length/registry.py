@@ -8,11 +8,20 @@ from collections.abc import Callable
 from .. import plugins
 from .predictors import HistoryPredictor, LengthPredictor, OraclePredictor, RLPPredictor, S3Predictor
 
+
+def embedding(embed: Callable, base: LengthPredictor | None = None, **options: object) -> LengthPredictor:
+    """CacheOpt's learned predictor, `embedding.EmbeddingPredictor` (see it for `embed` and the options);
+    its module is imported on first use, as it needs torch."""
+    from .embedding import EmbeddingPredictor
+    return EmbeddingPredictor(embed, base=base, **options)
+
+
 PREDICTORS: dict[str, Callable[..., LengthPredictor]] = {
     "history": HistoryPredictor,
     "rlp": RLPPredictor,
     "s3": S3Predictor,
     "oracle": OraclePredictor,
+    "embedding": embedding,
 }
 
 DEFAULT = "history"

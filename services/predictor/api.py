@@ -15,6 +15,7 @@ Length = Annotated[int, Meta(ge=0, le=MAX_LENGTH)]
 Key = Annotated[str, Meta(min_length=1, max_length=256)]
 OpenUnit = Annotated[float, Meta(gt=0, lt=1)]  # a number in (0, 1)
 Milliseconds = Annotated[float, Meta(gt=0)]
+PromptText = Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)]
 
 
 class Slo(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -29,7 +30,7 @@ class PredictRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     `true_length` is for benchmarks only: what the `oracle` predictor answers."""
 
     max_tokens: Annotated[int, Meta(ge=1, le=MAX_LENGTH)]
-    prompt: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)] | None = None
+    prompt: PromptText | None = None
     prompt_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_TOKENS)] | None = None
     tenant: Key = "default"
     template: Key | None = None
@@ -58,14 +59,20 @@ class PredictedLength(Struct, kw_only=True, frozen=True):
 class ObserveRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     """`POST /v1/observe`: a finished request's actual output length, under the keys it was predicted
     with; `predicted` and `estimated` (from its prediction) feed the error and provisioning metrics.
-    `prompt_len` is accepted for predictors that learn from the prompt; the built-in ones do not."""
+    `prompt` (the prompt text) is what the `embedding` predictor learns from; `prompt_len` is accepted
+    for predictors that learn from it, which no built-in one does."""
 
     actual: Length
     tenant: Key = "default"
     template: Key | None = None
+    prompt: PromptText | None = None
     prompt_len: Length | None = None
     predicted: Length | None = None
     estimated: Length | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt == "":
+            raise ValueError("the prompt is empty")
 
 
 class ConfigChange(Struct, kw_only=True, forbid_unknown_fields=True):

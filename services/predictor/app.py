@@ -4,16 +4,25 @@ actual length when a request ends, `GET`/`PUT /v1/config` (docs/cacheopt.md, "Th
 
 The predictors are the pure ones of `policies/length`; this service adds the clock, the arrival rate
 (rate.py) and the metrics. It keeps one `history` predictor for its whole life, and a predictor built
-on a base one (rlp, s3) gets it as its base, so switching predictor keeps what was learned.
+on a base one (rlp, s3, embedding) gets it as its base, so switching predictor keeps what was learned.
+With `model_path` (a `kvmesh predictor train` directory) it also offers `embedding`, CacheOpt's learned
+predictor, kept for the service's life too and refitted as prompts are observed (learning.py).
+
+Every predictor call runs on one thread of the service's own: the embedding predictor's encoder takes
+milliseconds that must not stall the event loop, and the predictors' state is then only touched there.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import math
 import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated
 
 from aiohttp import web
@@ -31,6 +40,7 @@ from .rate import ArrivalRate, arrive, rate_at
 log = logging.getLogger(__name__)
 
 ERROR_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)  # tokens
+NO_MODEL = "the embedding predictor needs a trained model: set model_path to a directory `kvmesh predictor train` wrote"
 
 
 class Config(ServiceConfig, kw_only=True):
@@ -41,10 +51,17 @@ class Config(ServiceConfig, kw_only=True):
     confidence: OpenUnit = DEFAULT_CONFIDENCE  # the fixed c when not `adaptive`
     adaptive: bool = True                    # c from Eq. 4 and the measured rate, else `confidence`
     rate_window_s: Annotated[float, Meta(gt=0)] = 10.0  # the arrival rate's time constant (rate.py)
+    model_path: str | None = None            # a `kvmesh predictor train` directory: offers `embedding`
+    refit_every: Annotated[int, Meta(ge=1)] = 256  # embedding: refit after this many observed prompts
+    torch_threads: Annotated[int, Meta(ge=0)] = 0  # embedding: encoder and refit threads (0: torch's default)
 
     def __post_init__(self) -> None:
         if self.predictor not in registry.names():
             raise ValueError(f"predictor {self.predictor!r} is not one of {', '.join(registry.names())}")
+        if self.predictor == "embedding" and self.model_path is None:
+            raise ValueError(NO_MODEL)
+        if self.model_path is not None and not Path(self.model_path).is_dir():
+            raise ValueError(f"model_path {self.model_path!r} is not a directory")
         for name in ("beta", "rate_window_s"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
@@ -81,6 +98,9 @@ class PredictionMetrics:
                              "length was below the actual one (estimated < actual)", ["predictor"], registry=metrics)
         self.over = Counter("kvmesh_predictor_overprovisioned", "Observed requests whose estimated "
                             "length was above the actual one (estimated > actual)", ["predictor"], registry=metrics)
+        self.refits = Counter("kvmesh_predictor_refits", "Refits of the embedding predictor by outcome: "
+                              "installed, kept (the refit did worse on its validation split), failed",
+                              ["outcome"], registry=metrics)
 
     def show(self, predictor: str) -> None:
         """Expose the predictor's series at zero before its first prediction."""
@@ -97,10 +117,15 @@ class PredictionMetrics:
             self.over.labels(predictor).inc()
 
 
-def build_predictor(name: str, history: HistoryPredictor) -> LengthPredictor:
-    """Predictor `name` (KeyError when unknown), built on the service's `history` when it takes a base."""
+def build_predictor(name: str, history: HistoryPredictor, embedding: LengthPredictor | None) -> LengthPredictor:
+    """Predictor `name` (KeyError when unknown), built on the service's `history` when it takes a base;
+    `embedding` is the service's own (BadRequest without a model)."""
     if name == "history":
         return history
+    if name == "embedding":
+        if embedding is None:
+            raise BadRequest(NO_MODEL)
+        return embedding
     factory = registry.resolve(name)
     if "base" in inspect.signature(factory).parameters:
         return factory(base=history)
@@ -110,14 +135,53 @@ def build_predictor(name: str, history: HistoryPredictor) -> LengthPredictor:
 def build_service(config: Config) -> Service:
     service = Service("predictor", config)
     history = HistoryPredictor()
-    current = InForce(config.predictor, build_predictor(config.predictor, history), config.alpha, config.beta,
-                      config.confidence, config.adaptive)
+    embedding = None
+    if config.model_path is not None:
+        from . import learning
+        embedding = learning.load(config.model_path, history, config.refit_every, config.torch_threads)
+    current = InForce(config.predictor, build_predictor(config.predictor, history, embedding), config.alpha,
+                      config.beta, config.confidence, config.adaptive)
+    worker = ThreadPoolExecutor(1, thread_name_prefix="predictor")
+    trainer = ThreadPoolExecutor(1, thread_name_prefix="predictor-refit")
+    refitting: asyncio.Task | None = None
     arrivals = ArrivalRate(at=time.monotonic())
     metrics = PredictionMetrics(service.metrics)
     metrics.show(current.name)
     Gauge("kvmesh_predictor_arrival_rate", f"Arrival rate of /v1/predict calls, requests/s, exponentially "
           f"weighted with a {config.rate_window_s:g} s time constant", registry=service.metrics
           ).set_function(lambda: rate_at(arrivals, time.monotonic(), config.rate_window_s))
+    if embedding is not None:
+        Gauge("kvmesh_predictor_embedding_examples", "Observed prompts the embedding predictor keeps for its "
+              "refits, the latest ones", registry=service.metrics).set_function(lambda: embedding.examples)
+
+    async def on_worker(call, *args):
+        return await asyncio.get_running_loop().run_in_executor(worker, call, *args)
+
+    @service.lifespan
+    async def executors(app: web.Application) -> AsyncIterator[None]:
+        yield
+        if refitting is not None:
+            refitting.cancel()
+        worker.shutdown(cancel_futures=True)
+        trainer.shutdown(wait=False, cancel_futures=True)  # a refit under way ends with the process
+
+    async def refit() -> None:
+        nonlocal refitting
+        started = time.perf_counter()
+        try:
+            report = await learning.refit(embedding, on_worker, trainer)
+        except Exception:
+            log.exception("embedding refit failed; the model in force stays")
+            metrics.refits.labels("failed").inc()
+        else:
+            outcome = "kept" if report.kept_previous else "installed"
+            metrics.refits.labels(outcome).inc()
+            log.info("embedding refit on %d examples in %.1f s: %s, validation MAE %.1f tokens (mean length "
+                     "%.1f), direction accuracy %.2f", report.examples + report.validation_examples,
+                     time.perf_counter() - started, outcome, report.mae, report.baseline_mae,
+                     report.direction_accuracy)
+        finally:
+            refitting = None
 
     @service.route("POST", "/v1/predict", body=PredictRequest, response=PredictedLength)
     async def predict(request: web.Request, body: PredictRequest) -> PredictedLength:
@@ -127,7 +191,7 @@ def build_service(config: Config) -> Service:
         arrivals = arrive(arrivals, now, config.rate_window_s)
         confidence = current.confidence_at(rate_at(arrivals, now, config.rate_window_s))
         try:
-            prediction = current.predictor.predict(_query(body), confidence)
+            prediction = await on_worker(current.predictor.predict, _query(body), confidence)
         except ValueError as exc:  # e.g. the oracle without a true_length
             raise BadRequest(f"predictor {current.name!r}: {exc}") from None
         metrics.predictions.labels(current.name).inc()
@@ -138,10 +202,15 @@ def build_service(config: Config) -> Service:
     @service.route("POST", "/v1/observe", body=ObserveRequest)
     async def observe(request: web.Request, body: ObserveRequest) -> None:
         """Learn a finished request's actual output length."""
-        # Learning reads only the keys; max_tokens is any valid cap.
-        query = LengthQuery(tenant=body.tenant, max_tokens=max(body.actual, 1), template=body.template)
-        current.predictor.observe(query, body.actual)
-        metrics.observed(current.name, body)
+        nonlocal refitting
+        # Learning reads only the keys and the prompt text; max_tokens is any valid cap.
+        query = LengthQuery(tenant=body.tenant, max_tokens=max(body.actual, 1), template=body.template,
+                            text=body.prompt)
+        name, predictor = current.name, current.predictor
+        await on_worker(predictor.observe, query, body.actual)
+        metrics.observed(name, body)
+        if predictor is embedding and embedding.refit_due and refitting is None:
+            refitting = asyncio.create_task(refit())
 
     @service.route("GET", "/v1/config", response=PredictorSettings)
     async def get_config(request: web.Request) -> PredictorSettings:
@@ -153,10 +222,10 @@ def build_service(config: Config) -> Service:
         """Change the predictor or the confidence settings; the next prediction uses them."""
         if body.predictor is not None and body.predictor != current.name:
             try:
-                predictor = build_predictor(body.predictor, history)
+                predictor = build_predictor(body.predictor, history, embedding)
             except KeyError:
                 raise BadRequest(f"no length predictor named {body.predictor!r}; "
-                                 f"known: {', '.join(registry.names())}") from None
+                                 f"known: {', '.join(available())}") from None
             log.info("length predictor: %s -> %s", current.name, body.predictor)
             current.name, current.predictor = body.predictor, predictor
             metrics.show(current.name)
@@ -170,7 +239,10 @@ def build_service(config: Config) -> Service:
                                  confidence=current.confidence, adaptive=current.adaptive,
                                  rate_window_s=config.rate_window_s,
                                  arrival_rate=rate_at(arrivals, time.monotonic(), config.rate_window_s),
-                                 available=registry.names())
+                                 available=available())
+
+    def available() -> list[str]:
+        return [name for name in registry.names() if name != "embedding" or embedding is not None]
 
     return service
 
