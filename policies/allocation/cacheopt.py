@@ -9,6 +9,11 @@ token budget reaches N'_w, and the unfulfilled requests predicted to end within 
 each one's demand M_i, cut by weight when it does not stretch (the amortised cut); a request cut short
 borrows the allocation of a running request that ends shortly before it would run out (lending).
 
+Before preempting for D_kvc, kvmesh first takes the shortfall back from running requests' allotted
+but unused KV (most unused first, each keeping B tokens ahead; they grow on demand again): the
+paper's aim is to reuse such KV to avoid preemptions, and a preemption frees nothing else that
+trimming could not.
+
 Reading of the amortised cut. The paper states its intent ("a request with a looser SLO and a longer
 predicted output length should have a higher KVC demand cut") and defines E_kvc = sum M_i - A'_kvc
 (Table 2), but prints A_i = A'_kvc * w_i / sum w. kvmesh cuts E_kvc by the weights, cut_i = E_kvc *
@@ -124,11 +129,13 @@ def cacheopt(batch: AllocationInput) -> AllocationPlan:
     d_kvc = critical_demand(placed_w, critical_r, params)
     allotted = {r.request_id: r.num_tokens + block for r in placed_w}
     allotted |= {r.request_id: r.allocation + block for r in critical_r}
-    left = max(0, batch.unallocated - d_kvc)
+    trimmed = _trim(batch.running, hosts, d_kvc - batch.unallocated, {r.request_id for r in critical}, block)
+    short = d_kvc - batch.unallocated - sum(hosts[i][0] - tokens for i, tokens in trimmed.items())
+    left = max(0, -short)
 
     # (2) the rest, to everyone in the batch up to their demand.
     others_w = [r for r in chosen_w if not embed(r)]
-    proactive = [r for r in batch.running if r.allocation is not None and not exhausted(r)
+    proactive = [r for r in batch.running if r.allocation is not None and not exhausted(r) and r.request_id not in trimmed
                  and r.allocation < demand(r, params) and r.predicted_remaining_tokens <= params.proactive_iterations]
     fill = [*placed_w, *critical_r, *[r for r in returned if r not in critical_r], *proactive]
     while True:  # a non-critical waiting request joins only if its basic requirement fits
@@ -145,8 +152,9 @@ def cacheopt(batch: AllocationInput) -> AllocationPlan:
     weights = cut_weights([max(rt[r.request_id], MIN_RT_S) for r in members], [max(1, r.prompt_len) for r in members])
     extras = amortised_cut(extra_needs, extra_floors, weights, left) if members else []
 
-    lenders = {r.request_id: r for r in batch.running if r.allocation is not None and not exhausted(r)}
-    grants: dict[str, Grant] = {}
+    lenders = {r.request_id: r for r in batch.running
+               if r.allocation is not None and not exhausted(r) and r.request_id not in trimmed}
+    grants: dict[str, Grant] = {i: Grant(i, tokens) for i, tokens in trimmed.items()}
     for r, have, extra, need in zip(members, current, extras, needs):
         tokens = have + extra
         lender = _lender(r, tokens, need - tokens, lenders) if tokens < need else None
@@ -160,8 +168,25 @@ def cacheopt(batch: AllocationInput) -> AllocationPlan:
     running_ids = {r.request_id for r in batch.running}
     order = [g for g in grants.values() if g.request_id in running_ids]
     order += [grants[r.request_id] for r in waiting if r.request_id in grants]
-    return AllocationPlan(grants=tuple(order), preempt_tokens=max(0, d_kvc - batch.unallocated),
+    return AllocationPlan(grants=tuple(order), preempt_tokens=max(0, short),
                           critical=frozenset(r.request_id for r in critical))
+
+
+def _trim(running: Sequence[RequestView], hosts: Mapping[str, tuple[int, int]], short: int, keep: set[str],
+          block: int) -> dict[str, int]:
+    """Allocations cut back to cover `short` tokens of D_kvc before anyone is preempted: the running
+    requests with the most allotted but unused KV give it up first, each keeping B tokens ahead of
+    what it has (it grows on demand again later). Returns the new allocations by request id."""
+    trimmed: dict[str, int] = {}
+    spare = {r.request_id: hosts[r.request_id][0] - (r.num_tokens + block) for r in running
+             if r.request_id in hosts and r.request_id not in keep}
+    for request_id in sorted(spare, key=spare.get, reverse=True):
+        if short <= 0 or spare[request_id] <= 0:
+            break
+        take = min(spare[request_id], short)
+        trimmed[request_id] = hosts[request_id][0] - take
+        short -= take
+    return trimmed
 
 
 def _lender(borrower: RequestView, allotted: int, short: int, lenders: Mapping[str, RequestView]) -> RequestView | None:

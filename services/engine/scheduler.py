@@ -58,7 +58,7 @@ class Scheduler:
         self.swapped: deque[Request] = deque()
         self.pulling: list[Request] = []
         self.iteration_s: deque[float] = deque(maxlen=256)  # recent step times, for T_I^max
-        self.grown = {"unallocated": 0, "reserved": 0}       # allocations grown on demand, by where from
+        self.grown = {"unallocated": 0, "reserved": 0, "reclaimed": 0}  # allocations grown on demand, by where from
 
     @property
     def ledger(self) -> bool:
@@ -272,15 +272,39 @@ class Scheduler:
 
     def _grow(self, request: Request, needed: int) -> bool:
         """A request outgrew its allocation: B tokens more at a time, from the unallocated KV, else
-        from the global reservation (CacheOpt 3.3.3)."""
+        from the global reservation (CacheOpt 3.3.3), else from what other running requests are
+        allotted but have not used (they keep B tokens ahead and grow again later): a preemption
+        only when the blocks themselves have run out."""
         block = self.allocation.block_tokens
         grown = request.allocation + -(-(needed - request.allocation) // block) * block
         more = self._promised(request, grown) - self._promised(request, request.allocation)
-        if more > self.headroom():
+        if more * self.blocks.block_size <= self.unallocated_tokens():
+            source = "unallocated"
+        elif more <= self.headroom():
+            source = "reserved"
+        elif self._reclaim(more - self.headroom(), keep=request):
+            source = "reclaimed"
+        else:
             return False
-        self.grown["unallocated" if more * self.blocks.block_size <= self.unallocated_tokens() else "reserved"] += 1
+        self.grown[source] += 1
         request.allocation = grown
         return True
+
+    def _reclaim(self, blocks: int, keep: Request) -> bool:
+        """Cut back running requests' allotted but unused KV, most unused first, until `blocks`
+        blocks per layer are allotted to nobody; False (nothing changed) if they cannot give it."""
+        spare = [(r.allocation - (r.num_tokens + self.allocation.block_tokens), r) for r in self.running
+                 if r is not keep and r.allocation is not None and r.tier == "device"]
+        cuts: list[tuple[Request, int]] = []
+        goal = self.headroom() + blocks
+        for tokens, request in sorted((s for s in spare if s[0] > 0), key=lambda s: s[0], reverse=True):
+            cuts.append((request, request.allocation))
+            request.allocation -= tokens
+            if self.headroom() >= goal:
+                return True
+        for request, allocation in cuts:
+            request.allocation = allocation
+        return False
 
     def _settle(self, request: Request) -> None:
         """The request ends or loses its place: hand on the allocation it owes, drop its own."""

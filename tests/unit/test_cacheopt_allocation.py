@@ -120,6 +120,17 @@ def test_cacheopt_critical_requests_get_their_basic_need_even_by_preemption():
     assert plan.grants[0] == Grant("u", 108)  # its basic requirement, nothing left for anyone else
 
 
+def test_cacheopt_trims_unused_allocations_before_preempting_for_critical_requests():
+    urgent = req("u", prompt=100, ttft_slo_ms=20.0, estimate_len=50)
+    roomy = req("r", prompt=40, generated=10, allocation=200, estimate_len=160)   # 150 allotted, unused
+    tight = req("t", prompt=40, generated=10, allocation=60, estimate_len=20)     # 10 unused
+    plan = cacheopt(batch([urgent], running=[roomy, tight], unallocated=60))
+    # D_kvc 108 - 60 = 48 short: r gives 48 of its 200 - (50 + B) = 142 spare; nobody is preempted.
+    assert plan.preempt_tokens == 0
+    assert Grant("r", 152) in plan.grants and Grant("u", 108) in plan.grants
+    assert not any(g.request_id == "t" for g in plan.grants)
+
+
 def test_cacheopt_embeds_a_short_request_in_a_long_ones_unused_allocation():
     host = req("h", prompt=100, generated=10, allocation=600, estimate_len=500)
     guest = req("g", prompt=40, estimate_len=30)

@@ -1,0 +1,332 @@
+"""CacheOpt (issue 7) against vLLM's block allocation, RLP and S^3, and its own ablations, in one run.
+
+For each trace of `cacheopt_traces` (CacheOpt Table 1, scaled): the embedding length predictor is
+trained on 1,000 requests of the trace (600 with --quick) and predicts the served ones; the block
+baseline is run with every request at once to measure the engine's capacity, and every method then
+serves the same requests at a sweep of Poisson rates (fractions of that capacity). The methods that
+do not read SLOs (block, RLP, S^3) run first: their mean TTFT and TBT over the sweep set the SLOs as
+CacheOpt section 5 does, mean x a scale drawn from [0.5, 2.5] per request, the TTFT SLO times the
+prompt's number of chunks.
+
+Methods (engine policies; what the request's estimated length is):
+  block      block_at_a_time, fcfs, recompute                  (vLLM; no estimate read)
+  rlp        estimate, fcfs, recompute                         predicted + 100 tokens (scaled)
+  s3         s3, fcfs, recompute                               upper bound of its 50-token bucket (scaled)
+  cacheopt   cacheopt, cacheopt order, sweet_spot (8 reserved) Eq. 3-4 padding in the predicted direction
+  /CKA /RSA /PA /GR /PP /PSS: cacheopt without one part (section 5.2): 10% padding; FCFS selection
+  with RLP allocation; m = 0; no reservation; FCFS preemption order; recompute always.
+The baselines hold no global reservation. Every method runs the `tiny` model in bfloat16 with a KV
+pool that holds about `POOL_REQUESTS` mean requests, so KV is what they compete for.
+
+Keys (at the highest rate the block baseline sustains: normalised latency at most twice its own at
+the lowest rate; geometric mean over the traces): p99_tbt_ratio_block_vs_cacheopt,
+p99_ttft_ratio_block_vs_cacheopt (targets 2 and 1.5), slo_attainment_cacheopt (target 0.9; TTFT and
+TBT SLOs both met), slo_attainment_block, and predictor_mae_ratio_rlp_vs_ours (mean absolute error of
+RLP's estimated length over ours, all traces' requests).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import torch
+from rich.progress import Progress
+
+from kvmesh.policies.length import LengthQuery
+from kvmesh.policies.length.embedding import EmbeddingPredictor, FitSettings, fit
+from kvmesh.policies.length.padding import adaptive_confidence
+from kvmesh.policies.length.predictors import RLP_PADDING, S3_BUCKET, s3_bucket_upper_bound
+from kvmesh.services.engine.factory import EngineConfig, build_engine
+from kvmesh.services.engine.request import Targets
+from kvmesh.services.predictor.encoder import encoder
+
+from .cacheopt_serving import RunStats, replay
+from .cacheopt_traces import SCALE, TRACES, Trace, TraceRequest
+from .loadgen import poisson_arrivals
+from .report import BenchResult, Row
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+PLOT = Path("bench-results/cacheopt.png")
+ABLATION_PLOT = Path("bench-results/cacheopt_ablation.png")
+BLOCK_SIZE = 16
+POOL_REQUESTS = 3          # the device KV pool holds about this many mean requests (and the longest one)
+RATE_FRACTIONS = (0.6, 0.9, 1.2)
+SUSTAIN_FACTOR = 2.0       # a rate is sustained while normalised latency stays within this of the lowest rate's
+
+BASELINE = {"preemption_order": "fcfs", "preemption_strategy": "recompute"}
+SLO_UNAWARE = ("block", "rlp", "s3")  # what they do does not depend on the SLOs
+COOPT = {"kv_allocation": "cacheopt", "preemption_order": "cacheopt", "preemption_strategy": "sweet_spot"}
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    policies: dict[str, str]
+    estimate: str                     # ours | cka | rlp | s3 | none
+    overrides: dict = field(default_factory=dict)
+
+
+MAIN = (Method("block", {"kv_allocation": "block_at_a_time", **BASELINE}, "none", {"kv_reserved_blocks": 0}),
+        Method("rlp", {"kv_allocation": "estimate", **BASELINE}, "rlp", {"kv_reserved_blocks": 0}),
+        Method("s3", {"kv_allocation": "s3", **BASELINE}, "s3", {"kv_reserved_blocks": 0}),
+        Method("cacheopt", COOPT, "ours"))
+ABLATIONS = (Method("/CKA", COOPT, "cka"),
+             Method("/RSA", {**COOPT, "kv_allocation": "estimate"}, "rlp"),
+             Method("/PA", COOPT, "ours", {"kv_proactive_iterations": 0}),
+             Method("/GR", COOPT, "ours", {"kv_reserved_blocks": 0}),
+             Method("/PP", {**COOPT, "preemption_order": "fcfs"}, "ours"),
+             Method("/PSS", {**COOPT, "preemption_strategy": "recompute"}, "ours"))
+
+
+@dataclass(frozen=True)
+class Metrics:
+    p99_ttft_ms: float
+    p99_tbt_ms: float
+    ttft_attainment: float
+    tbt_attainment: float
+    slo_attainment: float
+    normalised_latency_ms: float
+    preemptions: int
+
+
+def run(quick: bool) -> BenchResult:
+    torch.set_num_threads(2)
+    traces = ["sharegpt"] if quick else list(TRACES)
+    methods = MAIN if quick else MAIN + ABLATIONS
+    n, n_train = (100, 600) if quick else (150, 1000)
+    rows: list[Row] = []
+    per_trace: dict[str, dict] = {}
+    errors: dict[str, list[float]] = {}  # by estimate rule: |estimated - actual| of every request
+    embed = encoder()
+    with Progress(transient=True) as progress:
+        for name in traces:
+            trace = TRACES[name]
+            task = progress.add_task(f"{name}: predictor", total=None)
+            requests = trace.requests(n, seed=1)
+            predicted = _predictions(trace, requests, n_train, embed)
+            progress.update(task, description=f"{name}: capacity", total=len(methods) * len(RATE_FRACTIONS) * n + n)
+            capacity = _capacity(trace, requests, progress, task)
+            rates = [capacity * f for f in RATE_FRACTIONS]
+            slos = _Slos(trace, requests)
+            runs: dict[tuple[str, float], RunStats] = {}
+            # The SLO-unaware methods first: their mean TTFT and TBT set everyone's SLOs (section 5).
+            for method in sorted(methods, key=lambda m: m.name not in SLO_UNAWARE):
+                for rate in rates:
+                    progress.update(task, description=f"{name}: {method.name} at {rate:.1f} req/s")
+                    estimates = _estimates(method.estimate, trace, requests, predicted, rate)
+                    targets = [Targets(ttft_slo_ms=t, tbt_slo_ms=b, predicted_output_len=e)
+                               for e, t, b in zip(estimates, *slos.ms())]
+                    arrivals = poisson_arrivals(len(requests), rate, seed=2)
+                    runs[(method.name, rate)] = replay(_engine(trace, method), requests, arrivals, targets,
+                                                       trace.output.high, lambda: progress.advance(task))
+                if method.name == SLO_UNAWARE[-1]:
+                    slos.calibrate([runs[(m, r)] for m in SLO_UNAWARE for r in rates])
+            progress.remove_task(task)
+            metrics = {key: _metrics(stats, slos) for key, stats in runs.items()}
+            per_trace[name] = _summary(name, rates, metrics, methods, rows)
+            rows += _predictor_rows(name, trace, requests, predicted, rates[-1], errors)
+    ratios = {
+        "p99_tbt_ratio_block_vs_cacheopt": _geomean([t["tbt_ratio"] for t in per_trace.values()]),
+        "p99_ttft_ratio_block_vs_cacheopt": _geomean([t["ttft_ratio"] for t in per_trace.values()]),
+        "slo_attainment_cacheopt": float(np.mean([t["slo_cacheopt"] for t in per_trace.values()])),
+        "slo_attainment_block": float(np.mean([t["slo_block"] for t in per_trace.values()])),
+        "predictor_mae_ratio_rlp_vs_ours": float(np.mean(errors["rlp"]) / np.mean(errors["ours"])),
+    }
+    targets = {"p99_tbt_ratio_block_vs_cacheopt": 2.0, "p99_ttft_ratio_block_vs_cacheopt": 1.5,
+               "slo_attainment_cacheopt": 0.9}
+    plots = [_plot(per_trace, methods=MAIN, path=PLOT)]
+    if not quick:
+        plots.append(_plot_ablation(per_trace, path=ABLATION_PLOT))
+    return BenchResult(
+        bench="cacheopt", quick=quick, ratios=ratios, targets=targets,
+        meets={k: ratios[k] >= v for k, v in targets.items()},
+        ceilings={"oracle_estimate_mae_tokens": 0.0},
+        config={"traces": traces, "requests_per_run": n, "train_requests": n_train, "scale": SCALE,
+                "rate_fractions_of_capacity": list(RATE_FRACTIONS), "pool_requests": POOL_REQUESTS,
+                "per_trace": {k: {kk: vv for kk, vv in v.items() if kk != "metrics"} for k, v in per_trace.items()},
+                "methods": {m.name: {"policies": m.policies, "estimate": m.estimate, **m.overrides} for m in methods}},
+        rows=rows, plots=plots,
+        headline=(f"at the block baseline's highest sustained rate: P99 TBT {ratios['p99_tbt_ratio_block_vs_cacheopt']:.2f}x "
+                  f"and P99 TTFT {ratios['p99_ttft_ratio_block_vs_cacheopt']:.2f}x lower with CacheOpt; SLO attainment "
+                  f"{ratios['slo_attainment_cacheopt']:.2f} vs {ratios['slo_attainment_block']:.2f}; "
+                  f"estimated-length MAE {ratios['predictor_mae_ratio_rlp_vs_ours']:.2f}x lower than RLP's"))
+
+
+# -- prediction -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Predicted:
+    model: EmbeddingPredictor
+    raw: list[int]            # the model's own lengths
+
+
+def _predictions(trace: Trace, requests: list[TraceRequest], n_train: int, embed) -> Predicted:
+    training = trace.requests(n_train, seed=1000)
+    vectors = embed([r.text for r in training])
+    model, _ = fit(vectors, torch.tensor([r.output_len for r in training], dtype=torch.float32), FitSettings(seed=0))
+    served = embed([r.text for r in requests])
+    by_text = {r.text: v for r, v in zip(requests, served)}
+    predictor = EmbeddingPredictor(lambda texts: torch.stack([by_text[t] for t in texts]), model, refit_every=None)
+    raw = [predictor.predict(_query(trace, r)).predicted for r in requests]
+    return Predicted(predictor, raw)
+
+
+def _query(trace: Trace, request: TraceRequest) -> LengthQuery:
+    return LengthQuery(tenant=trace.name, max_tokens=trace.output.high, text=request.text)
+
+
+def _estimates(kind: str, trace: Trace, requests: list[TraceRequest], predicted: Predicted, rate: float) -> list[int | None]:
+    """Each request's estimated output length under a method's predictor rule."""
+    cap = trace.output.high
+    if kind == "none":
+        return [None] * len(requests)
+    if kind == "ours":
+        confidence = adaptive_confidence(rate)  # Eq. 4 with the predictor service's alpha and beta
+        return [predicted.model.predict(_query(trace, r), confidence).estimated for r in requests]
+    if kind == "cka":
+        return [min(cap, max(1, math.ceil(p * 1.1))) for p in predicted.raw]
+    if kind == "rlp":
+        return [min(cap, p + round(RLP_PADDING * SCALE)) for p in predicted.raw]
+    if kind == "s3":
+        return [min(cap, s3_bucket_upper_bound(p, round(S3_BUCKET * SCALE))) for p in predicted.raw]
+    raise ValueError(kind)
+
+
+def _predictor_rows(name: str, trace: Trace, requests: list[TraceRequest], predicted: Predicted, rate: float,
+                    errors: dict[str, list[float]]) -> list[Row]:
+    """The estimates' errors at the trace's highest rate (ours adapts its confidence to it)."""
+    actual = np.array([r.output_len for r in requests])
+    rows = [Row(compared=f"{name} predictor", path="mean length (no model)",
+                cells={"estimate MAE tok": float(np.abs(actual.mean() - actual).mean())})]
+    for kind, label in (("ours", "ours (Eq. 3-4)"), ("cka", "ours, 10% padding"), ("rlp", "RLP"), ("s3", "S3")):
+        estimated = np.array(_estimates(kind, trace, requests, predicted, rate))
+        errors.setdefault(kind, []).extend(np.abs(estimated - actual).tolist())
+        rows.append(Row(compared=f"{name} predictor", path=label,
+                        cells={"estimate MAE tok": float(np.abs(estimated - actual).mean()),
+                               "under share": float((estimated < actual).mean()),
+                               "over share": float((estimated > actual).mean())}))
+    rows[0].cells["raw MAE tok"] = float(np.abs(np.array(predicted.raw) - actual).mean())
+    return rows
+
+
+# -- serving --------------------------------------------------------------------------------------
+
+def _engine(trace: Trace, method: Method):
+    mean_total = trace.prompt.mean + trace.output.mean
+    longest = trace.prompt.high + trace.output.high
+    blocks = max(math.ceil(POOL_REQUESTS * mean_total / BLOCK_SIZE), math.ceil(longest / BLOCK_SIZE) + 4)
+    return build_engine(EngineConfig(model="tiny", dtype="bfloat16", block_size=BLOCK_SIZE, device_blocks=blocks * 4,
+                                     cxl_blocks=blocks * 8, prefix_caching=False, policies=method.policies,
+                                     swap_profile_repeats=1, **method.overrides))
+
+
+def _capacity(trace: Trace, requests: list[TraceRequest], progress: Progress, task) -> float:
+    """Requests per second the block baseline completes with every request there at once."""
+    stats = replay(_engine(trace, MAIN[0]), requests, np.zeros(len(requests)), [Targets()] * len(requests),
+                   trace.output.high, lambda: progress.advance(task))
+    return float(len(requests) / max(s.times[-1] - s.arrival for s in stats.served))
+
+
+class _Slos:
+    """CacheOpt section 5's SLOs: the mean TTFT and TBT measured across the compared methods (here
+    the SLO-unaware ones, over the sweep) times a per-request scale from [0.5, 2.5], the TTFT SLO
+    times the prompt's chunks."""
+
+    def __init__(self, trace: Trace, requests: list[TraceRequest], token_budget: int = 512):
+        rng = np.random.default_rng(3)
+        self.scale = rng.uniform(0.5, 2.5, len(requests))
+        self.chunks = np.array([math.ceil(len(r.prompt_ids) / token_budget) for r in requests])
+        self.mean_ttft_ms, self.mean_tbt_ms = 1e3, 100.0  # until calibrated: only SLO-unaware methods run before
+
+    def calibrate(self, runs: list[RunStats]) -> None:
+        served = [s for stats in runs for s in stats.served]
+        self.mean_ttft_ms = 1e3 * float(np.mean([s.ttft for s in served]))
+        self.mean_tbt_ms = 1e3 * float(np.mean(np.concatenate([s.gaps for s in served])))
+
+    def ms(self) -> tuple[list[float], list[float]]:
+        return (list(self.mean_ttft_ms * self.scale * self.chunks), list(self.mean_tbt_ms * self.scale))
+
+
+def _metrics(stats: RunStats, slos: _Slos) -> Metrics:
+    ttft_slo, tbt_slo = (np.array(x) / 1e3 for x in slos.ms())
+    ttft = np.array([s.ttft for s in stats.served])
+    gaps = np.concatenate([s.gaps for s in stats.served])
+    ttft_ok = ttft <= ttft_slo
+    tbt_ok = np.array([bool((s.gaps <= b).all()) for s, b in zip(stats.served, tbt_slo)])
+    return Metrics(p99_ttft_ms=1e3 * float(np.percentile(ttft, 99)), p99_tbt_ms=1e3 * float(np.percentile(gaps, 99)),
+                   ttft_attainment=float(ttft_ok.mean()), tbt_attainment=float(tbt_ok.mean()),
+                   slo_attainment=float((ttft_ok & tbt_ok).mean()),
+                   normalised_latency_ms=1e3 * float(np.mean([s.normalised_latency for s in stats.served])),
+                   preemptions=sum(stats.preemptions.values()))
+
+
+def _summary(name: str, rates: list[float], metrics: dict[tuple[str, float], Metrics], methods, rows: list[Row]) -> dict:
+    limit = SUSTAIN_FACTOR * metrics[("block", rates[0])].normalised_latency_ms
+    sustained = {m.name: max([r for r in rates if metrics[(m.name, r)].normalised_latency_ms <= limit], default=0.0)
+                 for m in methods}
+    at = sustained["block"] or rates[0]
+    for method in methods:
+        for rate in rates:
+            m = metrics[(method.name, rate)]
+            rows.append(Row(compared=f"{name} {rate:.1f} req/s{' *' if rate == at else ''}", path=method.name,
+                            cells={"p99 TTFT ms": m.p99_ttft_ms, "p99 TBT ms": m.p99_tbt_ms,
+                                   "TTFT SLO": m.ttft_attainment, "TBT SLO": m.tbt_attainment, "SLO": m.slo_attainment,
+                                   "norm lat ms": m.normalised_latency_ms, "preempt": m.preemptions,
+                                   "sustained req/s": sustained[method.name]}))
+    block, ours = metrics[("block", at)], metrics[("cacheopt", at)]
+    return {"rates": rates, "at_rate": at, "sustained": sustained,
+            "tbt_ratio": block.p99_tbt_ms / ours.p99_tbt_ms, "ttft_ratio": block.p99_ttft_ms / ours.p99_ttft_ms,
+            "slo_cacheopt": ours.slo_attainment, "slo_block": block.slo_attainment,
+            "metrics": {f"{k[0]}@{k[1]:.2f}": v for k, v in metrics.items()}}
+
+
+def _geomean(values: list[float]) -> float:
+    return float(np.exp(np.mean(np.log(values))))
+
+
+# -- plots ----------------------------------------------------------------------------------------
+
+PANELS = (("p99_ttft_ms", "P99 TTFT (ms)"), ("ttft_attainment", "TTFT SLO attainment"), ("p99_tbt_ms", "P99 TBT (ms)"),
+          ("tbt_attainment", "TBT SLO attainment"), ("normalised_latency_ms", "normalised latency (ms/token)"))
+
+
+def _plot(per_trace: dict[str, dict], methods, path: Path) -> str:
+    """CacheOpt Fig. 12's panels, one row per trace, against the arrival rate."""
+    fig, axes = plt.subplots(len(per_trace), len(PANELS), figsize=(4 * len(PANELS), 3.2 * len(per_trace)), squeeze=False)
+    for row, (name, summary) in zip(axes, per_trace.items()):
+        for ax, (field_name, label) in zip(row, PANELS):
+            for method in methods:
+                ys = [getattr(summary["metrics"][f"{method.name}@{r:.2f}"], field_name) for r in summary["rates"]]
+                ax.plot(summary["rates"], ys, marker="o", label=method.name)
+            ax.set_title(f"{name}: {label}", fontsize=9)
+            ax.set_xlabel("arrival rate (req/s)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def _plot_ablation(per_trace: dict[str, dict], path: Path) -> str:
+    """CacheOpt Fig. 14: the variants at each trace's comparison rate."""
+    names = ["cacheopt", *(m.name for m in ABLATIONS)]
+    fig, axes = plt.subplots(1, len(PANELS) - 1, figsize=(4 * (len(PANELS) - 1), 3.4))
+    width = 0.8 / len(per_trace)
+    for ax, (field_name, label) in zip(axes, PANELS[:-1]):
+        for i, (trace, summary) in enumerate(per_trace.items()):
+            ys = [getattr(summary["metrics"][f"{n}@{summary['at_rate']:.2f}"], field_name) for n in names]
+            ax.bar(np.arange(len(names)) + i * width, ys, width, label=trace)
+        ax.set_xticks(np.arange(len(names)) + width * (len(per_trace) - 1) / 2, names, rotation=45, fontsize=8)
+        ax.set_title(label, fontsize=9)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
