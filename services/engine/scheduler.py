@@ -102,10 +102,11 @@ class Scheduler:
     def schedule(self, now: float) -> Plan:
         plan = Plan()
         grants = self._plan_allocation(plan, now) if self.ledger else None
-        preempted = len(plan.preempted)
+        planned = len(plan.preempted)
         budget = self._schedule_running(plan, self.token_budget)
-        if len(plan.preempted) == preempted:  # nobody lost their place for want of blocks
-            budget = self._resume_swapped(plan, budget)
+        if len(plan.preempted) == planned:  # nobody lost their place for want of blocks
+            if not planned:  # room the plan made is for its waiting requests, not for the swapped ones
+                budget = self._resume_swapped(plan, budget)
             self._admit_waiting(plan, budget, now, grants)
         return plan
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvmesh.policies import preemption, registry
 from kvmesh.policies.swap_recompute import RecomputeCurve, SwapCurve, SwapCurves
-from kvmesh.services.engine.request import Targets
+from kvmesh.services.engine.request import Request, Status, Targets
 from kvmesh.services.engine.sampling import SamplingParams
 
 from .conftest import assert_all_blocks_free, engine_for
@@ -115,3 +115,24 @@ def test_no_request_starves_under_any_allocation_policy(tiny_checkpoint, allocat
     run(engine, targets)
     assert_all_blocks_free(engine)
     assert engine.scheduler.unallocated_tokens() == (96 // 4 - 8) * 16
+
+
+def test_room_made_for_a_critical_request_goes_to_it_not_back_to_the_victim():
+    """D_kvc preemption swaps a running request out so a waiting one about to miss its TTFT SLO can
+    start; in that step the victim does not come straight back (it would take the room, and the two
+    would take turns being swapped, step after step)."""
+    from .test_block_accounting import LAYERS, make
+
+    blocks, scheduler = make(strategy="swap", device_blocks=12, allocation="cacheopt")
+    roomy = Request("roomy", [1] * 8, SamplingParams(max_tokens=20), 0.0, LAYERS,
+                    targets=Targets(predicted_output_len=8))
+    scheduler.add(roomy)
+    scheduler.schedule(0.0)  # admitted, allotted its whole demand: 16 of the 16 unallocated tokens
+    roomy.num_computed, roomy.output_ids, roomy.output_times = 8, [1], [0.1]
+    scheduler.iteration_s.append(0.5)  # T_I^max
+    urgent = Request("urgent", [2] * 6, SamplingParams(max_tokens=4), 1.0, LAYERS,
+                     targets=Targets(ttft_slo_ms=300.0, predicted_output_len=2))
+    scheduler.add(urgent)
+    plan = scheduler.schedule(1.0)
+    assert [(r.request_id, how) for r, how in plan.preempted] == [("roomy", "swap")]
+    assert [c.request.request_id for c in plan.chunks] == ["urgent"] and roomy.status is Status.SWAPPED
