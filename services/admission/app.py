@@ -94,6 +94,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     slo: Slo
+    prompt_text: str | None = None  # for the length predictor: the prompt as text, when it came as text
 
 
 def build_service(config: Config) -> Service:
@@ -168,7 +169,8 @@ def build_service(config: Config) -> Service:
         tokenizer = await models.tokenizer(body.model)
         ids = await asyncio.to_thread(tokenizer.encode, prompt) if isinstance(prompt, str) else prompt
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        return _prepared(request, body, tokenizer, ids, max_tokens, sampling, "prompt", defaults)
+        return _prepared(request, body, tokenizer, ids, max_tokens, sampling, "prompt", defaults,
+                         prompt_text=prompt if isinstance(prompt, str) else None)
 
     async def prepare_chat(request: web.Request, body: ChatCompletionRequest) -> Prepared:
         chat_checks(body)
@@ -181,7 +183,8 @@ def build_service(config: Config) -> Service:
             raise bad_request(f"the model's chat template refused the messages: {exc}", param="messages") from None
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = tokenizer.max_model_len - len(ids) if requested is None else requested
-        return _prepared(request, body, tokenizer, ids, max_tokens, sampling, "messages", defaults)
+        return _prepared(request, body, tokenizer, ids, max_tokens, sampling, "messages", defaults,
+                         prompt_text=_conversation_text(messages))
 
     async def answer(request: web.Request, prepared: Prepared, chat: bool) -> web.StreamResponse:
         """Hold a place in the queue while the request runs; the client going away cancels it."""
@@ -190,7 +193,8 @@ def build_service(config: Config) -> Service:
         async def run() -> web.StreamResponse:
             generation, prediction = prepared.generation, None
             if predictor is not None:  # before the queue: the predictor's arrival rate is the arrivals'
-                prediction = await predictor.predict(generation.prompt_ids, generation.max_tokens, generation.model)
+                prediction = await predictor.predict(generation.prompt_ids, generation.max_tokens, generation.model,
+                                                     prepared.prompt_text)
                 if prediction is not None:
                     generation = dataclasses.replace(generation, predicted_output_len=prediction.estimated)
             try:
@@ -206,7 +210,7 @@ def build_service(config: Config) -> Service:
                     slo_metrics.record(prepared.slo, timing, reply.served, reply.finish_reason)
                     if prediction is not None and reply.finish_reason in ("stop", "length"):
                         predictor.observe(generation.model, len(generation.prompt_ids), len(timing.token_times),
-                                          prediction)
+                                          prediction, prepared.prompt_text)
                     return response
             except QueueFull as exc:
                 raise OpenAIError(429, str(exc), type="requests", code="queue_full",
@@ -252,7 +256,7 @@ def build_service(config: Config) -> Service:
 
 
 def _prepared(request: web.Request, body, tokenizer: ModelTokenizer, ids: list[int], max_tokens: int, sampling,
-              prompt_param: str, defaults: dict[str, SloClass]) -> Prepared:
+              prompt_param: str, defaults: dict[str, SloClass], prompt_text: str | None = None) -> Prepared:
     """The context check and the request's SLOs; the request is ready to run."""
     limit, wanted = tokenizer.max_model_len, max(max_tokens, 1)
     if max_tokens < 1 and len(ids) < limit:
@@ -267,7 +271,14 @@ def _prepared(request: web.Request, body, tokenizer: ModelTokenizer, ids: list[i
     generation = Generation(request_id=f"{prefix}-{uuid.uuid4().hex}", model=body.model, prompt_ids=list(ids),
                             max_tokens=max_tokens, sampling=sampling, ttft_slo_ms=slo.ttft_ms, tbt_slo_ms=slo.tbt_ms)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return Prepared(generation, tokenizer, bool(body.stream), include_usage, slo)
+    return Prepared(generation, tokenizer, bool(body.stream), include_usage, slo, prompt_text)
+
+
+def _conversation_text(messages: list[dict[str, str]]) -> str | None:
+    """A conversation's text for the length predictor: its messages' contents, one after another, without
+    the chat template's markup (a one-message chat reads as a completion of the same prompt); None when
+    every message is empty."""
+    return "\n".join(m["content"] for m in messages if m["content"]) or None
 
 
 def _request_attributes(prepared: Prepared) -> dict:

@@ -1,6 +1,9 @@
 """Admission's calls to the predictor service (CacheOpt): the output length to allocate for before
 a request runs, and its actual length after. A prediction only helps the engines plan, so a
-predictor that fails or is slow never fails a request: the request runs without one."""
+predictor that fails or is slow never fails a request: the request runs without one.
+
+The prompt goes as text when the request had text (what the `embedding` predictor reads), else as
+token ids, cut to the predictor's limits rather than refused with a 400."""
 
 from __future__ import annotations
 
@@ -14,6 +17,10 @@ from kvmesh.libs.controlplane import KvmeshError, ServiceClient
 from kvmesh.observability import tracing
 
 log = logging.getLogger(__name__)
+
+# The predictor's limits on a prompt (services/predictor/api.py; a service does not import another).
+MAX_PROMPT_CHARS = 1_048_576
+MAX_PROMPT_TOKENS = 262_144
 
 
 class PredictedLength(Struct, kw_only=True, frozen=True):
@@ -31,11 +38,14 @@ class PredictorClient:
         self._client = ServiceClient(url, token=token, timeout=timeout_s, retries=0)
         self._observing: set[asyncio.Task] = set()
 
-    async def predict(self, prompt_ids: list[int], max_tokens: int, tenant: str) -> PredictedLength | None:
+    async def predict(self, prompt_ids: list[int], max_tokens: int, tenant: str,
+                      text: str | None = None) -> PredictedLength | None:
+        """The request's predicted length; its prompt as `text` when it had text, else as its ids."""
+        prompt = {"prompt": text[:MAX_PROMPT_CHARS]} if text else {"prompt_token_ids": prompt_ids[:MAX_PROMPT_TOKENS]}
         with tracing.span("predict", kind=SpanKind.CLIENT) as span:
             try:
                 answer = await self._client.call("POST", "/v1/predict", {
-                    "prompt_token_ids": prompt_ids, "max_tokens": max_tokens, "tenant": tenant}, into=PredictedLength)
+                    **prompt, "max_tokens": max_tokens, "tenant": tenant}, into=PredictedLength)
             except KvmeshError as exc:
                 log.warning("no length prediction (the request runs without one): %s", exc)
                 tracing.failed(span, exc)
@@ -44,11 +54,15 @@ class PredictorClient:
                               "kvmesh.padding": answer.padding, "kvmesh.confidence": answer.confidence})
             return answer
 
-    def observe(self, tenant: str, prompt_len: int, actual: int, prediction: PredictedLength) -> None:
-        """The request's actual output length, in the background (the answer has gone already)."""
-        task = asyncio.create_task(self._observe({
-            "tenant": tenant, "prompt_len": prompt_len, "actual": actual,
-            "predicted": prediction.predicted, "estimated": prediction.estimated}))
+    def observe(self, tenant: str, prompt_len: int, actual: int, prediction: PredictedLength,
+                text: str | None = None) -> None:
+        """The request's actual output length, in the background (the answer has gone already), with
+        its prompt text when it had one (what `embedding` learns from)."""
+        body = {"tenant": tenant, "prompt_len": prompt_len, "actual": actual,
+                "predicted": prediction.predicted, "estimated": prediction.estimated}
+        if text:
+            body["prompt"] = text[:MAX_PROMPT_CHARS]
+        task = asyncio.create_task(self._observe(body))
         self._observing.add(task)
         task.add_done_callback(self._observing.discard)
 
