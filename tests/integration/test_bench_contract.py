@@ -58,3 +58,13 @@ def test_tracing_bench_compares_off_and_on_and_reports_the_span_file(tmp_path: P
     report = result["config"]["report"]  # `kvmesh report` read the traced cluster's span file
     assert report["requests"] > 0 and result["ratios"]["spans_per_request"] > 0
     assert all(Path(tmp_path / plot).stat().st_size > 0 for plot in result["plots"])
+
+
+def test_cacheopt_bench_compares_the_allocation_policies_and_writes_the_contract(tmp_path: Path):
+    result, _ = quick_bench(tmp_path, "cacheopt", timeout=600)
+    assert set(result["ratios"]) == {"p99_tbt_ratio_block_vs_cacheopt", "p99_ttft_ratio_block_vs_cacheopt",
+                                     "slo_attainment_cacheopt", "slo_attainment_block",
+                                     "predictor_mae_ratio_rlp_vs_ours"}
+    assert set(result["meets"]) == set(result["targets"])
+    assert {row["path"] for row in result["rows"]} >= {"block", "rlp", "s3", "cacheopt"}
+    assert Path(tmp_path / result["plots"][0]).stat().st_size > 0
