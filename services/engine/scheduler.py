@@ -10,7 +10,7 @@ Allocation is a ledger (policies/allocation/plan.py): with any policy but vLLM's
 each step starts with the policy's plan for the batch; a request's blocks still come as its tokens
 do, but only within its allocation, and the KV allotted to nobody (less the global reservation)
 bounds what can be granted. A request that outgrows its allocation gets B tokens more on demand,
-then from the reservation, and only then preempts someone.
+then from the reservation, then out of others' allotted but unused KV, and only then preempts.
 """
 
 from __future__ import annotations
