@@ -55,7 +55,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 PLOT = Path("bench-results/cacheopt.png")
 ABLATION_PLOT = Path("bench-results/cacheopt_ablation.png")
 BLOCK_SIZE = 16
-POOL_REQUESTS = 3          # the device KV pool holds about this many mean requests (and the longest one)
+POOL_REQUESTS = 3          # the device KV pool holds about this many mean requests
+LONGEST_IN_POOL = 2        # and at least this many of the longest (a pool that holds one makes it wait for all)
 RATE_FRACTIONS = (0.6, 0.9, 1.2)
 SUSTAIN_FACTOR = 2.0       # a rate is sustained while normalised latency stays within this of the lowest rate's
 
@@ -223,7 +224,7 @@ def _predictor_rows(name: str, trace: Trace, requests: list[TraceRequest], predi
 def _engine(trace: Trace, method: Method):
     mean_total = trace.prompt.mean + trace.output.mean
     longest = trace.prompt.high + trace.output.high
-    blocks = max(math.ceil(POOL_REQUESTS * mean_total / BLOCK_SIZE), math.ceil(longest / BLOCK_SIZE) + 4)
+    blocks = max(math.ceil(POOL_REQUESTS * mean_total / BLOCK_SIZE), math.ceil(LONGEST_IN_POOL * longest / BLOCK_SIZE))
     return build_engine(EngineConfig(model="tiny", dtype="bfloat16", block_size=BLOCK_SIZE, device_blocks=blocks * 4,
                                      cxl_blocks=blocks * 8, prefix_caching=False, policies=method.policies,
                                      swap_profile_repeats=1, **method.overrides))

@@ -51,6 +51,25 @@ def choose_host(guest: RequestView, hosts: Mapping[str, tuple[int, int]], params
     return min(fits)[1] if fits else None
 
 
+def spread_hosts(guest: RequestView, hosts: Mapping[str, tuple[int, int]], params: AllocationParams
+                 ) -> list[tuple[str, int]] | None:
+    """3.3.1 over several hosts: each running request r_j (id -> (a_j, u_j)) offers the part of its
+    allotment it will not reach while the guest runs, a_j - (u_j + s_i^o) - b; when together they
+    cover the guest's s_i^p + s_i^o, it takes from those offering most first. None if they cannot."""
+    need = guest.num_tokens + guest.estimated_output_len
+    offers = sorted(((max(0, allocation - (used + guest.estimated_output_len) - params.embed_buffer), host)
+                     for host, (allocation, used) in hosts.items()), reverse=True)
+    if sum(offer for offer, _ in offers) < need:
+        return None
+    taken = []
+    for offer, host in offers:
+        taken.append((host, min(offer, need)))
+        need -= taken[-1][1]
+        if need == 0:
+            return taken
+    return None
+
+
 def critical_demand(critical_waiting: Sequence[RequestView], critical_returned: Sequence[RequestView],
                     params: AllocationParams) -> int:
     """D_kvc = sum over N_w of (s_i^p + B) + |N_r| * B."""
@@ -113,15 +132,19 @@ def cacheopt(batch: AllocationInput) -> AllocationPlan:
             budget -= r.num_tokens
     hosts = {r.request_id: (r.allocation, r.num_computed) for r in batch.running
              if r.allocation is not None and r.tier == "device" and not exhausted(r)}
-    embedded: dict[str, str] = {}
+    embedded: dict[str, tuple[tuple[str, int], ...]] = {}
 
     def embed(r: RequestView) -> bool:
+        """In one host as the paper does, else spread over several; the hosts' allotted KV shrinks
+        by what the guest takes until the guest ends."""
         host = choose_host(r, hosts, params)
-        if host is not None:  # the host's allotted KV shrinks by the guest's until the guest ends
-            allocation, used = hosts[host]
-            hosts[host] = (allocation - demand(r, params), used)
-            embedded[r.request_id] = host
-        return host is not None
+        taken = [(host, demand(r, params))] if host is not None else spread_hosts(r, hosts, params)
+        for host_id, tokens in taken or ():
+            allocation, used = hosts[host_id]
+            hosts[host_id] = (allocation - tokens, used)
+        if taken:
+            embedded[r.request_id] = tuple(taken)
+        return bool(taken)
 
     # (1) critical requests: their basic requirement, embedded first, largest first.
     critical = sorted(critical_w + critical_r, key=lambda r: r.num_tokens if r in critical_w else 0, reverse=True)
@@ -164,7 +187,7 @@ def cacheopt(batch: AllocationInput) -> AllocationPlan:
                                      lent=need - tokens if lender else 0)
     for r in waiting:
         if r.request_id in embedded:
-            grants[r.request_id] = Grant(r.request_id, demand(r, params), host=embedded[r.request_id])
+            grants[r.request_id] = Grant(r.request_id, demand(r, params), hosts=embedded[r.request_id])
     running_ids = {r.request_id for r in batch.running}
     order = [g for g in grants.values() if g.request_id in running_ids]
     order += [grants[r.request_id] for r in waiting if r.request_id in grants]

@@ -50,7 +50,7 @@ class Grant:
 
     request_id: str
     tokens: int | None               # a_i; None: no allocation, it takes blocks as it goes
-    host: str | None = None          # embedded in this running request's allotted but unused KV (3.3.1)
+    hosts: tuple[tuple[str, int], ...] = ()  # embedded: (running request, tokens of its allotted but unused KV) (3.3.1)
     lender: str | None = None        # when this running request ends, `lent` of its allocation passes here (3.3.2)
     lent: int = 0
 

@@ -249,16 +249,18 @@ class Scheduler:
         return max(0, blocks_for(allocation, self.blocks.block_size) - request.blocks_per_layer)
 
     def _allot(self, request: Request, grant: Grant) -> bool:
-        """Apply a grant if the ledger covers it: out of a host's allotted KV, or out of the unallocated."""
+        """Apply a grant if the ledger covers it: out of its hosts' allotted KV, or out of the unallocated."""
         if grant.tokens is None:
             return True
-        if grant.host is not None:
-            host = next((r for r in self.running if r.request_id == grant.host), None)
-            if host is None or host.allocation is None or host.allocation - grant.tokens < host.num_tokens:
+        if grant.hosts:
+            running = {r.request_id: r for r in self.running}
+            hosts = [(running.get(host_id), tokens) for host_id, tokens in grant.hosts]
+            if any(h is None or h.allocation is None or h.allocation - tokens < h.num_tokens for h, tokens in hosts):
                 return False
-            host.allocation -= grant.tokens
-            host.guests.append(request.request_id)
-            request.passes.append((host.request_id, grant.tokens))
+            for host, tokens in hosts:
+                host.allocation -= tokens
+                host.guests.append(request.request_id)
+                request.passes.append((host.request_id, tokens))
         else:
             more = self._promised(request, grant.tokens) - self._promised(request, request.allocation)
             # With nothing running nobody would ever free KV: then the reservation may go too.

@@ -9,7 +9,7 @@ import pytest
 
 from kvmesh.policies.allocation import AllocationInput, AllocationParams, Grant, block_at_a_time, cacheopt, estimate, s3
 from kvmesh.policies.allocation.cacheopt import (amortised_cut, choose_host, critical_demand, cut_weights,
-                                                 embedding_start)
+                                                 embedding_start, spread_hosts)
 from kvmesh.policies.allocation.plan import critical_time, demand
 from kvmesh.policies.views import RequestView
 
@@ -135,7 +135,19 @@ def test_cacheopt_embeds_a_short_request_in_a_long_ones_unused_allocation():
     host = req("h", prompt=100, generated=10, allocation=600, estimate_len=500)
     guest = req("g", prompt=40, estimate_len=30)
     plan = cacheopt(batch([guest], running=[host], unallocated=0))
-    assert plan.grants == (Grant("g", 70, host="h"),)
+    assert plan.grants == (Grant("g", 70, hosts=(("h", 70),)),)
+
+
+def test_spread_embedding_takes_what_several_hosts_will_not_reach_in_time():
+    guest = req("g", prompt=40, estimate_len=30)                       # needs 70 tokens for 30 steps
+    hosts = {"a": (150, 60), "b": (140, 60), "c": (80, 60)}            # offer 150-90-8 = 52, 42, 0
+    assert choose_host(guest, hosts, PARAMS) is None
+    assert spread_hosts(guest, hosts, PARAMS) == [("a", 52), ("b", 18)]
+    assert spread_hosts(guest, {"a": (150, 60)}, PARAMS) is None
+    running = [req("a", prompt=50, generated=10, allocation=150, estimate_len=100),
+               req("b", prompt=50, generated=10, allocation=140, estimate_len=90)]
+    assert cacheopt(batch([guest], running=running, unallocated=0)).grants == \
+        (Grant("g", 70, hosts=(("a", 53), ("b", 17))),)  # they have computed 59: offers 53 and 43
 
 
 def test_cacheopt_cuts_by_weight_and_lends_from_a_request_about_to_end():
