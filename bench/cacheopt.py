@@ -16,7 +16,8 @@ Methods (engine policies; what the request's estimated length is):
   /CKA /RSA /PA /GR /PP /PSS: cacheopt without one part (section 5.2): 10% padding; FCFS selection
   with RLP allocation; m = 0; no reservation; FCFS preemption order; recompute always.
 The baselines hold no global reservation. Every method runs the `tiny` model in bfloat16 with a KV
-pool that holds about `POOL_REQUESTS` mean requests, so KV is what they compete for.
+pool that holds about `POOL_REQUESTS` mean requests and at least two of the longest, so KV is what
+they compete for.
 
 Keys (at the highest rate the block baseline sustains: normalised latency at most twice its own at
 the lowest rate; geometric mean over the traces): p99_tbt_ratio_block_vs_cacheopt,
