@@ -39,8 +39,8 @@ from rich.progress import Progress
 
 from kvmesh.policies.length import LengthQuery
 from kvmesh.policies.length.embedding import EmbeddingPredictor, FitSettings, fit
-from kvmesh.policies.length.padding import adaptive_confidence
-from kvmesh.policies.length.predictors import RLP_PADDING, S3_BUCKET, s3_bucket_upper_bound
+from kvmesh.policies.length.padding import Direction, adaptive_confidence, padded_length
+from kvmesh.policies.length.predictors import RLP_PADDING, S3_BUCKET, RLPPredictor, S3Predictor
 from kvmesh.services.engine.factory import EngineConfig, build_engine
 from kvmesh.services.engine.request import Targets
 from kvmesh.services.predictor.encoder import encoder
@@ -187,20 +187,17 @@ def _query(trace: Trace, request: TraceRequest) -> LengthQuery:
 
 
 def _estimates(kind: str, trace: Trace, requests: list[TraceRequest], predicted: Predicted, rate: float) -> list[int | None]:
-    """Each request's estimated output length under a method's predictor rule."""
-    cap = trace.output.high
+    """Each request's estimated output length under a method's predictor rule: the predictors of
+    policies/length over the same embedding model (RLP's padding and S^3's bucket scaled like the
+    lengths), ours with Eq. 4's confidence at this rate."""
     if kind == "none":
         return [None] * len(requests)
-    if kind == "ours":
-        confidence = adaptive_confidence(rate)  # Eq. 4 with the predictor service's alpha and beta
-        return [predicted.model.predict(_query(trace, r), confidence).estimated for r in requests]
-    if kind == "cka":
-        return [min(cap, max(1, math.ceil(p * 1.1))) for p in predicted.raw]
-    if kind == "rlp":
-        return [min(cap, p + round(RLP_PADDING * SCALE)) for p in predicted.raw]
-    if kind == "s3":
-        return [min(cap, s3_bucket_upper_bound(p, round(S3_BUCKET * SCALE))) for p in predicted.raw]
-    raise ValueError(kind)
+    if kind == "cka":  # /CKA: a fixed padding of 10% of the prediction
+        return [padded_length(p, 0.1 * p, Direction.UNDER, trace.output.high) for p in predicted.raw]
+    predictor = {"ours": predicted.model, "rlp": RLPPredictor(predicted.model, round(RLP_PADDING * SCALE)),
+                 "s3": S3Predictor(predicted.model, round(S3_BUCKET * SCALE))}[kind]
+    confidence = adaptive_confidence(rate)  # with the predictor service's alpha and beta; RLP and S^3 ignore it
+    return [predictor.predict(_query(trace, r), confidence).estimated for r in requests]
 
 
 def _predictor_rows(name: str, trace: Trace, requests: list[TraceRequest], predicted: Predicted, rate: float,

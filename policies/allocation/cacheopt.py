@@ -26,7 +26,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from ..views import RequestView
-from .plan import AllocationInput, AllocationParams, AllocationPlan, Grant, critical_time, demand, exhausted
+from .plan import (AllocationInput, AllocationParams, AllocationPlan, Grant, critical_time, demand, exhausted,
+                   spare_allotment)
 
 MIN_RT_S = 1e-3  # a request already past its deadline still weighs something in the cut
 
@@ -152,7 +153,7 @@ def cacheopt(batch: AllocationInput) -> AllocationPlan:
     d_kvc = critical_demand(placed_w, critical_r, params)
     allotted = {r.request_id: r.num_tokens + block for r in placed_w}
     allotted |= {r.request_id: r.allocation + block for r in critical_r}
-    trimmed = _trim(batch.running, hosts, d_kvc - batch.unallocated, {r.request_id for r in critical}, block)
+    trimmed = _trim(batch.running, hosts, d_kvc - batch.unallocated, {r.request_id for r in critical}, params)
     short = d_kvc - batch.unallocated - sum(hosts[i][0] - tokens for i, tokens in trimmed.items())
     left = max(0, -short)
 
@@ -196,12 +197,12 @@ def cacheopt(batch: AllocationInput) -> AllocationPlan:
 
 
 def _trim(running: Sequence[RequestView], hosts: Mapping[str, tuple[int, int]], short: int, keep: set[str],
-          block: int) -> dict[str, int]:
+          params: AllocationParams) -> dict[str, int]:
     """Allocations cut back to cover `short` tokens of D_kvc before anyone is preempted: the running
     requests with the most allotted but unused KV give it up first, each keeping B tokens ahead of
     what it has (it grows on demand again later). Returns the new allocations by request id."""
     trimmed: dict[str, int] = {}
-    spare = {r.request_id: hosts[r.request_id][0] - (r.num_tokens + block) for r in running
+    spare = {r.request_id: spare_allotment(hosts[r.request_id][0], r.num_tokens, params) for r in running
              if r.request_id in hosts and r.request_id not in keep}
     for request_id in sorted(spare, key=spare.get, reverse=True):
         if short <= 0 or spare[request_id] <= 0:

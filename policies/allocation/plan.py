@@ -79,6 +79,11 @@ def demand(request: RequestView, params: AllocationParams) -> int:
     return total if total >= request.num_tokens else request.num_tokens + params.block_tokens
 
 
+def spare_allotment(allocation: int, num_tokens: int, params: AllocationParams) -> int:
+    """Allotted KV a running request can give back and still have B tokens ahead of what it has."""
+    return max(0, allocation - (num_tokens + params.block_tokens))
+
+
 def exhausted(request: RequestView) -> bool:
     """A running request whose allocation cannot hold its next step's KV."""
     return request.allocation is not None and request.allocation < request.num_tokens

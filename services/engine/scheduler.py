@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from kvmesh.policies.allocation import AllocationInput, AllocationParams, AllocationPlan, Grant, block_at_a_time
+from kvmesh.policies.allocation.plan import spare_allotment
 from kvmesh.policies.views import RequestView, blocks_for
 
 from .block_manager import BlockManager
@@ -114,7 +115,7 @@ class Scheduler:
         """Ask the allocation policy for this step's plan, apply its grants to running requests,
         preempt to make the room it asks for; the waiting requests' grants, in order."""
         running_tokens = sum(r.num_tokens - r.num_computed for r in self.running)
-        batch = AllocationInput(waiting=[view(r) for r in self._admission_order(now)],
+        batch = AllocationInput(waiting=self._admission_order(now),
                                 running=[view(r) for r in self.running], unallocated=self.unallocated_tokens(),
                                 token_budget=self.token_budget - running_tokens,
                                 max_iteration_s=max(self.iteration_s, default=0.0), now=now, params=self.allocation)
@@ -157,7 +158,7 @@ class Scheduler:
             n = min(request.num_tokens - request.num_computed, budget)
             target = blocks_for(request.num_computed + n, self.blocks.block_size)
             room = self.headroom() - (self.allocation.reserved_blocks if self.ledger else 0)
-            if min(room, self.blocks.free("device") // self.blocks.num_layers) < max(target, request.blocks_per_layer):
+            if room < max(target, request.blocks_per_layer):
                 break
             self.blocks.swap_in(request)
             if not self._reserve(request, n):  # cannot happen: room was checked above
@@ -169,12 +170,12 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _admission_order(self, now: float) -> list[Request]:
+    def _admission_order(self, now: float) -> list[RequestView]:
+        """The waiting requests' views, in the admission policy's order."""
         if not self.waiting:
             return []
-        by_id = {r.request_id: r for r in self.waiting}
-        return [by_id[i] for i in self.policies.prefill_admission([view(r) for r in self.waiting],
-                                                                  self.blocks.pool_view(), now)]
+        views = {r.request_id: view(r) for r in self.waiting}
+        return [views[i] for i in self.policies.prefill_admission(list(views.values()), self.blocks.pool_view(), now)]
 
     def _admit_waiting(self, plan: Plan, budget: int, now: float, grants: list[Grant] | None) -> None:
         """Offer waiting requests a place: the allocation plan's, in its order, or (vLLM) every one in
@@ -296,7 +297,7 @@ class Scheduler:
     def _reclaim(self, blocks: int, keep: Request) -> bool:
         """Cut back running requests' allotted but unused KV, most unused first, until `blocks`
         blocks per layer are allotted to nobody; False (nothing changed) if they cannot give it."""
-        spare = [(r.allocation - (r.num_tokens + self.allocation.block_tokens), r) for r in self.running
+        spare = [(spare_allotment(r.allocation, r.num_tokens, self.allocation), r) for r in self.running
                  if r is not keep and r.allocation is not None and r.tier == "device"]
         cuts: list[tuple[Request, int]] = []
         goal = self.headroom() + blocks
