@@ -83,13 +83,17 @@ class Child:
         return None if self.process is None else self.process.poll()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL if it has not gone within `timeout`."""
+        """SIGTERM, then SIGKILL if it has not gone within `timeout`. A kvmesh service asked for its
+        stacks (SIGUSR1) first writes them to its log, which then shows where the shutdown hung."""
         if self.process is None or self.process.poll() is not None:
             return
         self.process.send_signal(signal.SIGTERM)
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
+            if self.url.startswith("http"):  # a kvmesh service, not redis-server
+                self.process.send_signal(signal.SIGUSR1)
+                time.sleep(0.5)
             self.process.kill()
             self.process.wait()
 

@@ -5,7 +5,8 @@ from .config import ConfigError, ServiceConfig, effective, load_config
 from .errors import (BadRequest, Forbidden, KvmeshError, NotFound, PayloadTooLarge, RemoteError,
                      ServiceUnavailable, ServiceUnreachable, Unauthorized, ValidationFailed)
 from .service import Route, Service
+from .tasks import cancel_and_wait
 
 __all__ = ["BadRequest", "ConfigError", "Forbidden", "KvmeshError", "NotFound", "PayloadTooLarge",
            "RemoteError", "Route", "Service", "ServiceClient", "ServiceConfig", "ServiceUnavailable",
-           "ServiceUnreachable", "Unauthorized", "ValidationFailed", "effective", "load_config"]
+           "ServiceUnreachable", "Unauthorized", "ValidationFailed", "cancel_and_wait", "effective", "load_config"]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import logging
+import signal
 
 from aiohttp import web
 
@@ -18,6 +20,9 @@ def run(service: Service) -> None:
     """Serve until SIGINT/SIGTERM; aiohttp finishes in-flight requests and runs the lifespans' teardown.
     The caller has set up logging and tracing (`kvmesh serve` does, from the same config)."""
     config = service.config
+    # A supervisor whose SIGTERM went unanswered sends SIGUSR1 before SIGKILL: every thread's stack
+    # lands in this process's log, so a hung shutdown says where it hung.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     log.info("effective config: %s", json.dumps(effective(config), sort_keys=True))
     if not config.token:
         log.warning("no service token configured: internal endpoints are open to anyone who can reach %s:%s",

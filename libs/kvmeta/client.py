@@ -6,7 +6,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
-from kvmesh.libs.controlplane import KvmeshError, RemoteError, ServiceClient
+from kvmesh.libs.controlplane import KvmeshError, RemoteError, ServiceClient, cancel_and_wait
 
 from .messages import (BlockLease, BlockRecord, BlockRecords, CacheEntry, CacheEvict, CachePublish, CacheScores, Count,
                        Heartbeat, HeartbeatAck, Load, PrefixLookup, PrefixMatch, PrefixMatches, Removed, ScoreDelta, Worker,
@@ -121,8 +121,7 @@ class WorkerPresence:
 
     async def __aexit__(self, *exc: object) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task])
         try:
             await self.client.deregister(self.info.id)
         except KvmeshError as error:

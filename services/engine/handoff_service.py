@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 from opentelemetry.context import Context
 
-from kvmesh.libs.controlplane import BadRequest, ServiceUnavailable
+from kvmesh.libs.controlplane import BadRequest, ServiceUnavailable, cancel_and_wait
 from kvmesh.libs.kvmeta.client import KvmetaClient
 from kvmesh.libs.kvmeta.messages import BlockLease
 from kvmesh.libs.rdma.work import RdmaError
@@ -178,8 +178,7 @@ class KVHandoff:
         try:
             yield
         finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait([task])
 
     async def _follow(self, kvmeta: KvmetaClient) -> None:
         addresses: dict[str, str] = {}

@@ -16,7 +16,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvmesh.libs.controlplane import NotFound, Service, ServiceConfig, ServiceUnavailable
+from kvmesh.libs.controlplane import NotFound, Service, ServiceConfig, ServiceUnavailable, cancel_and_wait
 from kvmesh.libs.kvmeta.messages import (BlockLease, BlockPath, BlockQuery, BlockRecord, BlockRecords, CacheEvict,
                                          CachePublish, CacheScores, Count, Heartbeat, HeartbeatAck, PrefixLookup, PrefixMatches,
                                          Removed, Worker, WorkerEvent, WorkerList, WorkerPath, WorkerRegistration)
@@ -50,9 +50,7 @@ def build_service(config: Config) -> Service:
     async def background(app: web.Application) -> AsyncIterator[None]:
         tasks = [asyncio.create_task(hub.run()), asyncio.create_task(_reap_forever(store, config.reap_interval_s))]
         yield
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)
         await redis.aclose()
 
     @service.on_shutdown

@@ -17,7 +17,7 @@ from aiohttp import web
 from prometheus_client import Counter
 from prometheus_client.metrics_core import GaugeMetricFamily
 
-from kvmesh.libs.controlplane import BadRequest, KvmeshError, Service, ServiceConfig, ServiceUnavailable
+from kvmesh.libs.controlplane import BadRequest, KvmeshError, Service, ServiceConfig, ServiceUnavailable, cancel_and_wait
 from kvmesh.libs.kvmeta.client import KvmetaClient
 from kvmesh.libs.kvmeta.messages import WorkerInfo
 from kvmesh.libs.kvmeta.nodeid import node_ids
@@ -65,9 +65,7 @@ def build_service(config: Config) -> Service:
         tasks.extend([asyncio.create_task(cluster.follow(kvmeta)),
                       asyncio.create_task(cluster.poll_loads(kvmeta, config.load_refresh_s))])
         yield
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)
         await kvmeta.close()
 
     @service.readiness
