@@ -1,7 +1,9 @@
 """Prefill admission: in which order waiting requests are offered a place in the batch.
 
-Signature: (waiting, pool, now) -> request ids, first to admit first. The engine admits in this
-order until the token budget, the sequence limit or the KV pool says stop.
+Signature: (waiting, running, pool, now) -> request ids, first to admit first. The engine admits in
+this order until the token budget, the sequence limit or the KV pool says stop; a policy that leaves
+a waiting request out keeps it waiting this step (LayerKV admits only as many prefills as the
+decoding requests' TPOT SLOs allow).
 """
 
 from __future__ import annotations
@@ -11,6 +13,6 @@ from collections.abc import Sequence
 from .views import PoolView, RequestView
 
 
-def fcfs(waiting: Sequence[RequestView], pool: PoolView, now: float) -> list[str]:
+def fcfs(waiting: Sequence[RequestView], running: Sequence[RequestView], pool: PoolView, now: float) -> list[str]:
     """First come, first served (vLLM, Orca)."""
     return [r.request_id for r in sorted(waiting, key=lambda r: r.arrival)]

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import admission, allocation, cache, plugins, preemption, swap_recompute
+from . import admission, allocation, cache, offload, plugins, preemption, scheduling, swap_recompute
 
 HOOKS: dict[str, dict[str, Callable]] = {
-    "prefill_admission": {"fcfs": admission.fcfs},
+    "prefill_admission": {"fcfs": admission.fcfs, "layerkv": scheduling.layerkv},
     "kv_allocation": {"block_at_a_time": allocation.block_at_a_time, "estimate": allocation.estimate,
                       "rlp": allocation.estimate, "s3": allocation.s3, "cacheopt": allocation.cacheopt},
     "preemption_order": {"latest_arrival_first": preemption.latest_arrival_first,
@@ -17,10 +17,12 @@ HOOKS: dict[str, dict[str, Callable]] = {
     "preemption_strategy": {"recompute": preemption.recompute, "swap": preemption.swap,
                             "sweet_spot": swap_recompute.sweet_spot_strategy},
     "cache_policy": {"lru": cache.lru},
+    "layer_offload": {"none": offload.none, "layerkv": offload.layerkv},
 }
 
 DEFAULTS = {"prefill_admission": "fcfs", "kv_allocation": "block_at_a_time",
-            "preemption_order": "latest_arrival_first", "preemption_strategy": "recompute", "cache_policy": "lru"}
+            "preemption_order": "latest_arrival_first", "preemption_strategy": "recompute", "cache_policy": "lru",
+            "layer_offload": "none"}
 
 
 def resolve(hook: str, name: str) -> Callable:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 if TYPE_CHECKING:
+    from .offload.plan import OffloadCost
+    from .scheduling.layerkv import PrefillCost
     from .swap_recompute import SwapCurves
 
 
@@ -26,6 +28,11 @@ class RequestView:
     ttft_slo_ms: float | None = None         # SLO_tft; None: the request has none
     allocation: int | None = None            # a_i, tokens of KV allotted (CacheOpt 3.3); None: blocks as it goes
     last_token_at: float | None = None       # when its last token came out (engine clock); None: none yet
+    first_token_at: float | None = None      # when its first token came out (engine clock); None: none yet
+    scheduled_at: float | None = None        # when it first got blocks (engine clock); None: still queued
+    predicted_output_low: int | None = None     # lower bound of the predicted output-length range (LayerKV 3.1)
+    predicted_output_median: int | None = None  # the range's median (LayerKV Eq. 5's finishing estimate)
+    device_layers: int | None = None         # layers whose KV is on the device tier (LayerKV); None: all
 
     @property
     def remaining_tokens(self) -> int:
@@ -51,6 +58,8 @@ class PoolView:
     free: Mapping[str, int]    # per tier: blocks free now (cached-but-unused ones included)
     total: Mapping[str, int]
     swap_curves: SwapCurves | None = None   # profiled swap and recompute times (CacheOpt 3.5); None: not profiled
+    prefill_cost: PrefillCost | None = None  # LayerKV Eq. 3's fit, profiled at start; None: not profiled
+    offload_cost: OffloadCost | None = None  # LayerKV Eq. 4's fit, profiled at start; None: not profiled
 
     def blocks_for(self, tokens: int) -> int:
         """Blocks one layer needs for `tokens` tokens."""

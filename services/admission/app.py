@@ -33,7 +33,7 @@ from .lifecycle import Generation, Lifecycle
 from .limits import BoundedQueue, QueueFull, RateLimiter
 from .openai_api import (ChatCompletionRequest, CompletionRequest, Model, ModelList, OpenAIError, bad_request,
                          chat_checks, completion_checks, decode_body, messages_of, prompt_of, sampling_of)
-from .predictor_client import PredictorClient
+from .predictor_client import PredictorClient, predicted_lengths
 from .responses import Answer, json_response, stream, whole
 from .scheduler_client import SchedulerClient
 from .slo import Slo, SloClass, SloMetrics, Timing, slo_defaults, slo_of
@@ -196,7 +196,7 @@ def build_service(config: Config) -> Service:
                 prediction = await predictor.predict(generation.prompt_ids, generation.max_tokens, generation.model,
                                                      prepared.prompt_text)
                 if prediction is not None:
-                    generation = dataclasses.replace(generation, predicted_output_len=prediction.estimated)
+                    generation = dataclasses.replace(generation, **predicted_lengths(prediction, generation.max_tokens))
             try:
                 async with queue.slot():
                     reply = _answer(prepared)

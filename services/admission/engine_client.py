@@ -77,6 +77,8 @@ class GenerateBody(Struct, kw_only=True, omit_defaults=True):
     ttft_slo_ms: float | None = None
     tbt_slo_ms: float | None = None
     predicted_output_len: int | None = None
+    predicted_output_low: int | None = None     # the predicted range's lower bound and median (LayerKV)
+    predicted_output_median: int | None = None
 
 
 class TokenizerSpec(Struct, kw_only=True):

@@ -44,13 +44,17 @@ class Generation:
     ttft_slo_ms: float | None = None           # the request's SLOs and predicted output length, for the
     tbt_slo_ms: float | None = None            # engines' policies (CacheOpt 3.4); None: it has none
     predicted_output_len: int | None = None
+    predicted_output_low: int | None = None      # the predicted range (LayerKV): lower bound and median
+    predicted_output_median: int | None = None
 
     def body(self, request_id: str, **changes) -> GenerateBody:
         s = self.sampling
         fields = dict(request_id=request_id, prompt_token_ids=self.prompt_ids, max_tokens=self.max_tokens,
                       temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed, stop=s.stop,
                       ignore_eos=s.ignore_eos, logprobs=s.logprobs, ttft_slo_ms=self.ttft_slo_ms,
-                      tbt_slo_ms=self.tbt_slo_ms, predicted_output_len=self.predicted_output_len)
+                      tbt_slo_ms=self.tbt_slo_ms, predicted_output_len=self.predicted_output_len,
+                      predicted_output_low=self.predicted_output_low,
+                      predicted_output_median=self.predicted_output_median)
         return GenerateBody(**{**fields, **changes})
 
 
@@ -179,8 +183,8 @@ class Lifecycle:
         yield first
         body = generation.body(request_id, prompt_token_ids=generation.prompt_ids + first.token_ids,
                                max_tokens=generation.max_tokens - len(first.token_ids),
-                               predicted_output_len=_still_to_come(generation.predicted_output_len,
-                                                                   len(first.token_ids)),
+                               **{name: _still_to_come(getattr(generation, name), len(first.token_ids))
+                                  for name in PREDICTED},
                                kv_source=transfer["target"] if push else last.kv_handle)
         failed: list[str] = []
         while True:
@@ -255,6 +259,9 @@ class Lifecycle:
         for engine, request_id in journey.holding.values():
             self.engines.abort(engine, request_id)
         journey.holding.clear()
+
+
+PREDICTED = ("predicted_output_len", "predicted_output_low", "predicted_output_median")
 
 
 def _still_to_come(predicted: int | None, generated: int) -> int | None:

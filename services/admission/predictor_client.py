@@ -33,6 +33,15 @@ class PredictedLength(Struct, kw_only=True, frozen=True):
     confidence: float | None = None
 
 
+def predicted_lengths(prediction: PredictedLength, max_tokens: int) -> dict[str, int]:
+    """What the engines' policies are told of a request's output length: the padded estimate to
+    allocate for (CacheOpt), and the range predicted +- padding as its lower bound and median
+    (LayerKV reads the lower bound for the tokens still to come, the median for when it ends)."""
+    median = max(1, min(prediction.predicted, max_tokens))
+    return {"predicted_output_len": prediction.estimated, "predicted_output_median": median,
+            "predicted_output_low": max(1, min(median, int(prediction.predicted - prediction.padding)))}
+
+
 class PredictorClient:
     def __init__(self, url: str, token: str | None, timeout_s: float):
         self._client = ServiceClient(url, token=token, timeout=timeout_s, retries=0)

@@ -35,6 +35,8 @@ class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     ttft_slo_ms: float | None = None       # the request's SLOs and predicted output length, for the policies
     tbt_slo_ms: float | None = None
     predicted_output_len: int | None = None
+    predicted_output_low: int | None = None     # the predicted range's lower bound and median (LayerKV)
+    predicted_output_median: int | None = None
 
     def validated(self, tokenizer, vocab_size: int, max_model_len: int) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and the sampling parameters, or a 400 saying what is wrong."""
@@ -76,10 +78,16 @@ class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise BadRequest(f"{name} must be a positive number of milliseconds, got {value}")
-        if self.predicted_output_len is not None and self.predicted_output_len < 1:
-            raise BadRequest(f"predicted_output_len must be at least 1, got {self.predicted_output_len}")
+        for name in ("predicted_output_len", "predicted_output_low", "predicted_output_median"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise BadRequest(f"{name} must be at least 1, got {value}")
+        low, median = self.predicted_output_low, self.predicted_output_median
+        if low is not None and median is not None and low > median:
+            raise BadRequest(f"predicted_output_low ({low}) is above predicted_output_median ({median})")
         return Targets(ttft_slo_ms=self.ttft_slo_ms, tbt_slo_ms=self.tbt_slo_ms,
-                       predicted_output_len=self.predicted_output_len)
+                       predicted_output_len=self.predicted_output_len, predicted_output_low=low,
+                       predicted_output_median=median)
 
 
 class AbortRequest(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -92,7 +100,7 @@ class Aborted(Struct, kw_only=True):
 
 class PolicyNames(Struct, kw_only=True, forbid_unknown_fields=True):
     """Engine-level policies by hook: prefill_admission, kv_allocation, preemption_order,
-    preemption_strategy, cache_policy."""
+    preemption_strategy, cache_policy, layer_offload."""
 
     policies: dict[str, str]
 

@@ -81,7 +81,9 @@ def build_service(config: EngineConfig) -> Service:
         targets = body.targets()
         if tracing.enabled():
             tracing.annotate({"kvmesh.ttft_slo_ms": targets.ttft_slo_ms, "kvmesh.tbt_slo_ms": targets.tbt_slo_ms,
-                              "kvmesh.predicted_output_len": targets.predicted_output_len})
+                              "kvmesh.predicted_output_len": targets.predicted_output_len,
+                              "kvmesh.predicted_output_low": targets.predicted_output_low,
+                              "kvmesh.predicted_output_median": targets.predicted_output_median})
         request_id = body.request_id or uuid.uuid4().hex
         if request_id in streams:
             raise BadRequest(f"request {request_id} is already running on this engine")
@@ -157,6 +159,9 @@ def build_service(config: EngineConfig) -> Service:
     async def set_policy(request: web.Request, body: PolicyNames) -> PolicyNames:
         """Switch engine-level policies by name, between two steps."""
         def switch() -> tuple[dict[str, str], list[Frame]]:
+            if body.policies.get("layer_offload", "none") != "none" and not engine.scheduler.staging_half:
+                raise KeyError("layer_offload needs a staging area in the device tier: start the engine with "
+                               "a cxl tier and layer_staging_blocks > 0, or with a layer_offload policy configured")
             engine.scheduler.policies.set(body.policies)
             return dict(engine.scheduler.policies.names), []
         try:

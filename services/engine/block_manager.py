@@ -11,12 +11,16 @@ copy first (copy-on-write).
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
 
 from kvmesh.libs.kvmeta.nodeid import node_ids
+from kvmesh.policies.offload.plan import OffloadCost
+from kvmesh.policies.scheduling.layerkv import PrefillCost
 from kvmesh.policies.swap_recompute import SwapCurves
 from kvmesh.policies.views import CachedBlockView, PoolView
 
@@ -50,6 +54,10 @@ class BlockManager:
         self.lookup_blocks = 0          # full blocks looked up in the prefix cache, all time
         self.hit_blocks = 0             # of those, found
         self.swap_curves: SwapCurves | None = None  # profiled at start (swap_profile.py), for the policies
+        self.prefill_cost: PrefillCost | None = None  # profiled at start (layer_profile.py), for LayerKV
+        self.offload_cost: OffloadCost | None = None
+        # How whole blocks move between tiers; LayerKV's transfers swap in one that yields to a busy link.
+        self.copy: Callable[[KVPool, list[int], KVPool, list[int]], None] = copy_blocks
         self._view: tuple[tuple[int, ...], PoolView] | None = None  # pool_view() and the counts it was built from
 
     # -- accounting -------------------------------------------------------------------------------
@@ -73,13 +81,18 @@ class BlockManager:
             view = PoolView(block_size=self.block_size, num_layers=self.num_layers,
                             free=MappingProxyType({t: self.free(t) for t in self.pools}),
                             total=MappingProxyType({t: p.num_blocks for t, p in self.pools.items()}),
-                            swap_curves=self.swap_curves)
+                            swap_curves=self.swap_curves, prefill_cost=self.prefill_cost,
+                            offload_cost=self.offload_cost)
             self._view = counts, view
         return self._view[1]
 
     def use_swap_curves(self, curves: SwapCurves | None) -> None:
         """Hand profiled swap and recompute curves to the policies, from the next pool_view() on."""
         self.swap_curves, self._view = curves, None
+
+    def use_layer_costs(self, prefill: PrefillCost | None, offload: OffloadCost | None) -> None:
+        """Hand LayerKV's profiled prefill and offload fits to the policies, from the next pool_view() on."""
+        self.prefill_cost, self.offload_cost, self._view = prefill, offload, None
 
     # -- prefix cache -----------------------------------------------------------------------------
 
@@ -106,7 +119,7 @@ class BlockManager:
         """Offer the request's blocks that became full to the prefix cache. A block whose content
         another request cached first stays private."""
         full = request.num_computed // self.block_size
-        if not self.prefix_caching or request.tier != "device" or full <= request.num_committed:
+        if not self.prefix_caching or request.device_layers < self.num_layers or full <= request.num_committed:
             return
         self._name_full_blocks(request, full)
         for index in range(request.num_committed, full):
@@ -156,20 +169,24 @@ class BlockManager:
     # -- growing, writing, freeing ----------------------------------------------------------------
 
     def reserve(self, request: Request, blocks_per_layer: int, new_tokens: int) -> bool:
-        """Make room for this step's `new_tokens`: bring every layer to `blocks_per_layer` device
-        blocks, and give the request its own copy of any shared or cached block it will write into
-        (copy-on-write). All or nothing: False, with nothing changed, if the pool can't."""
+        """Make room for this step's `new_tokens`: bring every layer to `blocks_per_layer` blocks in
+        the layer's tier, and give the request its own copy of any shared or cached block it will
+        write into (copy-on-write; only device blocks are ever shared). All or nothing: False, with
+        nothing changed, if the pools can't."""
         extra = max(0, blocks_per_layer - request.blocks_per_layer)
         first = request.num_computed // self.block_size
         last = min((request.num_computed + new_tokens - 1) // self.block_size, request.blocks_per_layer - 1)
-        shared = [i for i in range(first, last + 1) if any(self._shared(layer.blocks[i]) for layer in request.layers)]
+        on_device = [layer for layer in request.layers if layer.tier == "device"]
+        shared = [i for i in range(first, last + 1) if any(self._shared(layer.blocks[i]) for layer in on_device)]
         if not extra and not shared:  # most decode steps: the request writes into its own last block
             return True
-        if self.free("device") < (extra + len(shared)) * self.num_layers:
+        elsewhere = Counter(layer.tier for layer in request.layers if layer.tier != "device")
+        if self.free("device") < (extra + len(shared)) * len(on_device) or any(
+                self.pools[tier].free_count < extra * n for tier, n in elsewhere.items()):
             return False
-        fresh = iter(self._take((extra + len(shared)) * self.num_layers))
+        fresh = iter(self._take((extra + len(shared)) * len(on_device)))
         for index in shared:
-            for layer in request.layers:
+            for layer in on_device:
                 old = layer.blocks[index]
                 layer.blocks[index] = next(fresh)
                 self.device.tensor[layer.blocks[index]].copy_(self.device.tensor[old])
@@ -179,7 +196,19 @@ class BlockManager:
                 request.cached_nodes.remove(node_id)
                 self._let_go(node_id)
         for layer in request.layers:
-            layer.blocks += [next(fresh) for _ in range(extra)]
+            layer.blocks += [next(fresh) for _ in range(extra)] if layer.tier == "device" else \
+                self.pools[layer.tier].allocate(extra)
+        return True
+
+    def place(self, request: Request, device_layers: Sequence[int]) -> bool:
+        """LayerKV: before a request gets its first blocks, keep only `device_layers` on the device
+        tier and put the other layers' KV in the cxl tier. False (nothing changed) when the request
+        already holds blocks or there is no cxl tier."""
+        if request.blocks_per_layer or "cxl" not in self.pools:
+            return False
+        keep = set(device_layers)
+        for index, layer in enumerate(request.layers):
+            layer.tier = "device" if index in keep else "cxl"
         return True
 
     def release(self, request: Request) -> None:
@@ -211,31 +240,40 @@ class BlockManager:
     # -- swapping between tiers -------------------------------------------------------------------
 
     def swap_out(self, request: Request) -> bool:
-        """Move a request's KV to the cxl tier and free its device blocks; False if cxl is full."""
-        cxl = self.pools.get("cxl")
-        n = request.blocks_per_layer * self.num_layers
-        if cxl is None or cxl.free_count < n:
+        """Move a request's KV to the cxl tier and free its device blocks; False if cxl is full. It
+        lets go of the prefix-cache nodes it held: they stay cached for others."""
+        if not self.move_layers(request, range(self.num_layers), "cxl"):
             return False
-        self._move(request, cxl.allocate(n), "cxl")
+        for node_id in request.cached_nodes:
+            self._let_go(node_id)
+        request.cached_nodes, request.num_committed = [], 0
         return True
 
     def swap_in(self, request: Request) -> bool:
-        """Bring a swapped-out request's KV back to device blocks; False if the device can't hold it."""
-        n = request.blocks_per_layer * self.num_layers
-        if self.free("device") < n:
-            return False
-        self._move(request, self._take(n), "device")
-        return True
+        """Bring a swapped-out request's KV back to device blocks, every layer; False if the device
+        can't hold it."""
+        return self.move_layers(request, range(self.num_layers), "device")
 
-    def _move(self, request: Request, destination: list[int], tier: str) -> None:
-        source_pool, target_pool = self.pools[request.tier], self.pools[tier]
-        source = [b for layer in request.layers for b in layer.blocks]
-        per_layer = request.blocks_per_layer
-        copy_blocks(source_pool, source, target_pool, destination)
-        self.release(request)
-        for i, layer in enumerate(request.layers):
-            layer.tier = tier
-            layer.blocks = destination[i * per_layer:(i + 1) * per_layer]
+    def move_layers(self, request: Request, layers: Iterable[int], tier: str) -> bool:
+        """Move the KV of the request's `layers` that are elsewhere into `tier` (swapping, LayerKV's
+        offloading); False, with nothing changed, if `tier` cannot hold them. Prefix-cache nodes the
+        request holds stay held: their device blocks stay cached whatever the request's copy does."""
+        moving = [request.layers[i] for i in layers if request.layers[i].tier != tier]
+        target = self.pools.get(tier)
+        n = request.blocks_per_layer * len(moving)
+        if target is None or (self.free(tier) if tier == "device" else target.free_count) < n:
+            return False
+        fresh = iter(self._take(n) if tier == "device" else target.allocate(n))
+        for source_tier in {layer.tier for layer in moving}:
+            group = [layer for layer in moving if layer.tier == source_tier]
+            destination = [[next(fresh) for _ in layer.blocks] for layer in group]
+            self.copy(self.pools[source_tier], [b for layer in group for b in layer.blocks], target,
+                      [b for blocks in destination for b in blocks])
+            for layer, blocks in zip(group, destination):
+                for block in layer.blocks:
+                    self._drop(self.pools[source_tier], block)
+                layer.tier, layer.blocks = tier, blocks
+        return True
 
 
 def copy_blocks(source: KVPool, source_blocks: list[int], target: KVPool, target_blocks: list[int]) -> None:

@@ -1,6 +1,7 @@
 """The engine's side of the KV hand-off over libs/rdma (KVDirect, docs/serving.md).
 
-Every engine exposes its device pool through a KVDirectServer. Pull mode: decode engines read a
+Every engine exposes its pools through a KVDirectServer: the device tier, and the cxl tier where
+LayerKV may keep some layers of a prompt's KV. Pull mode: decode engines read a
 prefill engine's held blocks one-sided and COMPLETE, which frees them. Push mode: a prefill engine
 writes each layer's blocks one-sided into the blocks a decode engine reserved (KVPush). Both go
 through a KVDirectPuller's connections (CONNECT once per peer, descriptors, coalescing), made on
@@ -25,18 +26,19 @@ from .handoff import KVHandle
 
 log = logging.getLogger(__name__)
 
-POOL = "device"
+POOL = "device"  # where pulled or pushed KV lands
 
 
 class KVDataPlane:
-    def __init__(self, backend: str, token: str, host: str, port: int, role: str, pool: torch.Tensor,
+    def __init__(self, backend: str, token: str, host: str, port: int, role: str, pools: dict[str, torch.Tensor],
                  release: Callable[[str], Awaitable[bool]], timeout: float = 10.0):
         self.backend, self.role, self.timeout = backend, role, timeout
         self.server = KVDirectServer(open_endpoint(backend, token, host, port), release, timeout=timeout)
-        self.server.expose(POOL, pool)
+        for tier, tensor in pools.items():
+            self.server.expose(tier, tensor)
         # Our own connections to peers leave from an endpoint of their own (an ephemeral port).
         self.puller = KVDirectPuller(open_endpoint(backend, token, host, 0), timeout=timeout)
-        self.puller.expose(POOL, pool)
+        self.puller.expose(POOL, pools[POOL])
         self.address = ""
 
     async def start(self) -> str:
@@ -50,11 +52,16 @@ class KVDataPlane:
         return KVPush(connection, target, asyncio.get_running_loop(), self.timeout)
 
     async def pull(self, handle: KVHandle, local_layers: list[list[int]]) -> TransferReport:
-        """Read the handle's blocks into ours, layer by layer, and COMPLETE (the prefill side frees them)."""
-        remote = np.concatenate([np.asarray(blocks[:len(local)], dtype=np.int64)
-                                 for blocks, local in zip(handle.layers, local_layers)])
-        local = np.concatenate([np.asarray(blocks, dtype=np.int64) for blocks in local_layers])
-        return await self.puller.pull(handle.data_address, handle.request_id, [BlockReads(POOL, POOL, remote, local)])
+        """Read the handle's blocks into our device tier, from whichever of the peer's tiers each
+        layer is in, and COMPLETE (the prefill side frees them)."""
+        tiers = handle.tiers or [POOL] * len(handle.layers)
+        reads = []
+        for tier in sorted(set(tiers)):
+            layers = [i for i, t in enumerate(tiers) if t == tier]
+            remote = np.concatenate([np.asarray(handle.layers[i][:len(local_layers[i])], dtype=np.int64) for i in layers])
+            local = np.concatenate([np.asarray(local_layers[i], dtype=np.int64) for i in layers])
+            reads.append(BlockReads(tier, POOL, remote, local))
+        return await self.puller.pull(handle.data_address, handle.request_id, reads)
 
     async def forget(self, address: str) -> None:
         """A peer left: drop its connection (a new one is made if it comes back)."""

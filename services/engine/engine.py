@@ -7,6 +7,7 @@ and takes new requests and aborts through a queue.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -27,6 +28,7 @@ from .model_runner import ModelRunner
 from .request import Request, Status, Targets
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
+from .layer_profile import LayerProfile
 from .swap_profile import SwapProfile
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,7 @@ class EngineState(msgspec.Struct, kw_only=True):
     prefix_cache_hit_tokens: int
     unallocated_tokens: int                    # KV allotted to nobody, the reservation left out (CacheOpt 3.3)
     allocations_grown: dict[str, int]          # all time: allocations a request outgrew, grown from where
+    layers_offloaded: dict[str, int]           # all time: request layers LayerKV put in the cxl tier, by why
     policies: dict[str, str]
     # All time, for the metrics (services/engine/metrics.py reads this snapshot when scraped).
     generated_tokens: int
@@ -108,6 +111,7 @@ class EngineState(msgspec.Struct, kw_only=True):
     prefix_cache_hit_blocks: dict[str, int]     # by tier: of those, found
     kv_transfer: TransferTotals
     swap_profile: SwapProfile | None   # CacheOpt 3.5's start-up profile and fitted curves; None: not profiled
+    layer_profile: LayerProfile | None = None  # LayerKV's start-up fits of Eq. 3 and 4; None: not profiled
 
 
 @dataclass
@@ -124,11 +128,14 @@ class Engine:
     computed_prompt_tokens: int = 0
     transferred: TransferTotals = field(default_factory=TransferTotals)
     swap_profile: SwapProfile | None = None
+    layer_profile: LayerProfile | None = None
     # The KV hand-off (docs/serving.md): who we are on the data plane, how long held KV waits for its
     # decode engine, and the service's hooks for starting a pull and for KV given up.
     engine_id: str = "engine-0"
     data_address: str = ""
     kv_lease_s: float = 30.0
+    # LayerKV: the output length assumed of a request no predictor gave a range for (None: nothing assumed).
+    output_len_fallback: int | None = None
     on_pull: Callable[[Request], None] = lambda request: None
     on_kv_released: Callable[[str], None] = lambda request_id: None
     held: dict[str, tuple[Request, float]] = field(default_factory=dict)  # request id -> (request, deadline)
@@ -140,6 +147,10 @@ class Engine:
             targets: Targets = Targets()) -> Request:
         """Queue a request; `arrival` (default now) is when it reached the engine, so the wait for
         the engine thread to take it counts as queueing."""
+        if self.output_len_fallback and targets.predicted_output_low is None:
+            assumed = min(self.output_len_fallback, sampling.max_tokens)
+            targets = dataclasses.replace(targets, predicted_output_low=assumed,
+                                          predicted_output_median=targets.predicted_output_median or assumed)
         request = Request(request_id, list(prompt_ids), sampling, arrival or self.clock(), self.blocks.num_layers,
                           hold_kv=hold_kv, push=push, kv_source=kv_source, targets=targets)
         self._seed(request)
@@ -306,7 +317,8 @@ class Engine:
         per_layer = -(-kv_tokens // self.blocks.block_size)
         return KVHandle(engine=self.engine_id, data_address=self.data_address, request_id=request.request_id,
                         num_tokens=kv_tokens, block_size=self.blocks.block_size,
-                        layers=[layer.blocks[:per_layer] for layer in request.layers])
+                        layers=[layer.blocks[:per_layer] for layer in request.layers],
+                        tiers=[layer.tier for layer in request.layers] if request.offloaded else None)
 
     def _frame(self, request: Request, tokens: list[int], times: list[float], logprobs: list[float],
                text: str) -> Frame:
@@ -335,11 +347,13 @@ class Engine:
                            prefix_cache_hit_tokens=self.blocks.hit_tokens,
                            unallocated_tokens=self.scheduler.unallocated_tokens(),
                            allocations_grown=dict(self.scheduler.grown),
+                           layers_offloaded=dict(self.scheduler.layers_offloaded),
                            policies=dict(self.scheduler.policies.names),
                            generated_tokens=self.generated_tokens, computed_prompt_tokens=self.computed_prompt_tokens,
                            prefix_cache_lookup_blocks={self.blocks.cache_tier: self.blocks.lookup_blocks},
                            prefix_cache_hit_blocks={self.blocks.cache_tier: self.blocks.hit_blocks},
-                           kv_transfer=msgspec.structs.replace(self.transferred), swap_profile=self.swap_profile)
+                           kv_transfer=msgspec.structs.replace(self.transferred), swap_profile=self.swap_profile,
+                           layer_profile=self.layer_profile)
 
 
 class EngineLoop:

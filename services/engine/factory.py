@@ -15,14 +15,17 @@ import torch
 from kvmesh.libs.controlplane import ConfigError, ServiceConfig
 from kvmesh.policies import registry
 from kvmesh.policies.allocation import AllocationParams
+from kvmesh.policies.offload.plan import OffloadParams
 
 from .block_manager import BlockManager
 from .engine import Engine
 from .kv_pool import BlockShape, KVPool
+from .layer_staging import ChunkedCopier, LayerStaging
 from .model_runner import ModelRunner
 from .models import PRESETS, build_preset, load_checkpoint
 from .policy_set import Policies
 from .scheduler import Scheduler
+from .layer_profile import profile_layerkv
 from .swap_profile import profile_lengths, profile_swap
 
 log = logging.getLogger(__name__)
@@ -61,6 +64,17 @@ class EngineConfig(ServiceConfig, kw_only=True):
     swap_profile: Literal["auto", "on", "off"] = "auto"
     swap_profile_lengths: list[int] = []  # tokens; empty: 5 spaced geometrically from one block to the context
     swap_profile_repeats: Annotated[int, msgspec.Meta(ge=1)] = 3  # timings at each length; the median counts
+    # LayerKV: offloaded layers are computed in a staging area carved from the device tier.
+    layer_staging_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: two layers of the longest context, when
+                                                                  # a layer_offload policy is configured; else none
+    layer_free_threshold: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.1  # Eq. 5: offload retained layers when
+                                                                  # free device blocks are forecast below this share
+    layer_forecast_steps: Annotated[int, msgspec.Meta(ge=1)] = 8  # how far ahead Eq. 5 looks
+    layer_copy_chunk_blocks: Annotated[int, msgspec.Meta(ge=1)] = 64  # blocks per copy between link checks (3.1.3)
+    # Fit Eq. 3 and Eq. 4 at start; auto: when a LayerKV policy (admission or offload) is configured.
+    layer_profile: Literal["auto", "on", "off"] = "auto"
+    output_len_fallback: Annotated[int, msgspec.Meta(ge=0)] = 0   # output length LayerKV assumes without a
+                                                                  # prediction; 0: none (1 token still to come)
     torch_threads: int = 0             # 0: torch's default
     dataplane: str = "tcp"             # KV hand-off between engines: tcp | shm | verbs | none
     data_host: str = "127.0.0.1"       # where this engine's data-plane endpoint listens
@@ -83,23 +97,75 @@ def build_engine(config: EngineConfig) -> Engine:
     model.eval()
     spec = model.config
     shape = BlockShape(config.block_size, spec.num_kv_heads, spec.head_dim, dtype)
-    # The shm data plane maps a peer's pool from a file, so the device pool lives in one then.
-    shared = config.dataplane == "shm"
-    pools = {"device": KVPool("device", config.device_blocks or shape.blocks_in(config.device_bytes), shape,
-                              config.device, device_pool_path(config) if shared else None)}
+    # The shm data plane maps a peer's pools from files, so the pools live in them then.
+    shared = shm_pool_paths(config)
+    device_blocks = config.device_blocks or shape.blocks_in(config.device_bytes)
     cxl_blocks = config.cxl_blocks or shape.blocks_in(config.cxl_bytes)
+    staging = staging_blocks(config, spec, device_blocks, cxl_blocks)
+    if staging >= device_blocks:
+        raise ConfigError(f"layer_staging_blocks ({staging}) leaves nothing of the device tier's {device_blocks} "
+                          "blocks for KV; give the device tier more room or the staging area less")
+    pools = {"device": KVPool("device", device_blocks - staging, shape, config.device,
+                              shared.get("device"), staging_blocks=staging)}
     if cxl_blocks:
-        pools["cxl"] = KVPool("cxl", cxl_blocks, shape, "cpu", config.cxl_path)
+        pools["cxl"] = KVPool("cxl", cxl_blocks, shape, "cpu", config.cxl_path or shared.get("cxl"))
     policies = Policies(config.policies)
     blocks = BlockManager(pools, spec.num_layers, policies, model=config.model,
                           prefix_caching=config.prefix_caching)
-    scheduler = Scheduler(blocks, policies, config.max_num_seqs, config.token_budget, allocation_params(config))
-    runner = ModelRunner(model, pools["device"], spec.num_layers, spec.head_dim)
+    scheduler = Scheduler(blocks, policies, config.max_num_seqs, config.token_budget, allocation_params(config),
+                          staging_half=staging // 2, offload=OffloadParams(
+                              threshold_blocks=int(config.layer_free_threshold * pools["device"].num_blocks),
+                              horizon_steps=config.layer_forecast_steps))
+    layer_staging = None
+    if staging:
+        blocks.copy = ChunkedCopier(chunk_blocks=config.layer_copy_chunk_blocks)
+        layer_staging = LayerStaging(pools["device"], pools["cxl"], blocks.copy)
+    runner = ModelRunner(model, pools["device"], spec.num_layers, spec.head_dim, layer_staging)
     engine = Engine(runner, blocks, scheduler, tokenizer, tuple(spec.eos_token_ids), engine_id=config.engine_id,
-                    kv_lease_s=config.kv_lease_ms / 1e3)
+                    kv_lease_s=config.kv_lease_ms / 1e3, output_len_fallback=config.output_len_fallback or None)
     if wants_swap_profile(config, blocks):
         _profile_swap(config, engine)
+    if wants_layer_profile(config):
+        _profile_layers(config, engine)
     return engine
+
+
+def uses_layerkv(config: EngineConfig, hook: str) -> bool:
+    return config.policies.get(hook, registry.DEFAULTS[hook]) not in ("none", "fcfs")
+
+
+def staging_blocks(config: EngineConfig, spec, device_blocks: int, cxl_blocks: int) -> int:
+    """LayerKV's staging area: as configured, or two layers' worth of the longest context when a
+    layer_offload policy is configured (each half holds one layer of every request a step stages)."""
+    if not (config.layer_staging_blocks or uses_layerkv(config, "layer_offload")):
+        return 0
+    if not cxl_blocks:
+        raise ConfigError("layer-wise offloading (layer_offload, layer_staging_blocks) needs a cxl tier to offload "
+                          "to: set cxl_blocks or cxl_bytes")
+    if config.layer_staging_blocks:
+        return config.layer_staging_blocks
+    context = min(spec.max_position_embeddings, device_blocks // spec.num_layers * config.block_size,
+                  config.max_model_len or spec.max_position_embeddings)
+    # At most a quarter of the device tier (a model of few layers): a request too long for a half then
+    # keeps every layer on the device.
+    return min(2 * -(-context // config.block_size), device_blocks // 4)
+
+
+def wants_layer_profile(config: EngineConfig) -> bool:
+    """Whether to fit LayerKV's Eq. 3 and Eq. 4 at start."""
+    if config.layer_profile != "auto":
+        return config.layer_profile == "on"
+    return uses_layerkv(config, "layer_offload") or uses_layerkv(config, "prefill_admission")
+
+
+def _profile_layers(config: EngineConfig, engine: Engine) -> None:
+    started = time.perf_counter()
+    longest = min(max_model_len(config, engine), config.token_budget * 4)
+    profile = profile_layerkv(engine.runner, engine.blocks, config.token_budget,
+                              profile_lengths(engine.blocks.block_size, longest), repeats=3)
+    engine.layer_profile = profile
+    engine.blocks.use_layer_costs(profile.prefill_cost, profile.offload_cost)
+    log.info("LayerKV profile in %.2fs: %s", time.perf_counter() - started, profile)
 
 
 def allocation_params(config: EngineConfig) -> AllocationParams:
@@ -134,9 +200,13 @@ def _profile_swap(config: EngineConfig, engine: Engine) -> None:
              curves.sweet_spot if curves else "not fitted")
 
 
-def device_pool_path(config: EngineConfig) -> Path:
-    """The file behind the device pool when the shm data plane maps it (removed at shutdown)."""
-    return Path("/dev/shm") / f"kvmesh-{config.engine_id}-{os.getpid()}-device"
+def shm_pool_paths(config: EngineConfig) -> dict[str, Path]:
+    """The files behind the pools when the shm data plane maps them (removed at shutdown): the
+    device tier, and the cxl tier unless it is given a file of its own (cxl_path)."""
+    if config.dataplane != "shm":
+        return {}
+    tiers = ("device",) if config.cxl_path else ("device", "cxl")
+    return {tier: Path("/dev/shm") / f"kvmesh-{config.engine_id}-{os.getpid()}-{tier}" for tier in tiers}
 
 
 def max_model_len(config: EngineConfig, engine: Engine) -> int:

@@ -23,6 +23,8 @@ class KVHandle(Struct, kw_only=True, frozen=True):
     num_tokens: Annotated[int, Meta(gt=0)]
     block_size: Annotated[int, Meta(gt=0)]
     layers: Annotated[list[BlockIds], Meta(max_length=1024)]
+    # Each layer's tier on that engine ("device" or "cxl", where LayerKV keeps some); None: all device.
+    tiers: Annotated[list[Annotated[str, Meta(pattern="^(device|cxl)$")]], Meta(max_length=1024)] | None = None
 
     def check(self, num_layers: int, block_size: int, kv_tokens: int) -> None:
         """400 unless the handle fits this engine and a prompt whose first `kv_tokens` have KV there."""
@@ -32,6 +34,8 @@ class KVHandle(Struct, kw_only=True, frozen=True):
         if self.num_tokens != kv_tokens:
             raise BadRequest(f"kv_source holds {self.num_tokens} tokens, but all but the last of the "
                              f"{kv_tokens + 1} prompt tokens ({kv_tokens}) must have KV there")
+        if self.tiers is not None and len(self.tiers) != len(self.layers):
+            raise BadRequest(f"kv_source: {len(self.tiers)} tiers for {len(self.layers)} layers")
         needed = -(-kv_tokens // block_size)
         if any(len(blocks) < needed for blocks in self.layers):
             raise BadRequest(f"kv_source: every layer needs {needed} blocks for {kv_tokens} tokens")

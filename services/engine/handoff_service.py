@@ -20,7 +20,7 @@ from kvmesh.observability import tracing
 from .api import GenerateRequest
 from .dataplane import KVDataPlane, KVPush
 from .engine import Engine, EngineLoop
-from .factory import EngineConfig, device_pool_path
+from .factory import EngineConfig, shm_pool_paths
 from .handoff import KVHandle, TransferStats
 from .request import Request
 
@@ -34,7 +34,8 @@ class KVHandoff:
         self.dataplane = None
         if config.dataplane != "none" and config.role in ("prefill", "decode", "both"):
             self.dataplane = KVDataPlane(config.dataplane, config.token or "", config.data_host, config.data_port,
-                                         config.role, engine.blocks.device.tensor, self._release,
+                                         config.role, {t: p.tensor for t, p in engine.blocks.pools.items()},
+                                         self._release,
                                          timeout=config.kv_timeout_ms / 1e3)
         self._main: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -54,8 +55,8 @@ class KVHandoff:
             task.cancel()
         if self.dataplane is not None:
             await self.dataplane.close()
-        if self.config.dataplane == "shm":
-            device_pool_path(self.config).unlink(missing_ok=True)
+        for path in shm_pool_paths(self.config).values():
+            path.unlink(missing_ok=True)
 
     def check(self, body: GenerateRequest, ids: list[int]) -> None:
         """400 for a hand-off this engine cannot do (its role, no data plane, a handle that does not fit)."""

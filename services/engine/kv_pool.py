@@ -35,14 +35,18 @@ class BlockShape:
 
 
 class KVPool:
+    """`num_blocks` blocks to allocate; past them, `staging_blocks` more that the allocator never
+    hands out: LayerKV's staging area, where offloaded layers' KV is computed and read in place."""
+
     def __init__(self, tier: str, num_blocks: int, shape: BlockShape, device: torch.device | str = "cpu",
-                 path: str | Path | None = None):
+                 path: str | Path | None = None, staging_blocks: int = 0):
         if num_blocks <= 0:
             raise ValueError(f"the {tier} pool needs at least one block, got {num_blocks}")
         self.tier, self.shape, self.num_blocks = tier, shape, num_blocks
-        dims = (num_blocks, 2, shape.block_size, shape.num_kv_heads, shape.head_dim)
+        self.staging = range(num_blocks, num_blocks + staging_blocks)
+        dims = (num_blocks + staging_blocks, 2, shape.block_size, shape.num_kv_heads, shape.head_dim)
         if path is not None:
-            numel = num_blocks * 2 * shape.block_size * shape.num_kv_heads * shape.head_dim
+            numel = dims[0] * 2 * shape.block_size * shape.num_kv_heads * shape.head_dim
             self.tensor = torch.from_file(str(path), shared=True, size=numel, dtype=shape.dtype).view(dims)
         else:
             self.tensor = torch.zeros(dims, dtype=shape.dtype, device=device)

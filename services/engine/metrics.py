@@ -40,6 +40,10 @@ class EngineCollector:
         yield self._by(CounterMetricFamily, "kvmesh_engine_kv_allocations_grown",
                        "Allocations a request outgrew and got more for, by where from (unallocated KV or the "
                        "global reservation)", "source", state.allocations_grown)
+        yield self._by(CounterMetricFamily, "kvmesh_engine_kv_layers_offloaded",
+                       "Request layers whose KV LayerKV put in the cxl tier, by why (admitted: kept off the device "
+                       "from the start; forecast: moved when free blocks were forecast to run low)", "reason",
+                       state.layers_offloaded)
         yield self._by(CounterMetricFamily, "kvmesh_engine_prompt_tokens",
                        "Prompt tokens whose KV this engine computed, or found in its prefix cache", "source",
                        {"computed": state.computed_prompt_tokens, "cached": state.prefix_cache_hit_tokens})

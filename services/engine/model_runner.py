@@ -17,13 +17,16 @@ import torch
 
 from .attention import StepAttention
 from .kv_pool import KVPool
+from .layer_staging import LayerStaging
 from .request import Request
 from .scheduler import ScheduledChunk
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, pool: KVPool, num_layers: int, head_dim: int):
+    def __init__(self, model: torch.nn.Module, pool: KVPool, num_layers: int, head_dim: int,
+                 staging: LayerStaging | None = None):
         self.model, self.pool, self.num_layers = model, pool, num_layers
+        self.staging = staging  # LayerKV: where layers whose KV is in the cxl tier are computed
         self.block_size = pool.shape.block_size
         self.scale = head_dim ** -0.5
         self.device = pool.tensor.device
@@ -41,6 +44,9 @@ class ModelRunner:
         # Token t of sequence s sits at position starts[s] + (t - query_start[s]).
         positions = np.repeat(starts - query_start[:-1], lengths) + np.arange(num_tokens)
         tables = self._block_tables(requests)
+        staged = self.staging.prepare(chunks, tables) if self.staging is not None else None
+        if staged is not None:
+            tables = staged.tables
         seq_of_token = np.repeat(np.arange(len(chunks)), lengths)
         slots = (tables[:, seq_of_token, positions // self.block_size].astype(np.int64) * self.block_size
                  + positions % self.block_size)
@@ -50,7 +56,14 @@ class ModelRunner:
         step = StepAttention(self.pool.tensor, torch.from_numpy(tables).to(device), torch.from_numpy(slots).to(device),
                          torch.from_numpy((starts + lengths).astype(np.int32)).to(device),
                          torch.from_numpy(query_start).to(device), self.scale)
-        hidden = self.model(torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device), step)
+        if staged is None:
+            hidden = self.model(torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device), step)
+        else:
+            try:
+                hidden = self.model(torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device),
+                                    staged.wrap(step))
+            finally:
+                staged.finish()
         samples = [c.samples for c in chunks]
         if num_tokens > len(chunks) or not all(samples):  # else each chunk is one sampling token: every row
             last = query_start[1:][samples] - 1

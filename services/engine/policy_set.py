@@ -15,6 +15,7 @@ class Policies:
     preemption_order: Callable
     preemption_strategy: Callable
     cache_policy: Callable
+    layer_offload: Callable
 
     def __init__(self, names: dict[str, str] | None = None):
         self.names: dict[str, str] = {}

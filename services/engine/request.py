@@ -30,11 +30,13 @@ class LayerBlocks:
 @dataclass(frozen=True)
 class Targets:
     """What admission says of a request beyond its tokens, for the policies: its SLOs and the
-    predictor's output length (CacheOpt 3.4); None where it has none."""
+    predictor's output length, padded (CacheOpt 3.4) and as a range (LayerKV); None where it has none."""
 
     ttft_slo_ms: float | None = None
     tbt_slo_ms: float | None = None
     predicted_output_len: int | None = None
+    predicted_output_low: int | None = None     # the predicted range's lower bound and median (LayerKV 3.1)
+    predicted_output_median: int | None = None
 
 
 @dataclass
@@ -94,7 +96,18 @@ class Request:
 
     @property
     def tier(self) -> str:
-        return self.layers[0].tier
+        """"device" while any layer's KV is there, else where it all is ("cxl": swapped out, or
+        LayerKV keeping no layer on the device)."""
+        return "device" if any(layer.tier == "device" for layer in self.layers) else self.layers[0].tier
+
+    @property
+    def device_layers(self) -> int:
+        return sum(layer.tier == "device" for layer in self.layers)
+
+    @property
+    def offloaded(self) -> list[int]:
+        """Layers whose KV is in the cxl tier while the request runs (LayerKV)."""
+        return [i for i, layer in enumerate(self.layers) if layer.tier != "device"]
 
     @property
     def finished(self) -> bool:

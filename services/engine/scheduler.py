@@ -21,6 +21,9 @@ from functools import cached_property
 
 from kvmesh.policies.allocation import AllocationInput, AllocationParams, AllocationPlan, Grant, block_at_a_time
 from kvmesh.policies.allocation.plan import spare_allotment
+from kvmesh.policies.offload import interleaved
+from kvmesh.policies.offload import none as no_offload
+from kvmesh.policies.offload.plan import OffloadInput, OffloadParams
 from kvmesh.policies.views import RequestView, blocks_for
 
 from .block_manager import BlockManager
@@ -48,18 +51,30 @@ class Plan:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, policies: Policies, max_num_seqs: int, token_budget: int,
-                 allocation: AllocationParams = AllocationParams()):
+                 allocation: AllocationParams = AllocationParams(), staging_half: int = 0,
+                 offload: OffloadParams = OffloadParams()):
         self.blocks = blocks
         self.policies = policies
         self.max_num_seqs = max_num_seqs
         self.token_budget = token_budget
         self.allocation = allocation
+        # LayerKV: blocks a layer of a step may stage (half the runner's staging area; 0: none), and
+        # how many of them this step's chunks use.
+        self.staging_half = staging_half
+        self.offload = offload
+        self._staged = 0
+        self.layers_offloaded = {"admitted": 0, "forecast": 0}  # layers put in the cxl tier, all time, by why
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.pulling: list[Request] = []
         self.iteration_s: deque[float] = deque(maxlen=256)  # recent step times, for T_I^max
         self.grown = {"unallocated": 0, "reserved": 0, "reclaimed": 0}  # allocations grown on demand, by where from
+
+    @property
+    def layered(self) -> bool:
+        """Whether layer-wise offloading is on: a layer_offload policy and a staging area to run it in."""
+        return self.staging_half > 0 and self.policies.layer_offload is not no_offload
 
     @property
     def ledger(self) -> bool:
@@ -102,14 +117,41 @@ class Scheduler:
 
     def schedule(self, now: float) -> Plan:
         plan = Plan()
+        self._staged = 0
+        retain = self._plan_offload(now) if self.layered else {}
         grants = self._plan_allocation(plan, now) if self.ledger else None
         planned = len(plan.preempted)
         budget = self._schedule_running(plan, self.token_budget)
         if len(plan.preempted) == planned:  # nobody lost their place for want of blocks
             if not planned:  # room the plan made is for its waiting requests, not for the swapped ones
                 budget = self._resume_swapped(plan, budget)
-            self._admit_waiting(plan, budget, now, grants)
+            self._admit_waiting(plan, budget, now, grants, retain)
         return plan
+
+    def _plan_offload(self, now: float) -> dict[str, int]:
+        """LayerKV: offload retained layers of running requests when the free-block forecast says
+        so; how many layers each waiting request keeps on the device if admitted now."""
+        plan = self.policies.layer_offload(OffloadInput(
+            admitting=self._admission_order(now), running=[view(r) for r in self.running],
+            pool=self.blocks.pool_view(), now=now, params=self.offload))
+        by_id = {r.request_id: r for r in self.running}
+        for request_id, keep in plan.shrink.items():
+            request = by_id.get(request_id)
+            on_device = [i for i, layer in enumerate(request.layers) if layer.tier == "device"] if request else []
+            if keep >= len(on_device):
+                continue
+            stay = {on_device[i] for i in interleaved(len(on_device), max(0, keep))}
+            if self.blocks.move_layers(request, [i for i in on_device if i not in stay], "cxl"):
+                self.layers_offloaded["forecast"] += len(on_device) - len(stay)
+        return dict(plan.retain)
+
+    def _stages(self, request: Request, n: int) -> bool:
+        """Whether the staging area has room for this step's `n` tokens of the request (always, for
+        a request with every layer on the device)."""
+        if not (self.staging_half and request.offloaded):
+            return True
+        need = max(request.blocks_per_layer, blocks_for(request.num_computed + n, self.blocks.block_size))
+        return self._staged + need <= self.staging_half
 
     def _plan_allocation(self, plan: Plan, now: float) -> list[Grant]:
         """Ask the allocation policy for this step's plan, apply its grants to running requests,
@@ -135,10 +177,13 @@ class Scheduler:
         return [g for g in allocation.grants if g.request_id not in by_id]
 
     def _schedule_running(self, plan: Plan, budget: int) -> int:
-        pending, kept = list(self.running), []
+        pending, kept, unstaged = list(self.running), [], []
         while pending and budget > 0:
             request = pending.pop(0)
             n = min(request.num_tokens - request.num_computed, budget)
+            if not self._stages(request, n):  # no staging room this step: it goes first next step
+                unstaged.append(request)
+                continue
             while not self._reserve(request, n):
                 victim = self._pick_victim(pending + [request], short=request)
                 self._preempt(victim, plan)
@@ -146,10 +191,10 @@ class Scheduler:
                     break
                 pending.remove(victim)
             if request.status is Status.RUNNING:
-                plan.chunks.append(ScheduledChunk(request, n))
+                self._chunk(request, n, plan)
                 kept.append(request)
                 budget -= n
-        self.running = kept + pending
+        self.running = unstaged + kept + pending
         return budget
 
     def _resume_swapped(self, plan: Plan, budget: int) -> int:
@@ -175,11 +220,15 @@ class Scheduler:
         if not self.waiting:
             return []
         views = {r.request_id: view(r) for r in self.waiting}
-        return [views[i] for i in self.policies.prefill_admission(list(views.values()), self.blocks.pool_view(), now)]
+        order = self.policies.prefill_admission(list(views.values()), [view(r) for r in self.running],
+                                                self.blocks.pool_view(), now)
+        return [views[i] for i in order]
 
-    def _admit_waiting(self, plan: Plan, budget: int, now: float, grants: list[Grant] | None) -> None:
+    def _admit_waiting(self, plan: Plan, budget: int, now: float, grants: list[Grant] | None,
+                       retain: dict[str, int]) -> None:
         """Offer waiting requests a place: the allocation plan's, in its order, or (vLLM) every one in
-        the admission policy's order, until the budget, the sequence limit or the KV says stop."""
+        the admission policy's order, until the budget, the sequence limit or the KV says stop. A
+        request LayerKV retains fewer layers of gets the others' blocks in the cxl tier."""
         by_id = {r.request_id: r for r in self.waiting}
         if grants is None:
             grants = [Grant(r.request_id, None) for r in self._admission_order(now)]
@@ -198,6 +247,8 @@ class Scheduler:
             if request.preemptions == 0:
                 request.num_cached = cached
             n = min(request.num_tokens - request.num_computed, budget)
+            if not cached and request.push is None and request.request_id in retain:
+                self._place(request, retain[request.request_id], n)
             if not self._reserve(request, n):
                 self.blocks.release(request)  # give back the prefix it was lent; it waits its turn
                 self._settle(request)
@@ -220,9 +271,25 @@ class Scheduler:
         plan.pulls.append(request)
         return True
 
+    def _place(self, request: Request, keep: int, n: int) -> None:
+        """Keep `keep` of the request's layers on the device, interleaved across depth, if the
+        staging area can run the others this step; else it keeps them all."""
+        layers = self.blocks.num_layers
+        if keep >= layers or not self.blocks.place(request, interleaved(layers, max(0, keep))):
+            return
+        if not self._stages(request, n):
+            self.blocks.place(request, range(layers))
+            return
+        self.layers_offloaded["admitted"] += layers - request.device_layers
+
     def _run(self, request: Request, n: int, plan: Plan) -> None:
         request.status = Status.RUNNING
         self.running.append(request)
+        self._chunk(request, n, plan)
+
+    def _chunk(self, request: Request, n: int, plan: Plan) -> None:
+        if self.staging_half and request.offloaded:
+            self._staged += request.blocks_per_layer
         plan.chunks.append(ScheduledChunk(request, n))
 
     def _reserve(self, request: Request, n: int) -> bool:
@@ -353,4 +420,8 @@ def view(request: Request) -> RequestView:
                        preemptions=request.preemptions, tbt_slo_ms=request.targets.tbt_slo_ms,
                        predicted_output_len=request.targets.predicted_output_len,
                        ttft_slo_ms=request.targets.ttft_slo_ms, allocation=request.allocation,
-                       last_token_at=request.output_times[-1] if request.output_times else None)
+                       last_token_at=request.output_times[-1] if request.output_times else None,
+                       first_token_at=request.output_times[0] if request.output_times else None,
+                       scheduled_at=request.scheduled_at, predicted_output_low=request.targets.predicted_output_low,
+                       predicted_output_median=request.targets.predicted_output_median,
+                       device_layers=request.device_layers)

@@ -52,17 +52,18 @@ def profile_swap(runner: ModelRunner, blocks: BlockManager, token_budget: int, l
     """Time recompute and swap at each length (the median of `repeats`), and fit the curves."""
     recompute_s, swap_s = [], []
     for length in lengths:
-        request = _filler(blocks, length)
+        request = filler(blocks, length)
         try:
-            recompute_s.append(_median(repeats, runner.device, partial(_prefill, runner, request, token_budget)))
-            swap_s.append(_median(repeats, runner.device, partial(_swap_out_and_in, blocks, request)))
+            recompute_s.append(median_seconds(repeats, runner.device,
+                                              partial(prefill_in_chunks, runner, request, token_budget)))
+            swap_s.append(median_seconds(repeats, runner.device, partial(_swap_out_and_in, blocks, request)))
         finally:
             blocks.release(request)
     return SwapProfile(lengths=list(lengths), recompute_s=recompute_s, swap_s=swap_s,
                        curves=_fit(lengths, recompute_s, swap_s))
 
 
-def _filler(blocks: BlockManager, length: int) -> Request:
+def filler(blocks: BlockManager, length: int) -> Request:
     """A request of `length` tokens holding device blocks for all of them (none named for the prefix cache)."""
     request = Request("swap-profile", [0] * length, SamplingParams(max_tokens=1), 0.0, blocks.num_layers)
     if not blocks.reserve(request, blocks_for(length, blocks.block_size), length):
@@ -70,7 +71,7 @@ def _filler(blocks: BlockManager, length: int) -> Request:
     return request
 
 
-def _prefill(runner: ModelRunner, request: Request, token_budget: int) -> None:
+def prefill_in_chunks(runner: ModelRunner, request: Request, token_budget: int) -> None:
     for start in range(0, request.num_tokens, token_budget):
         request.num_computed = start
         runner.run([ScheduledChunk(request, min(token_budget, request.num_tokens - start))])
@@ -81,7 +82,7 @@ def _swap_out_and_in(blocks: BlockManager, request: Request) -> None:
         raise ValueError(f"swap profile: the tiers cannot hold {request.num_tokens} tokens")
 
 
-def _median(repeats: int, device: torch.device, work: Callable[[], None]) -> float:
+def median_seconds(repeats: int, device: torch.device, work: Callable[[], None]) -> float:
     times = []
     for _ in range(repeats):
         started = time.perf_counter()

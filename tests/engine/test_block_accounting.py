@@ -1,10 +1,11 @@
 """Block accounting of the scheduler and block manager, without a model: random add / step / abort
-sequences (hypothesis state machine), under every allocation policy, keep every reference count and
-every allocation exact, and everything comes back."""
+sequences (hypothesis state machine), under every allocation policy and with layers offloaded at
+random (LayerKV), keep every reference count and every allocation exact, and everything comes back."""
 
 from __future__ import annotations
 
 import random
+import zlib
 from collections import Counter
 
 import pytest
@@ -13,6 +14,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvmesh.policies import registry
+from kvmesh.policies.offload.plan import OffloadInput, OffloadPlan
 from kvmesh.services.engine.block_manager import BlockManager
 from kvmesh.services.engine.kv_pool import BlockShape, KVPool
 from kvmesh.services.engine.policy_set import Policies
@@ -30,12 +33,28 @@ ALLOCATIONS = ("block_at_a_time", "estimate", "s3", "cacheopt")
 SMALL = AllocationParams(block_tokens=2, embed_buffer=2, reserved_blocks=2, no_slo_rt_s=5.0)
 
 
+def scattered_offload(inp: OffloadInput) -> OffloadPlan:
+    """Keeps a pseudo-random number of each admitted request's layers and halves some running ones'
+    (a function of the ids and the time only, as a policy must be)."""
+    def draw(request_id: str, salt: int) -> int:
+        return zlib.crc32(f"{request_id}/{inp.now}/{salt}".encode())
+    return OffloadPlan(retain={r.request_id: draw(r.request_id, 0) % (LAYERS + 1) for r in inp.admitting},
+                       shrink={r.request_id: (r.device_layers or 0) // 2 for r in inp.running
+                               if draw(r.request_id, 1) % 3 == 0})
+
+
+registry.HOOKS["layer_offload"]["scattered"] = scattered_offload
+
+
 def make(strategy: str = "recompute", device_blocks: int = 24, cxl_blocks: int = 16, budget: int = 12,
-         allocation: str = "block_at_a_time", order: str = "latest_arrival_first"):
-    pools = {"device": KVPool("device", device_blocks, SHAPE), "cxl": KVPool("cxl", cxl_blocks, SHAPE)}
-    policies = Policies({"preemption_strategy": strategy, "kv_allocation": allocation, "preemption_order": order})
+         allocation: str = "block_at_a_time", order: str = "latest_arrival_first", offload: str = "none"):
+    pools = {"device": KVPool("device", device_blocks, SHAPE, staging_blocks=8 if offload != "none" else 0),
+             "cxl": KVPool("cxl", cxl_blocks, SHAPE)}
+    policies = Policies({"preemption_strategy": strategy, "kv_allocation": allocation, "preemption_order": order,
+                         "layer_offload": offload})
     blocks = BlockManager(pools, LAYERS, policies)
-    return blocks, Scheduler(blocks, policies, max_num_seqs=4, token_budget=budget, allocation=SMALL)
+    return blocks, Scheduler(blocks, policies, max_num_seqs=4, token_budget=budget, allocation=SMALL,
+                             staging_half=4 if offload != "none" else 0)
 
 
 def random_targets(rng: random.Random) -> Targets:
@@ -74,6 +93,11 @@ def assert_exact_accounting(blocks: BlockManager, scheduler: Scheduler) -> None:
         assert request.allocation is None or request.status is not Status.RUNNING or \
             request.num_computed <= request.allocation, "a request computed past its allocation"
     idle_named = {b for node in blocks.evictable.values() for b in node.blocks}
+    # A prefix block a request still holds the node of, in a layer it moved to the cxl tier: cached
+    # content the request's table no longer points at (it stays for whoever shares the prefix).
+    offloaded_named = {blocks.cached[node_id].blocks[layer] for request in live_requests(scheduler)
+                       for node_id in request.cached_nodes for layer in request.offloaded}
+    idle_named |= offloaded_named - set(held["device"])
     for tier, pool in blocks.pools.items():
         free = list(pool._free)
         assert len(free) == len(set(free)), f"{tier}: a block is free twice"
@@ -104,9 +128,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.count = 0
 
     @initialize(strategy=st.sampled_from(["recompute", "swap", "sweet_spot"]), allocation=st.sampled_from(ALLOCATIONS),
-                order=st.sampled_from(["latest_arrival_first", "cacheopt"]))
-    def build(self, strategy, allocation, order):
-        self.blocks, self.scheduler = make(strategy=strategy, allocation=allocation, order=order)
+                order=st.sampled_from(["latest_arrival_first", "cacheopt"]), offload=st.sampled_from(["none", "scattered"]))
+    def build(self, strategy, allocation, order, offload):
+        self.blocks, self.scheduler = make(strategy=strategy, allocation=allocation, order=order, offload=offload)
 
     @rule(prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]]),
           tail=st.lists(st.integers(0, 2), min_size=1, max_size=14), max_tokens=st.integers(1, 10))
@@ -144,11 +168,13 @@ TestAllocator = AllocatorMachine.TestCase
 TestAllocator.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
+@pytest.mark.parametrize("offload", ["none", "scattered"])
 @pytest.mark.parametrize("allocation", ALLOCATIONS)
-def test_every_request_finishes_under_pressure_with_both_strategies(allocation):
-    """No request is starved, whatever the allocation policy and however wrong the estimates."""
+def test_every_request_finishes_under_pressure_with_both_strategies(allocation, offload):
+    """No request is starved, whatever the allocation policy, however wrong the estimates, and with
+    layers kept off the device or not."""
     for strategy in ("recompute", "swap"):
-        blocks, scheduler = make(strategy=strategy, device_blocks=12, budget=8, allocation=allocation)
+        blocks, scheduler = make(strategy=strategy, device_blocks=12, budget=8, allocation=allocation, offload=offload)
         rng = random.Random(1)
         requests = [Request(f"r{i}", [rng.randrange(3) for _ in range(rng.randint(3, 9))],
                             SamplingParams(max_tokens=rng.randint(3, 8)), float(i), LAYERS,
@@ -161,7 +187,7 @@ def test_every_request_finishes_under_pressure_with_both_strategies(allocation):
             simulate_step(scheduler, float(step), rng)
             assert_exact_accounting(blocks, scheduler)
         assert all(r.status is Status.FINISHED and r.finish_reason == "length" for r in requests)
-        if allocation == "block_at_a_time":
+        if allocation == "block_at_a_time" and offload == "none":
             assert sum(r.preemptions for r in requests) > 0, "the pool was meant to be too small to avoid preemption"
         assert_everything_returns(blocks, scheduler)
 

@@ -31,6 +31,11 @@ def cluster(request, tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFac
                                 KVMESH_ENGINE_ENGINE_ID="p0", **common),
         "decode": start_engine(run_dir / "decode", tiny_checkpoint, KVMESH_ENGINE_ROLE="decode",
                                KVMESH_ENGINE_ENGINE_ID="d0", KVMESH_ENGINE_DEVICE_BLOCKS="320", **common),
+        # LayerKV: on a CPU a copy to the cxl tier hides under any prefill (Eq. 4 gives x = 0), so the
+        # prompts' KV is held in the cxl tier and the decode engine pulls it from there.
+        "prefill_layerkv": start_engine(run_dir / "prefill-layerkv", tiny_checkpoint, KVMESH_ENGINE_ROLE="prefill",
+                                        KVMESH_ENGINE_ENGINE_ID="p1", KVMESH_ENGINE_POLICIES='{"layer_offload": "layerkv"}',
+                                        **common),
     }
     yield engines
     for child in engines.values():
@@ -41,9 +46,10 @@ def cluster(request, tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFac
 async def clients(cluster: dict[str, Child]):
     async with ServiceClient(cluster["both"].url, token=TOKEN) as both, \
             ServiceClient(cluster["prefill"].url, token=TOKEN) as prefill, \
-            ServiceClient(cluster["decode"].url, token=TOKEN) as decode:
-        yield {"both": both, "prefill": prefill, "decode": decode}
-        for client in (both, prefill, decode):  # every test ends with every block free, nothing held
+            ServiceClient(cluster["decode"].url, token=TOKEN) as decode, \
+            ServiceClient(cluster["prefill_layerkv"].url, token=TOKEN) as prefill_layerkv:
+        yield {"both": both, "prefill": prefill, "decode": decode, "prefill_layerkv": prefill_layerkv}
+        for client in (both, prefill, decode, prefill_layerkv):  # every test ends with every block free, nothing held
             await until_idle(client)
 
 
@@ -57,11 +63,13 @@ async def until_idle(client: ServiceClient, timeout: float = 10.0) -> EngineStat
         await asyncio.sleep(0.05)
 
 
-async def disaggregated(clients, prompt: list[int], max_tokens: int, request_id: str) -> list[int]:
-    first = await generate(clients["prefill"], request_id=request_id, prompt_token_ids=prompt, max_tokens=1,
+async def disaggregated(clients, prompt: list[int], max_tokens: int, request_id: str, prefill: str = "prefill",
+                        tiers: set[str] | None = None) -> list[int]:
+    first = await generate(clients[prefill], request_id=request_id, prompt_token_ids=prompt, max_tokens=1,
                            temperature=0.0, ignore_eos=True, kv_transfer={"mode": "pull"})
     handle = first[-1].kv_handle
     assert handle is not None and handle.num_tokens == len(prompt)
+    assert tiers is None or set(handle.tiers or ["device"]) == tiers
     rest = await generate(clients["decode"], request_id=request_id, prompt_token_ids=prompt + first[-1].token_ids,
                           max_tokens=max_tokens - 1, temperature=0.0, ignore_eos=True, kv_source=msgspec_dict(handle))
     return first[-1].token_ids + [t for frame in rest for t in frame.token_ids]
@@ -83,6 +91,16 @@ async def test_disaggregated_greedy_equals_colocated_for_concurrent_prompts(clie
     expected = await asyncio.gather(*(colocated(clients, p, 12) for p in PROMPTS))
     got = await asyncio.gather(*(disaggregated(clients, p, 12, f"r{i}") for i, p in enumerate(PROMPTS)))
     assert got == expected
+
+
+async def test_kv_a_prefill_engine_holds_in_its_cxl_tier_is_pulled_from_there(clients):
+    """LayerKV on the prefill side: the handle names each layer's tier and the pull reads both regions."""
+    expected = await asyncio.gather(*(colocated(clients, p, 12) for p in PROMPTS))
+    got = await asyncio.gather(*(disaggregated(clients, p, 12, f"l{i}", prefill="prefill_layerkv", tiers={"cxl"})
+                                 for i, p in enumerate(PROMPTS)))
+    assert got == expected
+    state = await clients["prefill_layerkv"].call("GET", "/v1/state", into=EngineState)
+    assert state.layers_offloaded["admitted"] == 4 * len(PROMPTS)
 
 
 async def test_more_requests_than_the_decode_pool_holds_wait_for_blocks_and_all_finish(clients):

@@ -97,6 +97,9 @@ async def test_requests_are_predicted_and_observed(predicted):
     # after two requests of exactly 5 tokens, the history predicts 5 with no spread: the engine is told 5
     found = await eventually(lambda: len(engine_spans(spans)) == 3 and engine_spans(spans))
     assert [s["attributes"].get("kvmesh.predicted_output_len") for s in found][-1] == 5
+    # ... and the range around it, for LayerKV: no spread, so its lower bound and median are 5 too
+    assert {name: found[-1]["attributes"].get(f"kvmesh.predicted_output_{name}") for name in ("low", "median")} == \
+        {"low": 5, "median": 5}
     for engine in cluster.engines.values():
         state = await wait_until_idle(engine.url)
         assert state["free_blocks"] == state["total_blocks"]

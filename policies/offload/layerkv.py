@@ -1,0 +1,92 @@
+"""LayerKV's layer-wise KV allocation (3.1.1-3.1.2): how many layers a request keeps on the device
+(Eq. 4), which ones (interleaved across depth), and offloading retained layers of running requests
+when the free-block forecast (Eq. 5) runs below a threshold."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvmesh.policies.scheduling.layerkv import prefill_time_s
+from kvmesh.policies.views import RequestView
+
+from .plan import OffloadCost, OffloadInput, OffloadPlan
+
+
+def offload_time_s(seqlen: int, offloaded_layers: int, cost: OffloadCost) -> float:
+    """Eq. 4: T_offload = beta * seqlen * 2 (L - x) d_heads n_heads f / bandwidth. n_heads is the KV
+    heads' count: with grouped-query attention that is what a layer's KV holds and what moves."""
+    per_token = 2 * offloaded_layers * cost.head_dim * cost.num_kv_heads * cost.bytes_per_element
+    return cost.beta * seqlen * per_token / cost.bandwidth_bytes_per_s
+
+
+def retained_layers(seqlen: int, prefill_s: float, cost: OffloadCost) -> int:
+    """x: the fewest layers kept on the device so that offloading the rest hides under the prefill
+    (T_offload(L - x) <= T_prefill); 0 for a prompt long enough to hide them all."""
+    for x in range(cost.num_layers + 1):
+        if offload_time_s(seqlen, cost.num_layers - x, cost) <= prefill_s:
+            return x
+    return cost.num_layers
+
+
+def interleaved(num_layers: int, keep: int) -> tuple[int, ...]:
+    """The `keep` layers kept on the device, spread evenly across depth and ending at the last, so
+    an offloaded layer's copy has the next layers' compute to hide under (3.1.2: of 8 keep 1 3 5 7)."""
+    keep = max(0, min(keep, num_layers))
+    return tuple((i + 1) * num_layers // keep - 1 for i in range(keep))
+
+
+def forecast_free_blocks(free_now: int, running: Sequence[RequestView], num_layers: int, steps: int) -> list[int]:
+    """Eq. 5, Avail(t+1) = Avail(t) + Released(t) - Allocated(t), in device blocks over all layers,
+    for t = 1..steps. A request is expected to end when it reaches its predicted median length
+    (without one, its estimate or max_tokens) and then releases its device blocks; until then it
+    takes one more block per device layer each step (the paper's conservative assumption)."""
+    ends = []
+    for r in running:
+        median = r.predicted_output_median or r.estimated_output_len
+        layers = num_layers if r.device_layers is None else r.device_layers
+        ends.append((max(1, median - r.num_generated), layers, r.blocks_per_layer * layers))
+    avail, forecast = free_now, []
+    for t in range(1, steps + 1):
+        released = sum(held + layers * (t - 1) for end, layers, held in ends if end == t)
+        allocated = sum(layers for end, layers, _ in ends if end > t)
+        avail += released - allocated
+        forecast.append(avail)
+    return forecast
+
+
+def none(inp: OffloadInput) -> OffloadPlan:
+    """Every layer of every request stays on the device (vLLM)."""
+    return OffloadPlan()
+
+
+def layerkv(inp: OffloadInput) -> OffloadPlan:
+    """x per admitted request from Eq. 3 and 4; under a forecast shortfall, halve the device layers
+    of the most recently scheduled running requests first, and if that is not enough take them all
+    to none (3.1.1: "starting with x/2 layers. If this proves insufficient, the full offloading")."""
+    pool = inp.pool
+    retain = {}
+    if pool.prefill_cost is not None and pool.offload_cost is not None:
+        for r in inp.admitting:
+            seqlen = r.num_tokens - r.num_computed
+            retain[r.request_id] = retained_layers(seqlen, prefill_time_s(seqlen, pool.prefill_cost), pool.offload_cost)
+    forecast = forecast_free_blocks(pool.free.get("device", 0), inp.running, pool.num_layers, inp.params.horizon_steps)
+    short = inp.params.threshold_blocks - min(forecast, default=pool.free.get("device", 0))
+    return OffloadPlan(retain=retain, shrink=_shrink(inp.running, pool.num_layers, short) if short > 0 else {})
+
+
+def _shrink(running: Sequence[RequestView], num_layers: int, short: int) -> dict[str, int]:
+    """Device layers each running request keeps, for those that give some up to cover `short` blocks."""
+    def on_device(r: RequestView) -> int:
+        return num_layers if r.device_layers is None else r.device_layers
+
+    candidates = sorted((r for r in running if r.tier == "device" and r.blocks_per_layer and on_device(r)),
+                        key=lambda r: r.scheduled_at or r.arrival, reverse=True)
+    keep = {r.request_id: on_device(r) for r in candidates}
+    for cut in (lambda x: x // 2, lambda x: 0):
+        for r in candidates:
+            if short <= 0:
+                break
+            after = cut(keep[r.request_id])
+            short -= r.blocks_per_layer * (keep[r.request_id] - after)
+            keep[r.request_id] = after
+    return {r.request_id: keep[r.request_id] for r in candidates if keep[r.request_id] < on_device(r)}

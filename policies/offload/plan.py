@@ -1,0 +1,47 @@
+"""What the layer-offload hook reads and decides (LayerKV 3.1.1-3.1.2): how many of a request's
+layers keep their KV on the device tier when it is admitted, and which running requests give up
+retained layers when the free-block forecast (Eq. 5) runs low."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvmesh.policies.views import PoolView, RequestView
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadCost:
+    """Eq. 4's terms, measured at engine start: T_offload = beta * seqlen * 2 (L - x) d n f / bandwidth."""
+
+    beta: float                     # empirical correction, fitted from timed copies
+    num_layers: int                 # L
+    head_dim: int                   # d_heads
+    num_kv_heads: int               # n_heads of the KV (the paper's n_heads; with GQA, the KV heads)
+    bytes_per_element: int          # f_precision
+    bandwidth_bytes_per_s: float    # device -> cxl, measured
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadParams:
+    threshold_blocks: int = 0       # Eq. 5: below this many free device blocks (all layers), offload retained layers
+    horizon_steps: int = 8          # how many steps ahead Eq. 5 is run
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadInput:
+    admitting: Sequence[RequestView]   # waiting requests, in admission order
+    running: Sequence[RequestView]
+    pool: PoolView
+    now: float
+    params: OffloadParams = OffloadParams()
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadPlan:
+    """`retain`: of a waiting request, how many layers keep their KV on the device when it is
+    admitted (absent: all). `shrink`: of a running request, how many of its device layers it keeps
+    (fewer than it has now); the engine offloads the rest."""
+
+    retain: Mapping[str, int] = field(default_factory=dict)
+    shrink: Mapping[str, int] = field(default_factory=dict)

@@ -1,0 +1,77 @@
+"""LayerKV's SLO-aware prefill admission (3.1, Eq. 1-3, Algorithm 1).
+
+A decoding request with a TPOT SLO allows prefills to run for as long as its remaining TPOT budget
+permits (Eq. 1); queued prefills are admitted, first come first served, while their estimated
+prefill times (Eq. 3) sum to less than the smallest allowance (Eq. 2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvmesh.policies.views import PoolView, RequestView
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCost:
+    """Eq. 3's terms: T_prefill = alpha * seqlen * (2 n_param + 2 seqlen n_hidden) / FLOPS."""
+
+    alpha: float               # empirical correction, fitted from prefills timed at engine start
+    num_params: int            # n_param
+    hidden_size: int           # n_hidden
+    flops_per_s: float         # the device's, measured at engine start
+
+
+def prefill_time_s(seqlen: int, cost: PrefillCost) -> float:
+    """Eq. 3."""
+    return cost.alpha * seqlen * (2 * cost.num_params + 2 * seqlen * cost.hidden_size) / cost.flops_per_s
+
+
+def allowed_prefill_s(tpot_slo_s: float, n_past: int, n_future: int, t_past_s: float, t_future_s: float) -> float:
+    """Eq. 1: T_allow = T_tpot (N_past + N_future) - (T_past + T_future)."""
+    return tpot_slo_s * (n_past + n_future) - (t_past_s + t_future_s)
+
+
+def future_tokens(n_past: int, predicted_low: int | None) -> int:
+    """N_future: the predicted range's lower bound less the tokens already decoded, at least 1 (the
+    paper constrains it to positive integers); 1 without a prediction, the most conservative."""
+    return 1 if predicted_low is None else max(1, predicted_low - n_past)
+
+
+def max_prefills(prefill_times_s: Sequence[float], min_allowance_s: float) -> int:
+    """Algorithm 1: the most leading prefills whose times sum to strictly less than the allowance (Eq. 2)."""
+    total, n = 0.0, 0
+    for t in prefill_times_s:
+        total += t
+        if not total < min_allowance_s:
+            break
+        n += 1
+    return n
+
+
+def allowance_s(request: RequestView, now: float) -> float | None:
+    """Eq. 1 for one running request; None when it is not decoding or has no TPOT SLO.
+
+    Decoding starts with the first token, so N_past counts the tokens after it and T_past the time
+    since it (the wait for decode steps included); the current TPOT is T_past / N_past, or the SLO
+    itself before a second token exists (the allowance is then about nil: conservative)."""
+    if request.first_token_at is None or request.tbt_slo_ms is None:
+        return None
+    slo = request.tbt_slo_ms / 1e3
+    n_past = max(0, request.num_generated - 1)
+    t_past = max(0.0, now - request.first_token_at)
+    n_future = future_tokens(n_past, request.predicted_output_low)
+    tpot = t_past / n_past if n_past else slo
+    return allowed_prefill_s(slo, n_past, n_future, t_past, tpot * n_future)
+
+
+def layerkv(waiting: Sequence[RequestView], running: Sequence[RequestView], pool: PoolView, now: float) -> list[str]:
+    """The prefill_admission hook: FCFS, cut to as many prefills as Algorithm 1 allows. With no
+    decoding request that has a TPOT SLO, or no profiled prefill cost, every waiting request."""
+    order = sorted(waiting, key=lambda r: r.arrival)
+    allowances = [a for a in (allowance_s(r, now) for r in running) if a is not None]
+    if not allowances or pool.prefill_cost is None:
+        return [r.request_id for r in order]
+    times = [prefill_time_s(r.num_tokens - r.num_computed, pool.prefill_cost) for r in order]
+    return [r.request_id for r in order[:max_prefills(times, min(allowances))]]

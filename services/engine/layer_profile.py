@@ -1,0 +1,121 @@
+"""LayerKV's start-up profile: the terms of Eq. 3 (prefill time) and Eq. 4 (offload time) measured
+on this engine's own model and pools, once, before the engine loop starts.
+
+- FLOPS: a matmul in the model's dtype on its device; n_param and n_hidden from the model.
+- alpha: least squares through the origin of prefills timed at a few lengths against Eq. 3's
+  theoretical times.
+- The device -> cxl bandwidth: blocks copied between the pools at a few sizes, bytes over seconds
+  of the largest; beta: least squares of those copies' times against Eq. 4's (so it absorbs what a
+  copy costs beyond its bytes).
+
+Every block it borrows is free again afterwards, and nothing enters the prefix cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+import torch
+
+from kvmesh.policies.offload import OffloadCost, offload_time_s
+from kvmesh.policies.scheduling import PrefillCost, prefill_time_s
+from kvmesh.policies.views import blocks_for
+
+from .block_manager import BlockManager, copy_blocks
+from .model_runner import ModelRunner
+from .swap_profile import filler, median_seconds, prefill_in_chunks
+
+log = logging.getLogger(__name__)
+
+MATMUL = 512  # the FLOPS probe's square matrices
+
+
+class LayerProfile(msgspec.Struct, kw_only=True):
+    """What was timed (median seconds) and the fits; a cost is None when its fit failed."""
+
+    flops_per_s: float
+    lengths: list[int]
+    prefill_s: list[float]
+    copy_blocks: list[int]
+    copy_s: list[float]
+    bandwidth_bytes_per_s: float
+    prefill_cost: PrefillCost | None
+    offload_cost: OffloadCost | None
+
+
+def profile_layerkv(runner: ModelRunner, blocks: BlockManager, token_budget: int, lengths: Sequence[int],
+                    repeats: int) -> LayerProfile:
+    device = runner.device
+    dtype = blocks.device.shape.dtype
+    flops = _flops(device, dtype, repeats)
+    spec = runner.model.config
+    params = sum(p.numel() for p in runner.model.parameters())
+    prefill_s = []
+    for length in lengths:
+        request = filler(blocks, length)
+        try:
+            prefill_s.append(median_seconds(repeats, device, lambda: prefill_in_chunks(runner, request, token_budget)))
+        finally:
+            blocks.release(request)
+    theory = PrefillCost(alpha=1.0, num_params=params, hidden_size=spec.hidden_size, flops_per_s=flops)
+    alpha = _through_origin([prefill_time_s(n, theory) for n in lengths], prefill_s)
+    prefill = dataclasses.replace(theory, alpha=alpha) if alpha else None
+
+    sizes, copy_s = _copy_sizes(blocks, max(lengths)), []
+    for n in sizes:
+        copy_s.append(_time_copy(blocks, n, repeats))
+    block_bytes = blocks.device.shape.bytes
+    bandwidth = sizes[-1] * block_bytes / copy_s[-1] if sizes and copy_s[-1] > 0 else 0.0
+    offload = None
+    if bandwidth > 0:
+        shape = blocks.device.shape
+        unit = OffloadCost(beta=1.0, num_layers=blocks.num_layers, head_dim=shape.head_dim,
+                           num_kv_heads=shape.num_kv_heads, bytes_per_element=torch.finfo(shape.dtype).bits // 8,
+                           bandwidth_bytes_per_s=bandwidth)
+        # A copy of n blocks moves n * block_size tokens of one layer: Eq. 4 with one layer offloaded.
+        beta = _through_origin([offload_time_s(n * shape.block_size, 1, unit) for n in sizes], copy_s)
+        offload = dataclasses.replace(unit, beta=beta) if beta else None
+    return LayerProfile(flops_per_s=flops, lengths=list(lengths), prefill_s=prefill_s, copy_blocks=sizes,
+                        copy_s=copy_s, bandwidth_bytes_per_s=bandwidth, prefill_cost=prefill, offload_cost=offload)
+
+
+def _flops(device: torch.device, dtype: torch.dtype, repeats: int) -> float:
+    a = torch.randn(MATMUL, MATMUL, device=device, dtype=dtype)
+    b = torch.randn(MATMUL, MATMUL, device=device, dtype=dtype)
+    torch.matmul(a, b)  # warm up
+    seconds = median_seconds(repeats, device, lambda: torch.matmul(a, b))
+    return 2 * MATMUL ** 3 / seconds
+
+
+def _copy_sizes(blocks: BlockManager, longest: int) -> list[int]:
+    """Block counts to copy: from one to one layer of the longest profiled prompt, within both pools."""
+    most = min(blocks_for(longest, blocks.block_size), blocks.device.free_count, blocks.pools["cxl"].free_count)
+    return sorted({max(1, int(round(n))) for n in np.geomspace(1, max(1, most), 4)})
+
+
+def _time_copy(blocks: BlockManager, n: int, repeats: int) -> float:
+    device, cxl = blocks.device, blocks.pools["cxl"]
+    source, target = device.allocate(n), cxl.allocate(n)
+    try:
+        return median_seconds(repeats, device.tensor.device, lambda: copy_blocks(device, source, cxl, target))
+    finally:
+        for pool, taken in ((device, source), (cxl, target)):
+            for block in taken:
+                pool.decref(block)
+                pool.release(block)
+
+
+def _through_origin(theory: Sequence[float], measured: Sequence[float]) -> float | None:
+    """The k minimising sum (measured - k * theory)^2; None if it is not positive."""
+    x, y = np.asarray(theory, dtype=float), np.asarray(measured, dtype=float)
+    denominator = float(x @ x)
+    k = float(x @ y) / denominator if denominator > 0 else 0.0
+    if not k > 0 or not np.isfinite(k):
+        log.warning("LayerKV profile: no fit (%s against %s)", list(measured), list(theory))
+        return None
+    return k

@@ -1,0 +1,194 @@
+"""LayerKV's execution side (3.1.2, 4): running layers whose KV lives in the cxl tier.
+
+The attention kernel reads KV in place from the device pool, so an offloaded layer is computed in a
+staging area at the end of that pool (KVPool.staging). Each step, every request with offloaded
+layers gets the same slice of staging blocks in each such layer; the layers take turns between the
+two halves of the area. Around each staged layer's attention:
+
+- before: wait for this layer's load (its context, cxl -> staging) and start the next staged
+  layer's load into the other half, so it overlaps this layer's compute;
+- after: start the write-back of the blocks this step wrote (cxl <- staging): a prefill's new KV
+  goes to the cxl tier right after its layer computes, and the staging blocks are free again once
+  it has.
+
+Copies run off the compute path: on a worker thread on a CPU (torch releases the GIL while it
+copies), on a side stream on a GPU. They go in chunks, each waiting while the link is busy (3.1.3):
+`LinkMonitor` is where a tensor-parallel engine reports its all-reduce traffic.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from kvmesh.policies.views import blocks_for
+
+from .block_manager import copy_blocks
+from .kv_pool import KVPool
+from .scheduler import ScheduledChunk
+
+Copy = tuple[KVPool, list[int], KVPool, list[int]]  # source pool and blocks, target pool and blocks
+
+
+class LinkMonitor(Protocol):
+    def busy(self) -> bool:
+        """Whether something on the critical path (an all-reduce over PCIe) is using the link now."""
+
+
+class IdleLink:
+    """A link nothing else uses: a single-device engine, or GPUs that all-reduce over NVLink."""
+
+    def busy(self) -> bool:
+        return False
+
+
+@dataclass
+class ChunkedCopier:
+    """Copies whole blocks between pools `chunk_blocks` at a time, waiting before each chunk while
+    the link is busy (LayerKV 3.1.3: a swap never starts inside an all-reduce)."""
+
+    link: LinkMonitor = field(default_factory=IdleLink)
+    chunk_blocks: int = 64
+    backoff_s: float = 50e-6   # a fraction of an all-reduce
+    waits: int = 0             # checks that found the link busy, all time
+
+    def __call__(self, source: KVPool, source_blocks: list[int], target: KVPool, target_blocks: list[int]) -> None:
+        for start in range(0, len(source_blocks), self.chunk_blocks):
+            while self.link.busy():
+                self.waits += 1
+                time.sleep(self.backoff_s)
+            end = start + self.chunk_blocks
+            copy_blocks(source, source_blocks[start:end], target, target_blocks[start:end])
+
+
+class SideCopies:
+    """Runs a batch of copies off the compute path and lets the compute wait for it."""
+
+    def __init__(self, device: torch.device, copy: Callable[..., None]):
+        self.copy = copy
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.worker = None if self.stream else ThreadPoolExecutor(1, thread_name_prefix="kv-layer-copy")
+
+    def start(self, copies: Sequence[Copy]) -> Future | torch.cuda.Event:
+        if self.stream is None:
+            return self.worker.submit(self._run, copies)
+        self.stream.wait_stream(torch.cuda.current_stream())  # after what the compute wrote or still reads
+        with torch.cuda.stream(self.stream):
+            self._run(copies)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
+
+    def wait(self, handle: Future | torch.cuda.Event) -> None:
+        if isinstance(handle, Future):
+            handle.result()
+        else:
+            torch.cuda.current_stream().wait_event(handle)
+
+    def settle(self, handle: Future | torch.cuda.Event) -> None:
+        """Wait until the copy is really done (the host may then reuse or free what it touched)."""
+        if isinstance(handle, Future):
+            handle.result()
+        else:
+            handle.synchronize()
+
+    def _run(self, copies: Sequence[Copy]) -> None:
+        for source, source_blocks, target, target_blocks in copies:
+            if source_blocks:
+                self.copy(source, source_blocks, target, target_blocks)
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+
+
+@dataclass
+class _StagedLayer:
+    loads: list[Copy]
+    writes: list[Copy]
+
+
+class StagedStep:
+    """One step's staged layers: the block tables with staging blocks in place of the offloaded
+    layers' cxl blocks, and the copies around each staged layer's attention."""
+
+    def __init__(self, tables: np.ndarray, layers: dict[int, _StagedLayer], side: SideCopies):
+        self.tables, self.side = tables, side
+        self._order = sorted(layers)
+        self._layers = layers
+        self._loads: dict[int, Future | torch.cuda.Event] = {}
+        self._writes: list[Future | torch.cuda.Event] = []
+
+    def wrap(self, attention: Callable) -> Callable:
+        def staged(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if layer not in self._layers:
+                return attention(layer, q, k, v)
+            self._before(layer)
+            out = attention(layer, q, k, v)
+            self._writes.append(self.side.start(self._layers[layer].writes))
+            return out
+        return staged
+
+    def _before(self, layer: int) -> None:
+        if layer not in self._loads:
+            self._loads[layer] = self.side.start(self._layers[layer].loads)
+        self.side.wait(self._loads.pop(layer))
+        position = self._order.index(layer)
+        if position + 1 < len(self._order):  # the next staged layer loads into the other half meanwhile
+            following = self._order[position + 1]
+            self._loads[following] = self.side.start(self._layers[following].loads)
+
+    def finish(self) -> None:
+        """Wait for every copy of the step: the cxl tier then holds what this step computed."""
+        for handle in [*self._loads.values(), *self._writes]:
+            self.side.settle(handle)
+        self._loads, self._writes = {}, []
+
+
+class LayerStaging:
+    """The staging area of a device pool and the copies in and out of it."""
+
+    def __init__(self, device: KVPool, cxl: KVPool, copier: ChunkedCopier):
+        if len(device.staging) < 2:
+            raise ValueError(f"LayerKV's staging area needs at least 2 blocks, got {len(device.staging)}")
+        self.device, self.cxl, self.copier = device, cxl, copier
+        self.half = len(device.staging) // 2   # blocks per half: what one staged layer of a step may use
+        self.side = SideCopies(device.tensor.device, copier)
+
+    def prepare(self, chunks: Sequence[ScheduledChunk], tables: np.ndarray) -> StagedStep | None:
+        """The step's staged layers, or None when no request in it has an offloaded layer."""
+        block_size = self.device.shape.block_size
+        offsets, used = [], 0   # each staged sequence's first block within a half
+        for chunk in chunks:
+            offsets.append(used)
+            if chunk.request.offloaded:
+                used += chunk.request.blocks_per_layer
+        if used == 0:
+            return None
+        if used > self.half:
+            raise AssertionError(f"the step stages {used} blocks a layer, the staging area holds {self.half}")
+        tables = tables.copy()  # the runner keeps its tables across steps
+        # Staged layers alternate between the halves in the order they compute.
+        halves = {layer: i % 2 for i, layer in enumerate(sorted({l for c in chunks for l in c.request.offloaded}))}
+        layers = {layer: _StagedLayer([], []) for layer in halves}
+        for s, chunk in enumerate(chunks):
+            request = chunk.request
+            loaded = blocks_for(request.num_computed, block_size)      # blocks holding context already computed
+            written = request.num_computed // block_size                # first block this step writes into
+            for layer in request.offloaded:
+                first = self.device.staging[halves[layer] * self.half + offsets[s]]
+                staged = list(range(first, first + request.blocks_per_layer))
+                cxl_blocks = request.layers[layer].blocks
+                tables[layer, s, :len(staged)] = staged
+                layers[layer].loads.append((self.cxl, cxl_blocks[:loaded], self.device, staged[:loaded]))
+                layers[layer].writes.append((self.device, staged[written:], self.cxl, cxl_blocks[written:]))
+        return StagedStep(tables, layers, self.side)
+
+    def close(self) -> None:
+        self.side.close()

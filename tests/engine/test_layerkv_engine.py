@@ -1,0 +1,121 @@
+"""LayerKV in the engine: layers kept in the cxl tier are computed in the staging area, loaded ahead
+and written back around their attention; greedy output stays transformers' to the token, and every
+block of both tiers comes back."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.libs.controlplane import ConfigError
+from kvmesh.policies import registry
+from kvmesh.policies.offload.plan import OffloadCost, OffloadPlan
+from kvmesh.policies.scheduling.layerkv import PrefillCost
+from kvmesh.services.engine.layer_staging import ChunkedCopier
+from kvmesh.services.engine.sampling import SamplingParams
+
+from .conftest import assert_all_blocks_free, engine_for, run_all
+from .test_engine_correctness import GREEDY, check, prompts, reference  # noqa: F401 (a fixture)
+
+LAYERKV = {"layer_offload": "layerkv"}
+
+
+def keep(layers: int):
+    """An offload policy that keeps `layers` layers of every admitted request on the device."""
+    return lambda inp: OffloadPlan(retain={r.request_id: layers for r in inp.admitting})
+
+
+@pytest.mark.parametrize("kept", [0, 1, 2])
+def test_offloaded_layers_keep_greedy_output_identical(tiny_checkpoint, reference, monkeypatch, kept):
+    monkeypatch.setitem(registry.HOOKS["layer_offload"], "keep", keep(kept))
+    # A small token budget splits prompts across steps: later chunks load the earlier ones' KV.
+    engine = engine_for(tiny_checkpoint, token_budget=32, policies={"layer_offload": "keep"}, layer_profile="off",
+                        prefix_caching=False)
+    check(run_all(engine, prompts(5, seed=3, lengths=(20, 90)), GREEDY), reference)
+    assert engine.scheduler.layers_offloaded["admitted"] == 5 * (4 - kept)
+    assert_all_blocks_free(engine)
+
+
+def test_layerkv_offloads_every_layer_when_the_link_hides_under_prefill(tiny_checkpoint, reference):
+    engine = engine_for(tiny_checkpoint, policies=LAYERKV, layer_profile="off")
+    # Eq. 4 with an unbounded link costs nothing to hide: x = 0 for every prompt.
+    engine.blocks.use_layer_costs(PrefillCost(alpha=1.0, num_params=10**6, hidden_size=256, flops_per_s=1e9),
+                                  OffloadCost(beta=1.0, num_layers=4, head_dim=64, num_kv_heads=2, bytes_per_element=4,
+                                              bandwidth_bytes_per_s=float("inf")))
+    check(run_all(engine, prompts(4, seed=4), GREEDY), reference)
+    assert engine.scheduler.layers_offloaded["admitted"] == 4 * 4
+    assert_all_blocks_free(engine)
+
+
+def test_a_forecast_squeeze_offloads_retained_layers_of_running_requests(tiny_checkpoint, reference, monkeypatch):
+    monkeypatch.setitem(registry.HOOKS["layer_offload"], "squeeze", _squeeze)
+    engine = engine_for(tiny_checkpoint, policies={"layer_offload": "squeeze"}, layer_profile="off",
+                        prefix_caching=False)
+    check(run_all(engine, prompts(4, seed=5, lengths=(30, 60)), GREEDY), reference)
+    assert engine.scheduler.layers_offloaded["forecast"] > 0
+    assert_all_blocks_free(engine)
+
+
+def _squeeze(inp):
+    """Every running request down to half its device layers, then none: as Eq. 5 does when it runs low."""
+    return OffloadPlan(shrink={r.request_id: (r.device_layers or 4) // 2 for r in inp.running})
+
+
+def test_a_busy_link_delays_each_chunk_until_it_is_free(tiny_checkpoint, reference, monkeypatch):
+    monkeypatch.setitem(registry.HOOKS["layer_offload"], "keep", keep(1))
+    engine = engine_for(tiny_checkpoint, policies={"layer_offload": "keep"}, layer_profile="off",
+                        layer_copy_chunk_blocks=1)
+    link = BusyEveryOtherCheck()
+    engine.blocks.copy.link = link
+    check(run_all(engine, prompts(3, seed=6), GREEDY), reference)
+    assert engine.blocks.copy.waits > 0 and link.checks > engine.blocks.copy.waits
+    assert_all_blocks_free(engine)
+
+
+class BusyEveryOtherCheck:
+    """Stands in for a tensor-parallel engine's all-reduce traffic (none on one CPU)."""
+
+    def __init__(self):
+        self.checks = 0
+
+    def busy(self) -> bool:
+        self.checks += 1
+        return self.checks % 2 == 1
+
+
+def test_a_request_too_long_for_the_staging_area_keeps_every_layer(tiny_checkpoint, reference, monkeypatch):
+    monkeypatch.setitem(registry.HOOKS["layer_offload"], "keep", keep(0))
+    # Halves of 3 blocks: a 70-token prompt (5 blocks) cannot be staged, a 20-token one can.
+    engine = engine_for(tiny_checkpoint, policies={"layer_offload": "keep"}, layer_profile="off",
+                        layer_staging_blocks=6, prefix_caching=False)
+    short, long = prompts(1, seed=7, lengths=(20, 20))[0], prompts(1, seed=8, lengths=(70, 70))[0]
+    requests = run_all(engine, [long, short], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                             logprobs=True))
+    check(requests, reference)
+    assert engine.scheduler.layers_offloaded["admitted"] == 4  # the short one's
+    assert_all_blocks_free(engine)
+
+
+def test_layer_offload_without_a_cxl_tier_is_a_config_error(tiny_checkpoint):
+    with pytest.raises(ConfigError, match="cxl tier"):
+        engine_for(tiny_checkpoint, policies=LAYERKV, cxl_blocks=0, cxl_bytes=0, layer_profile="off")
+
+
+def test_a_staging_area_as_big_as_the_device_tier_is_a_config_error(tiny_checkpoint):
+    with pytest.raises(ConfigError, match="staging"):
+        engine_for(tiny_checkpoint, device_blocks=64, layer_staging_blocks=64, layer_profile="off")
+
+
+def test_chunked_copier_splits_copies(tiny_checkpoint):
+    engine = engine_for(tiny_checkpoint, layer_staging_blocks=8, layer_profile="off")
+    device, cxl = engine.blocks.pools["device"], engine.blocks.pools["cxl"]
+    source, target = device.allocate(5), cxl.allocate(5)
+    device.tensor[source] = 1.5
+    calls = []
+    copier = ChunkedCopier(chunk_blocks=2, link=type("Counting", (), {"busy": lambda self: calls.append(1) or False})())
+    copier(device, source, cxl, target)
+    assert len(calls) == 3 and bool((cxl.tensor[target] == 1.5).all())
+    for pool, blocks in ((device, source), (cxl, target)):
+        for block in blocks:
+            pool.decref(block)
+            pool.release(block)
+    assert_all_blocks_free(engine)

@@ -1,0 +1,21 @@
+"""What admission tells the engines of a prediction: the padded estimate (CacheOpt) and the range
+predicted +- padding as lower bound and median (LayerKV), within [1, max_tokens]."""
+
+from __future__ import annotations
+
+from kvmesh.services.admission.predictor_client import PredictedLength, predicted_lengths
+
+
+def prediction(predicted: int, padding: float, estimated: int) -> PredictedLength:
+    return PredictedLength(predicted=predicted, direction="over", padding=padding, estimated=estimated)
+
+
+def test_the_range_is_the_prediction_plus_minus_its_padding():
+    assert predicted_lengths(prediction(100, 30.5, 131), max_tokens=512) == {
+        "predicted_output_len": 131, "predicted_output_median": 100, "predicted_output_low": 69}
+
+
+def test_the_range_stays_within_one_token_and_max_tokens():
+    assert predicted_lengths(prediction(10, 50.0, 60), max_tokens=512)["predicted_output_low"] == 1
+    capped = predicted_lengths(prediction(900, 0.0, 900), max_tokens=256)
+    assert capped["predicted_output_median"] == capped["predicted_output_low"] == 256
