@@ -66,7 +66,7 @@ def profile_layerkv(runner: ModelRunner, blocks: BlockManager, token_budget: int
     alpha = _through_origin([prefill_time_s(n, theory) for n in lengths], prefill_s)
     prefill = dataclasses.replace(theory, alpha=alpha) if alpha else None
 
-    sizes, copy_s = _copy_sizes(blocks, max(lengths)), []
+    sizes, copy_s = (_copy_sizes(blocks, max(lengths)) if "cxl" in blocks.pools else []), []  # nowhere to offload to
     for n in sizes:
         copy_s.append(_time_copy(blocks, n, repeats))
     block_bytes = blocks.device.shape.bytes

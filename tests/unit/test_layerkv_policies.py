@@ -1,0 +1,173 @@
+"""LayerKV's equations as pure functions, with the worked numbers in the comments: Eq. 1-3 and
+Algorithm 1 (SLO-aware prefill admission), Eq. 4 (retained layers), the interleaving of 3.1.2 and
+the Eq. 5 forecast with its x/2-then-all offloading."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvmesh.policies.offload import (OffloadCost, OffloadInput, OffloadParams, forecast_free_blocks, interleaved,
+                                     layerkv, none, offload_time_s, retained_layers)
+from kvmesh.policies.scheduling import PrefillCost, allowed_prefill_s, future_tokens, max_prefills, prefill_time_s
+from kvmesh.policies.scheduling import layerkv as admit
+from kvmesh.policies.views import PoolView, RequestView
+
+PREFILL = PrefillCost(alpha=2.0, num_params=10**6, hidden_size=256, flops_per_s=1e9)
+OFFLOAD = OffloadCost(beta=1.0, num_layers=4, head_dim=64, num_kv_heads=2, bytes_per_element=4,
+                      bandwidth_bytes_per_s=1e9)
+
+
+def view(request_id: str, **fields) -> RequestView:
+    defaults = dict(arrival=0.0, prompt_len=100, num_tokens=100, num_computed=0, num_generated=0, max_tokens=100,
+                    blocks_per_layer=0, tier="device")
+    return RequestView(request_id=request_id, **{**defaults, **fields})
+
+
+def pool(free: int = 100, prefill: PrefillCost | None = PREFILL, offload: OffloadCost | None = OFFLOAD) -> PoolView:
+    return PoolView(block_size=16, num_layers=4, free=MappingProxyType({"device": free, "cxl": 1000}),
+                    total=MappingProxyType({"device": 100, "cxl": 1000}), prefill_cost=prefill, offload_cost=offload)
+
+
+# -- Eq. 1-3, Algorithm 1 ------------------------------------------------------------------------
+
+def test_eq1_allowance():
+    # T_tpot 0.2 s over 10 past and 20 future tokens, 1.5 s spent and 20 x 0.05 = 1.0 s to come:
+    # 0.2 * 30 - (1.5 + 1.0) = 3.5 s
+    assert allowed_prefill_s(0.2, 10, 20, 1.5, 1.0) == pytest.approx(3.5)
+
+
+def test_eq3_prefill_time():
+    # 2 * 100 * (2e6 + 2 * 100 * 256) / 1e9 = 2 * 100 * 2_051_200 / 1e9 = 0.41024 s
+    assert prefill_time_s(100, PREFILL) == pytest.approx(0.41024)
+
+
+def test_future_tokens_are_the_lower_bound_left_and_at_least_one():
+    assert future_tokens(10, 25) == 15
+    assert future_tokens(30, 25) == 1      # past the lower bound: still one to come
+    assert future_tokens(5, None) == 1     # no prediction: the most conservative
+
+
+def test_algorithm_1_counts_leading_prefills_strictly_under_the_allowance():
+    assert max_prefills([1.0, 1.0, 1.0], 2.5) == 2
+    assert max_prefills([1.0, 1.0], 2.0) == 1   # Eq. 2 is strict
+    assert max_prefills([3.0, 0.1], 2.0) == 0   # FCFS: no skipping ahead
+    assert max_prefills([], 1.0) == 0
+
+
+def decoding(tbt_slo_ms: float | None, **fields) -> RequestView:
+    # first token at t = 10, now t = 12: 11 generated is 10 past the first, in 2 s (TPOT 0.2 s)
+    return view("d", first_token_at=10.0, num_generated=11, num_tokens=111, num_computed=110,
+                tbt_slo_ms=tbt_slo_ms, predicted_output_low=30, **fields)
+
+
+def test_admission_admits_what_the_tightest_tpot_budget_allows_in_fcfs_order():
+    waiting = [view("w2", arrival=2.0), view("w1", arrival=1.0), view("w3", arrival=3.0)]
+    # N_future = 30 - 10 = 20, T_future = 0.2 * 20 = 4 s; with a 220 ms SLO:
+    # 0.22 * 30 - (2 + 4) = 0.6 s, and one 100-token prefill takes 0.41 s, two 0.82 s
+    assert admit(waiting, [decoding(220.0)], pool(), now=12.0) == ["w1"]
+    # 250 ms: 7.5 - 6 = 1.5 s > 1.23 s: all three
+    assert admit(waiting, [decoding(250.0)], pool(), now=12.0) == ["w1", "w2", "w3"]
+    # the tightest of two decides
+    assert admit(waiting, [decoding(250.0), decoding(220.0)], pool(), now=12.0) == ["w1"]
+
+
+def test_admission_without_a_tpot_slo_a_decoding_request_or_a_profile_is_fcfs():
+    waiting = [view("w2", arrival=2.0), view("w1", arrival=1.0)]
+    prefilling = view("p", num_generated=0, tbt_slo_ms=1.0)  # no first token yet: not decoding
+    for running, cost in (([decoding(None)], PREFILL), ([prefilling], PREFILL), ([decoding(220.0)], None), ([], PREFILL)):
+        assert admit(waiting, running, pool(prefill=cost), now=12.0) == ["w1", "w2"]
+
+
+def test_before_its_second_token_a_request_allows_nothing():
+    # N_past 0: the TPOT is taken to be the SLO, so T_allow = T_tpot * N_future - T_future - T_past < 0
+    fresh = view("d", first_token_at=12.0, num_generated=1, tbt_slo_ms=200.0, predicted_output_low=30)
+    assert admit([view("w")], [fresh], pool(), now=12.5) == []
+
+
+# -- Eq. 4 and interleaving ------------------------------------------------------------------------
+
+def test_eq4_offload_time():
+    # 1000 tokens x 2 layers x 2 (K, V) x 64 x 2 heads x 4 bytes = 2_048_000 B at 1 GB/s = 2.048 ms
+    assert offload_time_s(1000, 2, OFFLOAD) == pytest.approx(2.048e-3)
+
+
+def test_retained_layers_are_the_fewest_whose_offload_hides_under_the_prefill():
+    # all 4 offloaded: 4.096 ms > 3 ms; 3: 3.072 ms > 3 ms; 2: 2.048 ms <= 3 ms -> keep 2
+    assert retained_layers(1000, 3e-3, OFFLOAD) == 2
+    assert retained_layers(1000, 1.0, OFFLOAD) == 0   # a long prefill hides every layer
+    assert retained_layers(1000, 0.0, OFFLOAD) == 4   # nothing to hide under
+
+
+def test_longer_prompts_keep_no_more_layers():
+    lengths = [16, 64, 256, 1024, 4096, 16384]
+    kept = [retained_layers(n, prefill_time_s(n, PREFILL), OFFLOAD) for n in lengths]
+    assert kept == sorted(kept, reverse=True)
+
+
+@pytest.mark.parametrize("layers, keep, expected", [
+    (8, 4, (1, 3, 5, 7)),      # LayerKV 3.1.2's example
+    (8, 2, (3, 7)),
+    (8, 8, tuple(range(8))),
+    (8, 0, ()),
+    (32, 3, (9, 20, 31)),
+    (1, 1, (0,)),
+])
+def test_interleaved_layers(layers, keep, expected):
+    assert interleaved(layers, keep) == expected
+
+
+@given(st.integers(1, 96), st.data())
+def test_interleaved_keeps_that_many_distinct_layers_in_range(layers, data):
+    keep = data.draw(st.integers(0, layers))
+    kept = interleaved(layers, keep)
+    assert len(kept) == len(set(kept)) == keep and list(kept) == sorted(kept)
+    assert all(0 <= layer < layers for layer in kept) and (not kept or kept[-1] == layers - 1)
+
+
+# -- Eq. 5 and the offloading it triggers --------------------------------------------------------
+
+def running_pair() -> list[RequestView]:
+    # a: median 3, 1 generated -> ends at step 2; 2 device layers of 3 blocks (6 held)
+    # b: no prediction -> ends at max_tokens 100; every layer (4) of 1 block
+    return [view("a", num_generated=1, predicted_output_median=3, device_layers=2, blocks_per_layer=3, scheduled_at=5.0),
+            view("b", max_tokens=100, blocks_per_layer=1, scheduled_at=3.0)]
+
+
+def test_eq5_forecast():
+    # t=1: 10 - (2 + 4) = 4; t=2: a releases 6 + 2 grown = 8, b takes 4: 8; t=3: b takes 4: 4
+    assert forecast_free_blocks(10, running_pair(), num_layers=4, steps=3) == [4, 8, 4]
+
+
+def inp(threshold: int, running: list[RequestView], admitting=()) -> OffloadInput:
+    return OffloadInput(admitting=list(admitting), running=running, pool=pool(free=10), now=0.0,
+                        params=OffloadParams(threshold_blocks=threshold, horizon_steps=3))
+
+
+def test_a_forecast_shortfall_halves_the_most_recent_first():
+    # the forecast's low is 4; a threshold of 8 is 4 short: a (newest) 2 -> 1 frees 3, b 4 -> 2 frees 2
+    assert layerkv(inp(8, running_pair())).shrink == {"a": 1, "b": 2}
+    # 5 short: the same halving covers it
+    assert layerkv(inp(9, running_pair())).shrink == {"a": 1, "b": 2}
+    # 1 short: halving a alone is enough
+    assert layerkv(inp(5, running_pair())).shrink == {"a": 1}
+
+
+def test_when_halving_is_not_enough_every_layer_goes():
+    # 16 short: halving frees 5, taking both to none frees 3 + 2 more: still short, all are offloaded
+    assert layerkv(inp(20, running_pair())).shrink == {"a": 0, "b": 0}
+
+
+def test_no_shortfall_no_offloading_and_x_for_each_admitted_request():
+    plan = layerkv(inp(0, running_pair(), admitting=[view("w", num_tokens=1000)]))
+    assert plan.shrink == {}
+    assert plan.retain == {"w": retained_layers(1000, prefill_time_s(1000, PREFILL), OFFLOAD)}
+
+
+def test_without_a_profile_every_layer_is_retained_and_none_offloads_nothing():
+    unprofiled = OffloadInput(admitting=[view("w")], running=[], pool=pool(prefill=None), now=0.0)
+    assert layerkv(unprofiled).retain == {}
+    assert none(inp(100, running_pair())) == none(unprofiled) and not none(unprofiled).shrink
