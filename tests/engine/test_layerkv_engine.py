@@ -11,6 +11,7 @@ from kvmesh.policies import registry
 from kvmesh.policies.offload.plan import OffloadCost, OffloadPlan
 from kvmesh.policies.scheduling.layerkv import PrefillCost
 from kvmesh.services.engine.layer_staging import ChunkedCopier
+from kvmesh.services.engine.request import Targets
 from kvmesh.services.engine.sampling import SamplingParams
 
 from .conftest import assert_all_blocks_free, engine_for, run_all
@@ -118,4 +119,47 @@ def test_chunked_copier_splits_copies(tiny_checkpoint):
         for block in blocks:
             pool.decref(block)
             pool.release(block)
+    assert_all_blocks_free(engine)
+
+
+def test_the_eq5_forecast_offloads_retained_layers_under_a_memory_squeeze(tiny_checkpoint, reference):
+    # No profile: admitted requests keep every layer, so only the forecast moves any. Half the device
+    # tier as the threshold: with three 60-token requests in 96 blocks the forecast runs below it.
+    engine = engine_for(tiny_checkpoint, policies=LAYERKV, layer_profile="off", device_blocks=96 + 16,
+                        layer_staging_blocks=16, layer_free_threshold=0.5, prefix_caching=False)
+    check(run_all(engine, prompts(3, seed=9, lengths=(50, 60)), GREEDY), reference)
+    assert engine.scheduler.layers_offloaded == {"admitted": 0, "forecast": engine.scheduler.layers_offloaded["forecast"]}
+    assert engine.scheduler.layers_offloaded["forecast"] > 0
+    assert_all_blocks_free(engine)
+
+
+def test_slo_aware_admission_holds_prefills_a_decoding_request_has_no_time_for(tiny_checkpoint):
+    engine = engine_for(tiny_checkpoint, policies={"prefill_admission": "layerkv"}, layer_profile="off")
+    engine.blocks.use_layer_costs(PrefillCost(alpha=1.0, num_params=10**6, hidden_size=256, flops_per_s=1e9), None)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    # A TPOT SLO of 1 us no step meets: once `tight` decodes, its allowance is below any prefill.
+    tight = engine.add("tight", list(range(10, 30)), params,
+                       targets=Targets(tbt_slo_ms=1e-3, predicted_output_low=8, predicted_output_median=8))
+    for _ in range(3):  # its prefill and two decodes
+        engine.step()
+    late = engine.add("late", list(range(40, 60)), params)
+    while not tight.finished:
+        engine.step()
+        assert late.scheduled_at is None, "admitted while the decoding request had no time to spare"
+    while not late.finished:
+        engine.step()
+    assert late.scheduled_at >= tight.output_times[-1]
+    assert_all_blocks_free(engine)
+
+
+def test_a_request_without_a_predicted_range_gets_the_configured_fallback(tiny_checkpoint):
+    engine = engine_for(tiny_checkpoint, output_len_fallback=50, layer_profile="off")
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert engine.add("capped", [5, 6, 7], params).targets == Targets(predicted_output_low=8, predicted_output_median=8)
+    long = engine.add("long", [5, 6, 7], SamplingParams(max_tokens=200))
+    assert (long.targets.predicted_output_low, long.targets.predicted_output_median) == (50, 50)
+    given = engine.add("given", [5, 6, 7], params, targets=Targets(predicted_output_low=3, predicted_output_median=5))
+    assert (given.targets.predicted_output_low, given.targets.predicted_output_median) == (3, 5)
+    for request_id in ("capped", "long", "given"):
+        engine.abort(request_id)
     assert_all_blocks_free(engine)
