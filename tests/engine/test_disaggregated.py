@@ -140,6 +140,8 @@ async def test_abort_frees_held_kv(clients):
                               "block_size": 16, "layers": [[0]] * 4}}, "must have KV there"),
     ("decode", {"kv_source": {"engine": "p0", "data_address": "127.0.0.1:1", "request_id": "x", "num_tokens": 3,
                               "block_size": 16, "layers": [[]] * 4}}, "needs 1 blocks"),
+    ("decode", {"kv_source": {"engine": "p0", "data_address": "127.0.0.1:1", "request_id": "x", "num_tokens": 3,
+                              "block_size": 16, "layers": [[0]] * 4, "tiers": ["cxl"] * 3}}, "3 tiers for 4 layers"),
 ])
 async def test_bad_handoffs_are_400_and_change_nothing(clients, role, body, message):
     with pytest.raises(RemoteError) as error:

@@ -125,6 +125,10 @@ async def test_client_disconnect_frees_blocks(engine: Child, client):
     ({"prompt": "a", "tbt_slo_ms": "soon"}, "Expected `float"),
     ({"prompt": "a", "predicted_output_len": 0}, "predicted_output_len must be at least 1"),
     ({"prompt": "a", "predicted_output_len": 2.5}, "Expected `int"),
+    ({"prompt": "a", "predicted_output_low": 0}, "predicted_output_low must be at least 1"),
+    ({"prompt": "a", "predicted_output_low": 9, "predicted_output_median": 4}, "is above predicted_output_median"),
+    ({"prompt": "a", "kv_source": {"engine": "p", "data_address": "x:1", "request_id": "r", "num_tokens": 1,
+                                   "block_size": 16, "layers": [[0]] * 4, "tiers": ["gpu"] * 4}}, "tiers"),
 ])
 async def test_bad_input_is_400_with_a_reason(engine: Child, client, body, message):
     async with aiohttp.ClientSession() as http:
