@@ -42,7 +42,7 @@ def forecast_free_blocks(free_now: int, running: Sequence[RequestView], num_laye
     takes one more block per device layer each step (the paper's conservative assumption)."""
     ends = []
     for r in running:
-        median = r.predicted_output_median or r.estimated_output_len
+        median = r.estimated_output_len if r.predicted_output_median is None else r.predicted_output_median
         layers = num_layers if r.device_layers is None else r.device_layers
         ends.append((max(1, median - r.num_generated), layers, r.blocks_per_layer * layers))
     avail, forecast = free_now, []
@@ -62,7 +62,8 @@ def none(inp: OffloadInput) -> OffloadPlan:
 def layerkv(inp: OffloadInput) -> OffloadPlan:
     """x per admitted request from Eq. 3 and 4; under a forecast shortfall, halve the device layers
     of the most recently scheduled running requests first, and if that is not enough take them all
-    to none (3.1.1: "starting with x/2 layers. If this proves insufficient, the full offloading")."""
+    to none (3.1.1: "starting with x/2 layers. If this proves insufficient, the full offloading");
+    with room to spare above the threshold, bring offloaded layers back."""
     pool = inp.pool
     retain = {}
     if pool.prefill_cost is not None and pool.offload_cost is not None:
@@ -71,7 +72,24 @@ def layerkv(inp: OffloadInput) -> OffloadPlan:
             retain[r.request_id] = retained_layers(seqlen, prefill_time_s(seqlen, pool.prefill_cost), pool.offload_cost)
     forecast = forecast_free_blocks(pool.free.get("device", 0), inp.running, pool.num_layers, inp.params.horizon_steps)
     short = inp.params.threshold_blocks - min(forecast, default=pool.free.get("device", 0))
-    return OffloadPlan(retain=retain, shrink=_shrink(inp.running, pool.num_layers, short) if short > 0 else {})
+    if short > 0:
+        return OffloadPlan(retain=retain, shrink=_shrink(inp.running, pool.num_layers, short))
+    return OffloadPlan(retain=retain, restore=_restore(inp.running, pool.num_layers, -short, inp.params.horizon_steps))
+
+
+def _restore(running: Sequence[RequestView], num_layers: int, slack: int, horizon: int) -> list[str]:
+    """Requests whose offloaded layers the forecast has room to bring back, earliest scheduled first:
+    kept on the device until used, the retained layers are free prefetching (3.1.1), and a decode
+    then stops loading them each step. A layer back costs its blocks now and one more each step."""
+    restored = []
+    offloaded = [r for r in running if r.device_layers is not None and r.device_layers < num_layers]
+    for r in sorted(offloaded, key=lambda r: r.scheduled_at or r.arrival):
+        cost = (num_layers - r.device_layers) * (r.blocks_per_layer + horizon)
+        if cost > slack:
+            break
+        slack -= cost
+        restored.append(r.request_id)
+    return restored
 
 
 def _shrink(running: Sequence[RequestView], num_layers: int, short: int) -> dict[str, int]:
@@ -80,7 +98,7 @@ def _shrink(running: Sequence[RequestView], num_layers: int, short: int) -> dict
         return num_layers if r.device_layers is None else r.device_layers
 
     candidates = sorted((r for r in running if r.tier == "device" and r.blocks_per_layer and on_device(r)),
-                        key=lambda r: r.scheduled_at or r.arrival, reverse=True)
+                        key=lambda r: r.arrival if r.scheduled_at is None else r.scheduled_at, reverse=True)
     keep = {r.request_id: on_device(r) for r in candidates}
     for cut in (lambda x: x // 2, lambda x: 0):
         for r in candidates:

@@ -41,7 +41,9 @@ class OffloadInput:
 class OffloadPlan:
     """`retain`: of a waiting request, how many layers keep their KV on the device when it is
     admitted (absent: all). `shrink`: of a running request, how many of its device layers it keeps
-    (fewer than it has now); the engine offloads the rest."""
+    (fewer than it has now); the engine offloads the rest. `restore`: running requests whose
+    offloaded layers come back to the device, so their decodes stop loading them every step."""
 
     retain: Mapping[str, int] = field(default_factory=dict)
     shrink: Mapping[str, int] = field(default_factory=dict)
+    restore: Sequence[str] = ()

@@ -68,7 +68,11 @@ def allowance_s(request: RequestView, now: float) -> float | None:
 
 def layerkv(waiting: Sequence[RequestView], running: Sequence[RequestView], pool: PoolView, now: float) -> list[str]:
     """The prefill_admission hook: FCFS, cut to as many prefills as Algorithm 1 allows. With no
-    decoding request that has a TPOT SLO, or no profiled prefill cost, every waiting request."""
+    decoding request that has a TPOT SLO, or no profiled prefill cost, every waiting request.
+
+    Where the paper is silent: T_prefill is Eq. 3 (Algorithm 1's line 4 says Eq. 4, a slip) for the
+    tokens still to compute, seqlen = num_tokens - num_computed; a decoding request already behind
+    its SLO has a negative allowance and holds every prefill until it finishes (Eq. 2 as written)."""
     order = sorted(waiting, key=lambda r: r.arrival)
     allowances = [a for a in (allowance_s(r, now) for r in running) if a is not None]
     if not allowances or pool.prefill_cost is None:

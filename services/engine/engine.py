@@ -102,7 +102,7 @@ class EngineState(msgspec.Struct, kw_only=True):
     prefix_cache_hit_tokens: int
     unallocated_tokens: int                    # KV allotted to nobody, the reservation left out (CacheOpt 3.3)
     allocations_grown: dict[str, int]          # all time: allocations a request outgrew, grown from where
-    layers_offloaded: dict[str, int]           # all time: request layers LayerKV put in the cxl tier, by why
+    layers_offloaded: dict[str, int]           # all time: request layers LayerKV put in the cxl tier, by why, or restored
     policies: dict[str, str]
     # All time, for the metrics (services/engine/metrics.py reads this snapshot when scraped).
     generated_tokens: int

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Sequence
 
 import msgspec
@@ -51,7 +50,7 @@ class LayerProfile(msgspec.Struct, kw_only=True):
 def profile_layerkv(runner: ModelRunner, blocks: BlockManager, token_budget: int, lengths: Sequence[int],
                     repeats: int) -> LayerProfile:
     device = runner.device
-    dtype = blocks.device.shape.dtype
+    dtype = next(runner.model.parameters()).dtype
     flops = _flops(device, dtype, repeats)
     spec = runner.model.config
     params = sum(p.numel() for p in runner.model.parameters())
@@ -100,8 +99,10 @@ def _copy_sizes(blocks: BlockManager, longest: int) -> list[int]:
 
 def _time_copy(blocks: BlockManager, n: int, repeats: int) -> float:
     device, cxl = blocks.device, blocks.pools["cxl"]
-    source, target = device.allocate(n), cxl.allocate(n)
+    source, target = [], []
     try:
+        source = device.allocate(n)
+        target = cxl.allocate(n)
         return median_seconds(repeats, device.tensor.device, lambda: copy_blocks(device, source, cxl, target))
     finally:
         for pool, taken in ((device, source), (cxl, target)):

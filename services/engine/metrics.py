@@ -42,7 +42,8 @@ class EngineCollector:
                        "global reservation)", "source", state.allocations_grown)
         yield self._by(CounterMetricFamily, "kvmesh_engine_kv_layers_offloaded",
                        "Request layers whose KV LayerKV put in the cxl tier, by why (admitted: kept off the device "
-                       "from the start; forecast: moved when free blocks were forecast to run low)", "reason",
+                       "from the start; forecast: moved when free blocks were forecast to run low), and those it "
+                       "brought back to the device (restored)", "reason",
                        state.layers_offloaded)
         yield self._by(CounterMetricFamily, "kvmesh_engine_prompt_tokens",
                        "Prompt tokens whose KV this engine computed, or found in its prefix cache", "source",

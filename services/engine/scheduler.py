@@ -63,7 +63,8 @@ class Scheduler:
         self.staging_half = staging_half
         self.offload = offload
         self._staged = 0
-        self.layers_offloaded = {"admitted": 0, "forecast": 0}  # layers put in the cxl tier, all time, by why
+        # Request layers put in the cxl tier (admitted, forecast) or brought back (restored), all time.
+        self.layers_offloaded = {"admitted": 0, "forecast": 0, "restored": 0}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -143,7 +144,23 @@ class Scheduler:
             stay = {on_device[i] for i in interleaved(len(on_device), max(0, keep))}
             if self.blocks.move_layers(request, [i for i in on_device if i not in stay], "cxl"):
                 self.layers_offloaded["forecast"] += len(on_device) - len(stay)
+        for request in (by_id[i] for i in plan.restore if i in by_id):
+            offloaded = request.offloaded
+            if offloaded and self._can_restore(request) and self.blocks.move_layers(request, offloaded, "device"):
+                self.layers_offloaded["restored"] += len(offloaded)
         return dict(plan.retain)
+
+    def _can_restore(self, request: Request) -> bool:
+        """Whether the request's offloaded layers fit on the device without breaking the allocation
+        ledger: a request with no layer there starts to be promised its allotment's device blocks."""
+        layers = self.blocks.num_layers
+        free_after = self.blocks.free("device") - request.blocks_per_layer * len(request.offloaded)
+        promised = self.blocks.free("device") // layers - self.headroom()
+        if request.tier != "device":
+            promised += max(0, blocks_for(request.allocation, self.blocks.block_size) - request.blocks_per_layer) \
+                if request.allocation is not None else 0
+        reserved = self.allocation.reserved_blocks if self.ledger else 0
+        return free_after >= 0 and free_after // layers - promised >= reserved
 
     def _stages(self, request: Request, n: int) -> bool:
         """Whether the staging area has room for this step's `n` tokens of the request (always, for

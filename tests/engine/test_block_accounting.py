@@ -34,13 +34,14 @@ SMALL = AllocationParams(block_tokens=2, embed_buffer=2, reserved_blocks=2, no_s
 
 
 def scattered_offload(inp: OffloadInput) -> OffloadPlan:
-    """Keeps a pseudo-random number of each admitted request's layers and halves some running ones'
-    (a function of the ids and the time only, as a policy must be)."""
+    """Keeps a pseudo-random number of each admitted request's layers, halves some running ones' and
+    brings others' back (a function of the ids and the time only, as a policy must be)."""
     def draw(request_id: str, salt: int) -> int:
         return zlib.crc32(f"{request_id}/{inp.now}/{salt}".encode())
     return OffloadPlan(retain={r.request_id: draw(r.request_id, 0) % (LAYERS + 1) for r in inp.admitting},
                        shrink={r.request_id: (r.device_layers or 0) // 2 for r in inp.running
-                               if draw(r.request_id, 1) % 3 == 0})
+                               if draw(r.request_id, 1) % 3 == 0},
+                       restore=[r.request_id for r in inp.running if draw(r.request_id, 1) % 3 == 1])
 
 
 registry.HOOKS["layer_offload"]["scattered"] = scattered_offload
@@ -95,9 +96,13 @@ def assert_exact_accounting(blocks: BlockManager, scheduler: Scheduler) -> None:
     idle_named = {b for node in blocks.evictable.values() for b in node.blocks}
     # A prefix block a request still holds the node of, in a layer it moved to the cxl tier: cached
     # content the request's table no longer points at (it stays for whoever shares the prefix).
-    offloaded_named = {blocks.cached[node_id].blocks[layer] for request in live_requests(scheduler)
-                       for node_id in request.cached_nodes for layer in request.offloaded}
-    idle_named |= offloaded_named - set(held["device"])
+    # A prefix block whose node a request holds while its table no longer points at it (the layer
+    # moved to the cxl tier, and maybe back as a private copy): cached content kept for whoever
+    # shares the prefix.
+    unpointed = {blocks.cached[node_id].blocks[layer] for request in live_requests(scheduler)
+                 for node_id in request.cached_nodes for layer, own in enumerate(request.layers)
+                 if own.tier != "device" or own.blocks[request.node_ids.index(node_id)] != blocks.cached[node_id].blocks[layer]}
+    idle_named |= unpointed - set(held["device"])
     for tier, pool in blocks.pools.items():
         free = list(pool._free)
         assert len(free) == len(set(free)), f"{tier}: a block is free twice"

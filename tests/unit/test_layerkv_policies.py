@@ -108,6 +108,17 @@ def test_longer_prompts_keep_no_more_layers():
     assert kept == sorted(kept, reverse=True)
 
 
+@given(st.integers(1, 8192), st.integers(1, 8192), st.floats(1e7, 1e10), st.floats(1e6, 1e9))
+def test_retained_layers_never_grow_with_the_prompt(a, b, flops, bandwidth):
+    # Eq. 3 over seqlen grows with seqlen while Eq. 4 over seqlen is constant: x can only fall
+    prefill = PrefillCost(alpha=1.0, num_params=10**5, hidden_size=256, flops_per_s=flops)
+    offload = OffloadCost(beta=1.0, num_layers=8, head_dim=64, num_kv_heads=2, bytes_per_element=2,
+                          bandwidth_bytes_per_s=bandwidth)
+    short, long = sorted((a, b))
+    assert (retained_layers(long, prefill_time_s(long, prefill), offload)
+            <= retained_layers(short, prefill_time_s(short, prefill), offload))
+
+
 @pytest.mark.parametrize("layers, keep, expected", [
     (8, 4, (1, 3, 5, 7)),      # LayerKV 3.1.2's example
     (8, 2, (3, 7)),
@@ -142,6 +153,13 @@ def test_eq5_forecast():
     assert forecast_free_blocks(10, running_pair(), num_layers=4, steps=3) == [4, 8, 4]
 
 
+def test_eq5_reads_the_median_before_the_estimate():
+    # median 0 is a prediction (ends at step 1, releasing 4 layers x 2 blocks), not a missing one:
+    # t=1: 10 + 8 = 18; with the fallback (max_tokens 100) it would take 4 a step: 6, 2
+    ending = view("c", num_generated=5, predicted_output_median=0, predicted_output_len=100, blocks_per_layer=2)
+    assert forecast_free_blocks(10, [ending], num_layers=4, steps=2) == [18, 18]
+
+
 def inp(threshold: int, running: list[RequestView], admitting=()) -> OffloadInput:
     return OffloadInput(admitting=list(admitting), running=running, pool=pool(free=10), now=0.0,
                         params=OffloadParams(threshold_blocks=threshold, horizon_steps=3))
@@ -171,3 +189,16 @@ def test_without_a_profile_every_layer_is_retained_and_none_offloads_nothing():
     unprofiled = OffloadInput(admitting=[view("w")], running=[], pool=pool(prefill=None), now=0.0)
     assert layerkv(unprofiled).retain == {}
     assert none(inp(100, running_pair())) == none(unprofiled) and not none(unprofiled).shrink
+
+
+def test_room_above_the_threshold_brings_offloaded_layers_back_earliest_first():
+    running = [view("a", device_layers=2, blocks_per_layer=3, scheduled_at=5.0, predicted_output_median=90),
+               view("b", device_layers=0, blocks_per_layer=1, scheduled_at=3.0, predicted_output_median=90)]
+    roomy = OffloadInput(admitting=[], running=running, pool=pool(free=100), now=0.0,
+                         params=OffloadParams(threshold_blocks=10, horizon_steps=3))
+    # forecast 100 - 2 a step: low 94, 84 above the threshold; a layer back costs its blocks and 3
+    # steps of growth: b (first scheduled) 4 x (1 + 3) = 16, then a 2 x (3 + 3) = 12
+    assert layerkv(roomy).restore == ["b", "a"] and not layerkv(roomy).shrink
+    tight = OffloadInput(admitting=[], running=running, pool=pool(free=100), now=0.0,
+                         params=OffloadParams(threshold_blocks=85, horizon_steps=3))
+    assert layerkv(tight).restore == []  # 9 to spare: b's 16 do not fit, and nobody overtakes it
