@@ -35,18 +35,21 @@ def interleaved(num_layers: int, keep: int) -> tuple[int, ...]:
     return tuple((i + 1) * num_layers // keep - 1 for i in range(keep))
 
 
-def forecast_free_blocks(free_now: int, running: Sequence[RequestView], num_layers: int, steps: int) -> list[int]:
+def forecast_free_blocks(free_now: int, running: Sequence[RequestView], num_layers: int, stages: int,
+                         block_size: int = 1) -> list[int]:
     """Eq. 5, Avail(t+1) = Avail(t) + Released(t) - Allocated(t), in device blocks over all layers,
-    for t = 1..steps. A request is expected to end when it reaches its predicted median length
-    (without one, its estimate or max_tokens) and then releases its device blocks; until then it
-    takes one more block per device layer each step (the paper's conservative assumption)."""
+    for stages t = 1..stages. A stage is the `block_size` decode steps in which a sequence fills at
+    most one block, so "each sequence requires one additional KV block" (the paper's conservative
+    assumption) is one block per device layer a stage. A request is expected to end in the stage it
+    reaches its predicted median length (without one, its estimate or max_tokens) and then releases
+    its device blocks."""
     ends = []
     for r in running:
         median = r.estimated_output_len if r.predicted_output_median is None else r.predicted_output_median
         layers = num_layers if r.device_layers is None else r.device_layers
-        ends.append((max(1, median - r.num_generated), layers, r.blocks_per_layer * layers))
+        ends.append((max(1, -(-(median - r.num_generated) // block_size)), layers, r.blocks_per_layer * layers))
     avail, forecast = free_now, []
-    for t in range(1, steps + 1):
+    for t in range(1, stages + 1):
         released = sum(held + layers * (t - 1) for end, layers, held in ends if end == t)
         allocated = sum(layers for end, layers, _ in ends if end > t)
         avail += released - allocated
@@ -70,25 +73,28 @@ def layerkv(inp: OffloadInput) -> OffloadPlan:
         for r in inp.admitting:
             seqlen = r.num_tokens - r.num_computed
             retain[r.request_id] = retained_layers(seqlen, prefill_time_s(seqlen, pool.prefill_cost), pool.offload_cost)
-    forecast = forecast_free_blocks(pool.free.get("device", 0), inp.running, pool.num_layers, inp.params.horizon_steps)
-    short = inp.params.threshold_blocks - min(forecast, default=pool.free.get("device", 0))
+    free = pool.free.get("device", 0)
+    # Below the threshold now, or at any stage of the horizon
+    short = inp.params.threshold_blocks - min(free, *forecast_free_blocks(free, inp.running, pool.num_layers,
+                                                                          inp.params.horizon_stages, pool.block_size))
     if short > 0:
         return OffloadPlan(retain=retain, shrink=_shrink(inp.running, pool.num_layers, short))
-    return OffloadPlan(retain=retain, restore=_restore(inp.running, pool.num_layers, -short, inp.params.horizon_steps))
+    return OffloadPlan(retain=retain, restore=_restore(inp.running, pool.num_layers, -short, inp.params.horizon_stages))
 
 
-def _restore(running: Sequence[RequestView], num_layers: int, slack: int, horizon: int) -> list[str]:
-    """Requests whose offloaded layers the forecast has room to bring back, earliest scheduled first:
-    kept on the device until used, the retained layers are free prefetching (3.1.1), and a decode
-    then stops loading them each step. A layer back costs its blocks now and one more each step."""
-    restored = []
+def _restore(running: Sequence[RequestView], num_layers: int, slack: int, horizon: int) -> dict[str, int]:
+    """Offloaded layers the forecast has room to bring back, earliest scheduled request first, as
+    many of each one's as fit: kept on the device until used, a retained layer is free prefetching
+    (3.1.1), and a decode stops loading it each step. A layer back costs its blocks now and one more
+    each stage of the horizon."""
+    restored = {}
     offloaded = [r for r in running if r.device_layers is not None and r.device_layers < num_layers]
     for r in sorted(offloaded, key=lambda r: r.scheduled_at or r.arrival):
-        cost = (num_layers - r.device_layers) * (r.blocks_per_layer + horizon)
-        if cost > slack:
+        layers = min(num_layers - r.device_layers, slack // (r.blocks_per_layer + horizon))
+        if layers <= 0:
             break
-        slack -= cost
-        restored.append(r.request_id)
+        slack -= layers * (r.blocks_per_layer + horizon)
+        restored[r.request_id] = layers
     return restored
 
 

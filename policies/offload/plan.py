@@ -25,7 +25,7 @@ class OffloadCost:
 @dataclass(frozen=True, slots=True)
 class OffloadParams:
     threshold_blocks: int = 0       # Eq. 5: below this many free device blocks (all layers), offload retained layers
-    horizon_steps: int = 8          # how many steps ahead Eq. 5 is run
+    horizon_stages: int = 8         # how many stages (block_size decode steps each) ahead Eq. 5 is run
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,9 +41,9 @@ class OffloadInput:
 class OffloadPlan:
     """`retain`: of a waiting request, how many layers keep their KV on the device when it is
     admitted (absent: all). `shrink`: of a running request, how many of its device layers it keeps
-    (fewer than it has now); the engine offloads the rest. `restore`: running requests whose
-    offloaded layers come back to the device, so their decodes stop loading them every step."""
+    (fewer than it has now); the engine offloads the rest. `restore`: of a running request, how many
+    of its offloaded layers come back to the device, so its decodes stop loading them every step."""
 
     retain: Mapping[str, int] = field(default_factory=dict)
     shrink: Mapping[str, int] = field(default_factory=dict)
-    restore: Sequence[str] = ()
+    restore: Mapping[str, int] = field(default_factory=dict)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
+import numpy as np
 import torch
 
 from kvmesh.libs.kvmeta.nodeid import node_ids
@@ -27,6 +28,8 @@ from kvmesh.policies.views import CachedBlockView, PoolView
 from .kv_pool import KVPool
 from .policy_set import Policies
 from .request import Request
+
+MAX_RUNS = 8  # copy_blocks: more runs than this go as one gather and scatter instead
 
 @dataclass
 class CachedNode:
@@ -277,9 +280,18 @@ class BlockManager:
 
 
 def copy_blocks(source: KVPool, source_blocks: list[int], target: KVPool, target_blocks: list[int]) -> None:
-    """Copy whole blocks between pools (GPU<->CXL DMA when the pools are on different devices)."""
+    """Copy whole blocks between pools (GPU<->CXL DMA when the pools are on different devices).
+    Runs of blocks consecutive on both sides go as one slice copy (one memcpy or DMA, no gather)."""
     if not source_blocks:
         return
-    src = torch.tensor(source_blocks, device=source.tensor.device)
-    dst = torch.tensor(target_blocks, device=target.tensor.device)
-    target.tensor.index_copy_(0, dst, source.tensor.index_select(0, src).to(target.tensor.device, non_blocking=True))
+    src, dst = np.asarray(source_blocks), np.asarray(target_blocks)
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    if len(breaks) < MAX_RUNS:
+        for start, end in zip([0, *breaks], [*breaks, len(src)]):
+            target.tensor[dst[start]:dst[start] + end - start].copy_(
+                source.tensor[src[start]:src[start] + end - start], non_blocking=True)
+        return
+    src_index = torch.from_numpy(src).to(source.tensor.device)
+    dst_index = torch.from_numpy(dst).to(target.tensor.device)
+    target.tensor.index_copy_(0, dst_index, source.tensor.index_select(0, src_index).to(target.tensor.device,
+                                                                                        non_blocking=True))

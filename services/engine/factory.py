@@ -69,7 +69,8 @@ class EngineConfig(ServiceConfig, kw_only=True):
                                                                   # a layer_offload policy is configured; else none
     layer_free_threshold: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.1  # Eq. 5: offload retained layers when
                                                                   # free device blocks are forecast below this share
-    layer_forecast_steps: Annotated[int, msgspec.Meta(ge=1)] = 8  # how far ahead Eq. 5 looks
+    layer_forecast_stages: Annotated[int, msgspec.Meta(ge=1)] = 8  # how far ahead Eq. 5 looks, in stages of
+                                                                  # block_size decode steps
     layer_copy_chunk_blocks: Annotated[int, msgspec.Meta(ge=1)] = 64  # blocks per copy between link checks (3.1.3)
     # Fit Eq. 3 and Eq. 4 at start; auto: when a LayerKV policy (admission or offload) is configured.
     layer_profile: Literal["auto", "on", "off"] = "auto"
@@ -115,7 +116,7 @@ def build_engine(config: EngineConfig) -> Engine:
     scheduler = Scheduler(blocks, policies, config.max_num_seqs, config.token_budget, allocation_params(config),
                           staging_half=staging // 2, offload=OffloadParams(
                               threshold_blocks=int(config.layer_free_threshold * pools["device"].num_blocks),
-                              horizon_steps=config.layer_forecast_steps))
+                              horizon_stages=config.layer_forecast_stages))
     layer_staging = None
     if staging:
         blocks.copy = ChunkedCopier(chunk_blocks=config.layer_copy_chunk_blocks)

@@ -144,17 +144,19 @@ class Scheduler:
             stay = {on_device[i] for i in interleaved(len(on_device), max(0, keep))}
             if self.blocks.move_layers(request, [i for i in on_device if i not in stay], "cxl"):
                 self.layers_offloaded["forecast"] += len(on_device) - len(stay)
-        for request in (by_id[i] for i in plan.restore if i in by_id):
-            offloaded = request.offloaded
-            if offloaded and self._can_restore(request) and self.blocks.move_layers(request, offloaded, "device"):
-                self.layers_offloaded["restored"] += len(offloaded)
+        for request_id, layers in plan.restore.items():
+            request = by_id.get(request_id)
+            offloaded = request.offloaded if request else []
+            back = [offloaded[i] for i in interleaved(len(offloaded), min(layers, len(offloaded)))]
+            if back and self._can_restore(request, back) and self.blocks.move_layers(request, back, "device"):
+                self.layers_offloaded["restored"] += len(back)
         return dict(plan.retain)
 
-    def _can_restore(self, request: Request) -> bool:
-        """Whether the request's offloaded layers fit on the device without breaking the allocation
+    def _can_restore(self, request: Request, back: list[int]) -> bool:
+        """Whether the request's layers `back` fit on the device without breaking the allocation
         ledger: a request with no layer there starts to be promised its allotment's device blocks."""
         layers = self.blocks.num_layers
-        free_after = self.blocks.free("device") - request.blocks_per_layer * len(request.offloaded)
+        free_after = self.blocks.free("device") - request.blocks_per_layer * len(back)
         promised = self.blocks.free("device") // layers - self.headroom()
         if request.tier != "device":
             promised += max(0, blocks_for(request.allocation, self.blocks.block_size) - request.blocks_per_layer) \

@@ -41,7 +41,8 @@ def scattered_offload(inp: OffloadInput) -> OffloadPlan:
     return OffloadPlan(retain={r.request_id: draw(r.request_id, 0) % (LAYERS + 1) for r in inp.admitting},
                        shrink={r.request_id: (r.device_layers or 0) // 2 for r in inp.running
                                if draw(r.request_id, 1) % 3 == 0},
-                       restore=[r.request_id for r in inp.running if draw(r.request_id, 1) % 3 == 1])
+                       restore={r.request_id: 1 + draw(r.request_id, 2) % LAYERS for r in inp.running
+                                if draw(r.request_id, 1) % 3 == 1})
 
 
 registry.HOOKS["layer_offload"]["scattered"] = scattered_offload

@@ -150,19 +150,21 @@ def running_pair() -> list[RequestView]:
 
 def test_eq5_forecast():
     # t=1: 10 - (2 + 4) = 4; t=2: a releases 6 + 2 grown = 8, b takes 4: 8; t=3: b takes 4: 4
-    assert forecast_free_blocks(10, running_pair(), num_layers=4, steps=3) == [4, 8, 4]
+    assert forecast_free_blocks(10, running_pair(), num_layers=4, stages=3) == [4, 8, 4]
+    # with 16-token blocks a stage is 16 decode steps: a's 2 tokens left end it in stage 1, releasing its 6
+    assert forecast_free_blocks(10, running_pair(), num_layers=4, stages=2, block_size=16) == [12, 8]
 
 
 def test_eq5_reads_the_median_before_the_estimate():
     # median 0 is a prediction (ends at step 1, releasing 4 layers x 2 blocks), not a missing one:
     # t=1: 10 + 8 = 18; with the fallback (max_tokens 100) it would take 4 a step: 6, 2
     ending = view("c", num_generated=5, predicted_output_median=0, predicted_output_len=100, blocks_per_layer=2)
-    assert forecast_free_blocks(10, [ending], num_layers=4, steps=2) == [18, 18]
+    assert forecast_free_blocks(10, [ending], num_layers=4, stages=2) == [18, 18]
 
 
 def inp(threshold: int, running: list[RequestView], admitting=()) -> OffloadInput:
     return OffloadInput(admitting=list(admitting), running=running, pool=pool(free=10), now=0.0,
-                        params=OffloadParams(threshold_blocks=threshold, horizon_steps=3))
+                        params=OffloadParams(threshold_blocks=threshold, horizon_stages=3))
 
 
 def test_a_forecast_shortfall_halves_the_most_recent_first():
@@ -195,10 +197,18 @@ def test_room_above_the_threshold_brings_offloaded_layers_back_earliest_first():
     running = [view("a", device_layers=2, blocks_per_layer=3, scheduled_at=5.0, predicted_output_median=90),
                view("b", device_layers=0, blocks_per_layer=1, scheduled_at=3.0, predicted_output_median=90)]
     roomy = OffloadInput(admitting=[], running=running, pool=pool(free=100), now=0.0,
-                         params=OffloadParams(threshold_blocks=10, horizon_steps=3))
-    # forecast 100 - 2 a step: low 94, 84 above the threshold; a layer back costs its blocks and 3
-    # steps of growth: b (first scheduled) 4 x (1 + 3) = 16, then a 2 x (3 + 3) = 12
-    assert layerkv(roomy).restore == ["b", "a"] and not layerkv(roomy).shrink
+                         params=OffloadParams(threshold_blocks=10, horizon_stages=3))
+    # forecast 100 - 2 a stage: low 94, 84 above the threshold; a layer back costs its blocks and 3
+    # stages of growth: b (first scheduled) 4 x (1 + 3) = 16, then a 2 x (3 + 3) = 12
+    assert layerkv(roomy).restore == {"b": 4, "a": 2} and not layerkv(roomy).shrink
     tight = OffloadInput(admitting=[], running=running, pool=pool(free=100), now=0.0,
-                         params=OffloadParams(threshold_blocks=85, horizon_steps=3))
-    assert layerkv(tight).restore == []  # 9 to spare: b's 16 do not fit, and nobody overtakes it
+                         params=OffloadParams(threshold_blocks=85, horizon_stages=3))
+    # 9 to spare: 2 of b's layers (4 each); then a's first costs 6: no room, and nobody overtakes a
+    assert layerkv(tight).restore == {"b": 2}
+
+
+def test_free_blocks_below_the_threshold_now_offload_even_if_the_forecast_recovers():
+    # both end within the first 16-step stage: Eq. 5 sees 10 + 6 + 4 = 20 free after it, but 10 are free now
+    ending = [view("a", num_generated=1, predicted_output_median=3, device_layers=2, blocks_per_layer=3, scheduled_at=5.0),
+              view("b", num_generated=1, predicted_output_median=3, blocks_per_layer=1, scheduled_at=3.0)]
+    assert layerkv(inp(12, ending)).shrink == {"a": 1}
