@@ -281,17 +281,28 @@ class BlockManager:
 
 def copy_blocks(source: KVPool, source_blocks: list[int], target: KVPool, target_blocks: list[int]) -> None:
     """Copy whole blocks between pools (GPU<->CXL DMA when the pools are on different devices).
-    Runs of blocks consecutive on both sides go as one slice copy (one memcpy or DMA, no gather)."""
+    Runs of blocks consecutive on both sides go as one slice copy (one memcpy or DMA, no gather);
+    many runs go as one pass: a gather straight into a consecutive target (a staged layer's load),
+    a scatter straight from a consecutive source (its write-back), else a gather then a scatter."""
     if not source_blocks:
         return
     src, dst = np.asarray(source_blocks), np.asarray(target_blocks)
-    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    src_runs, dst_runs = np.diff(src) != 1, np.diff(dst) != 1
+    breaks = np.flatnonzero(src_runs | dst_runs) + 1
     if len(breaks) < MAX_RUNS:
         for start, end in zip([0, *breaks], [*breaks, len(src)]):
             target.tensor[dst[start]:dst[start] + end - start].copy_(
                 source.tensor[src[start]:src[start] + end - start], non_blocking=True)
         return
-    src_index = torch.from_numpy(src).to(source.tensor.device)
+    same_device = source.tensor.device == target.tensor.device
+    if same_device and not dst_runs.any():
+        torch.index_select(source.tensor, 0, torch.from_numpy(src).to(source.tensor.device),
+                           out=target.tensor[dst[0]:dst[0] + len(dst)])
+        return
     dst_index = torch.from_numpy(dst).to(target.tensor.device)
+    if same_device and not src_runs.any():
+        target.tensor.index_copy_(0, dst_index, source.tensor[src[0]:src[0] + len(src)])
+        return
+    src_index = torch.from_numpy(src).to(source.tensor.device)
     target.tensor.index_copy_(0, dst_index, source.tensor.index_select(0, src_index).to(target.tensor.device,
                                                                                         non_blocking=True))

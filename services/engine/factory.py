@@ -65,13 +65,15 @@ class EngineConfig(ServiceConfig, kw_only=True):
     swap_profile_lengths: list[int] = []  # tokens; empty: 5 spaced geometrically from one block to the context
     swap_profile_repeats: Annotated[int, msgspec.Meta(ge=1)] = 3  # timings at each length; the median counts
     # LayerKV: offloaded layers are computed in a staging area carved from the device tier.
-    layer_staging_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: two layers of the longest context, when
-                                                                  # a layer_offload policy is configured; else none
+    layer_staging_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: half the device tier when a layer_offload
+                                                                  # policy is configured; else none
     layer_free_threshold: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.1  # Eq. 5: offload retained layers when
                                                                   # free device blocks are forecast below this share
     layer_forecast_stages: Annotated[int, msgspec.Meta(ge=1)] = 8  # how far ahead Eq. 5 looks, in stages of
                                                                   # block_size decode steps
     layer_copy_chunk_blocks: Annotated[int, msgspec.Meta(ge=1)] = 64  # blocks per copy between link checks (3.1.3)
+    layer_copy_thread: bool = False    # CPU: copy layers on a worker thread, not inline (cores to spare; a GPU
+                                       # always copies on a side stream)
     # Fit Eq. 3 and Eq. 4 at start; auto: when a LayerKV policy (admission or offload) is configured.
     layer_profile: Literal["auto", "on", "off"] = "auto"
     output_len_fallback: Annotated[int, msgspec.Meta(ge=0)] = 0   # output length LayerKV assumes without a
@@ -102,7 +104,7 @@ def build_engine(config: EngineConfig) -> Engine:
     shared = shm_pool_paths(config)
     device_blocks = config.device_blocks or shape.blocks_in(config.device_bytes)
     cxl_blocks = config.cxl_blocks or shape.blocks_in(config.cxl_bytes)
-    staging = staging_blocks(config, spec, device_blocks, cxl_blocks)
+    staging = staging_blocks(config, device_blocks, cxl_blocks)
     if staging >= device_blocks:
         raise ConfigError(f"layer_staging_blocks ({staging}) leaves nothing of the device tier's {device_blocks} "
                           "blocks for KV; give the device tier more room or the staging area less")
@@ -120,7 +122,7 @@ def build_engine(config: EngineConfig) -> Engine:
     layer_staging = None
     if staging:
         blocks.copy = ChunkedCopier(chunk_blocks=config.layer_copy_chunk_blocks)
-        layer_staging = LayerStaging(pools["device"], pools["cxl"], blocks.copy)
+        layer_staging = LayerStaging(pools["device"], pools["cxl"], blocks.copy, config.layer_copy_thread)
     runner = ModelRunner(model, pools["device"], spec.num_layers, spec.head_dim, layer_staging)
     engine = Engine(runner, blocks, scheduler, tokenizer, tuple(spec.eos_token_ids), engine_id=config.engine_id,
                     kv_lease_s=config.kv_lease_ms / 1e3, output_len_fallback=config.output_len_fallback or None)
@@ -135,21 +137,17 @@ def uses_layerkv(config: EngineConfig, hook: str) -> bool:
     return config.policies.get(hook, registry.DEFAULTS[hook]) not in ("none", "fcfs")
 
 
-def staging_blocks(config: EngineConfig, spec, device_blocks: int, cxl_blocks: int) -> int:
-    """LayerKV's staging area: as configured, or two layers' worth of the longest context when a
-    layer_offload policy is configured (each half holds one layer of every request a step stages)."""
+def staging_blocks(config: EngineConfig, device_blocks: int, cxl_blocks: int) -> int:
+    """LayerKV's staging area: as configured, or half the device tier when a layer_offload policy
+    is configured. A half of the area holds one layer of every request a step stages, so a quarter
+    of the tier there runs L/4 times the requests the whole tier holds with every layer on it (the
+    other half keeps retained layers, and requests too long to stage)."""
     if not (config.layer_staging_blocks or uses_layerkv(config, "layer_offload")):
         return 0
     if not cxl_blocks:
         raise ConfigError("layer-wise offloading (layer_offload, layer_staging_blocks) needs a cxl tier to offload "
                           "to: set cxl_blocks or cxl_bytes")
-    if config.layer_staging_blocks:
-        return config.layer_staging_blocks
-    context = min(spec.max_position_embeddings, device_blocks // spec.num_layers * config.block_size,
-                  config.max_model_len or spec.max_position_embeddings)
-    # At most a quarter of the device tier (a model of few layers): a request too long for a half then
-    # keeps every layer on the device.
-    return min(2 * -(-context // config.block_size), device_blocks // 4)
+    return config.layer_staging_blocks or device_blocks // 2
 
 
 def wants_layer_profile(config: EngineConfig) -> bool:

@@ -25,12 +25,12 @@ def keep(layers: int):
     return lambda inp: OffloadPlan(retain={r.request_id: layers for r in inp.admitting})
 
 
-@pytest.mark.parametrize("kept", [0, 1, 2])
-def test_offloaded_layers_keep_greedy_output_identical(tiny_checkpoint, reference, monkeypatch, kept):
+@pytest.mark.parametrize("kept,thread", [(0, False), (1, False), (2, False), (1, True)])
+def test_offloaded_layers_keep_greedy_output_identical(tiny_checkpoint, reference, monkeypatch, kept, thread):
     monkeypatch.setitem(registry.HOOKS["layer_offload"], "keep", keep(kept))
     # A small token budget splits prompts across steps: later chunks load the earlier ones' KV.
     engine = engine_for(tiny_checkpoint, token_budget=32, policies={"layer_offload": "keep"}, layer_profile="off",
-                        prefix_caching=False)
+                        prefix_caching=False, layer_copy_thread=thread)
     check(run_all(engine, prompts(5, seed=3, lengths=(20, 90)), GREEDY), reference)
     assert engine.scheduler.layers_offloaded["admitted"] == 5 * (4 - kept)
     assert_all_blocks_free(engine)
