@@ -1,0 +1,331 @@
+"""LayerKV (issue 8) against FCFS with every layer on the device (vLLM), in one run.
+
+The `small` model (8 layers, bfloat16, 2 torch threads) serves in-process: real compute, with idle
+time before an arrival skipped (cacheopt_serving.replay). `small` rather than `tiny`: a half of the
+staging area (by default a quarter of the device tier) runs one layer of each request a step stages,
+so it runs L/4 times the requests the tier holds with every layer: twice for 8 layers, no gain for
+tiny's 4. Every method gets the same device tier, sized so that it holds DEVICE_HOLDS of the longest
+requests with every layer (so the baseline runs one at a time and queues the next for blocks,
+LayerKV 2.2), and a cxl tier that holds them all. LayerKV's staging area is carved out of that
+device tier, so LayerKV has half the room there for KV kept resident.
+
+Methods (engine policies):
+  fcfs           prefill_admission fcfs, layer_offload none          (vLLM)
+  layerkv-noslo  layer_offload layerkv: x of Eq. 4, Eq. 5 forecast   (LayerKV without its scheduler)
+  layerkv        both: and Algorithm 1's SLO-aware prefill admission
+
+A, the context sweep (Fig. 4): prompts of CONTEXTS tokens, outputs of 128 (512 scaled by 1/4),
+Poisson arrivals at one rate for every context: RATE_A times the requests per second FCFS completes
+at the longest context with every request there at once (measured first, in this run).
+B (Fig. 6-8): a ShareGPT-shaped trace (layerkv_traces) at RATES_B times FCFS's capacity on it.
+
+SLOs: LayerKV 5.2.4's 3000 ms TTFT and 200 ms TPOT for Llama-2-7B on one L20, scaled by how much
+slower this machine is. On the L20, a 1024-token prefill is ~13.8 TFLOP at ~60% of the 119.5
+TFLOP/s dense fp16 peak, ~190 ms, and a decode step reads 13.5 GB of weights at ~80% of 864 GB/s,
+~20 ms. The TTFT SLO is 3000 / 190 of this engine's 1024-token prefill and the TPOT SLO 200 / 20 of
+its decode step (batch 1, 1024 tokens of context), both timed at the start of the run. A request
+violates when its TTFT or its TPOT is over its SLO. Requests carry the SLOs (the TPOT SLO as the TBT
+SLO) and a synthetic prediction of their output length (layerkv_traces.targets).
+
+The prefill and offload fits (Eq. 3 and 4) are profiled once, on the first LayerKV engine, and
+handed to the others (the same machine and pools: what each would measure).
+
+Keys: mean_ttft_ratio_fcfs_vs_layerkv and throughput_ratio_layerkv_vs_fcfs at the longest context
+of A (targets 10 and 0.97; throughput is output tokens per second of compute time),
+violation_rate_drop (points, B, at the first rate where FCFS violates for half its requests or
+more, the highest rate if none; target 15). The same for layerkv-noslo, without targets.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import torch
+from rich.progress import Progress
+
+from kvmesh.policies.views import blocks_for
+from kvmesh.services.engine.engine import Engine
+from kvmesh.services.engine.factory import EngineConfig, build_engine
+from kvmesh.services.engine.kv_pool import BlockShape
+from kvmesh.services.engine.layer_profile import LayerProfile
+from kvmesh.services.engine.models import PRESETS
+from kvmesh.services.engine.sampling import SamplingParams
+
+from .cacheopt_serving import RunStats, replay
+from .cacheopt_traces import TraceRequest
+from .layerkv_traces import OUTPUT_LEN, fixed, sharegpt, targets
+from .loadgen import poisson_arrivals
+from .report import BenchResult, Row
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+PLOT = Path("bench-results/layerkv.png")
+MODEL, DTYPE, BLOCK_SIZE, THREADS = "small", "bfloat16", 16, 2
+CONTEXTS = (256, 512, 1024, 1536)
+LONGEST = CONTEXTS[-1]
+DEVICE_HOLDS = 1.5     # the device tier holds this many of the longest requests, every layer
+CXL_HOLDS = 16         # the cxl tier holds this many longest requests, every layer
+RATE_A = 1.0           # A's arrival rate: this share of FCFS's capacity at the longest context
+RATES_B = (0.5, 1.5, 3.0, 4.5)  # B's: shares of FCFS's capacity on the ShareGPT-shaped trace
+# Llama-2-7B on one L20 (see the docstring), and LayerKV 5.2.4's SLOs there.
+L20_PREFILL_1024_MS, L20_DECODE_STEP_MS = 190.0, 20.0
+L20_TTFT_SLO_MS, L20_TPOT_SLO_MS = 3000.0, 200.0
+METHODS = {"fcfs": {}, "layerkv-noslo": {"layer_offload": "layerkv"},
+           "layerkv": {"layer_offload": "layerkv", "prefill_admission": "layerkv"}}
+
+
+@dataclass(frozen=True)
+class Metrics:
+    mean_ttft_ms: float
+    p99_ttft_ms: float
+    mean_tpot_ms: float
+    throughput_tok_s: float
+    violation_rate: float
+    layers_offloaded: int
+    layers_restored: int
+
+
+@dataclass(frozen=True)
+class Slos:
+    ttft_ms: float
+    tpot_ms: float
+    prefill_ms: float       # this engine's 1024-token prefill
+    decode_step_ms: float   # and its decode step
+    prefill_longest_ms: float  # the longest prompt's prefill, alone
+
+
+def run(quick: bool) -> BenchResult:
+    torch.set_num_threads(THREADS)
+    contexts = (LONGEST,) if quick else CONTEXTS
+    rates_b = RATES_B[1::2] if quick else RATES_B
+    n_a, n_b = (4, 16) if quick else (32, 96)
+    slo = _slos()
+    a: dict[tuple[str, int], Metrics] = {}
+    b: dict[tuple[str, float], Metrics] = {}
+    profile: list[LayerProfile] = []
+    with Progress(transient=True) as progress:
+        runs = n_a * len(contexts) + n_b * len(rates_b)
+        task = progress.add_task("layerkv: capacity", total=n_a + n_b + len(METHODS) * runs)
+        advance = lambda: progress.advance(task)  # noqa: E731
+        longest = fixed(n_a, LONGEST, seed=1)
+        rate_a = RATE_A * _capacity(longest, advance)
+        trace = sharegpt(n_b, seed=2)
+        capacity_b = _capacity(trace, advance)
+        for context in contexts:
+            requests = longest if context == LONGEST else fixed(n_a, context, seed=1)
+            arrivals = poisson_arrivals(n_a, rate_a, seed=3)
+            for method in METHODS:
+                progress.update(task, description=f"A: {method}, {context}-token prompts at {rate_a:.2f} req/s")
+                a[(method, context)] = _serve(method, requests, arrivals, slo, profile, advance)
+        for share in rates_b:
+            arrivals = poisson_arrivals(n_b, share * capacity_b, seed=4)
+            for method in METHODS:
+                progress.update(task, description=f"B: {method} at {share * capacity_b:.2f} req/s")
+                b[(method, share)] = _serve(method, trace, arrivals, slo, profile, advance)
+    at = next((s for s in rates_b if b[("fcfs", s)].violation_rate >= 0.5), rates_b[-1])
+    ratios = {}
+    for method, suffix in (("layerkv", ""), ("layerkv-noslo", "_noslo")):
+        ours, base = a[(method, LONGEST)], a[("fcfs", LONGEST)]
+        ratios[f"mean_ttft_ratio_fcfs_vs_layerkv{suffix}"] = base.mean_ttft_ms / ours.mean_ttft_ms
+        ratios[f"throughput_ratio_layerkv{suffix}_vs_fcfs"] = ours.throughput_tok_s / base.throughput_tok_s
+        ratios[f"violation_rate_drop{suffix}"] = 100 * (b[("fcfs", at)].violation_rate - b[(method, at)].violation_rate)
+    # The engine's device -> cxl copies (its start-up profile, the largest size timed) against one
+    # contiguous torch copy of the same bytes, and of 64 MB (out of the caches).
+    copied = profile[0].copy_blocks[-1] * BlockShape(BLOCK_SIZE, PRESETS[MODEL].num_kv_heads, PRESETS[MODEL].head_dim,
+                                                     torch.bfloat16).bytes
+    memcpy, memcpy_64mb = _memcpy_gbps(copied), _memcpy_gbps(64 * 2**20)
+    engine_copy = float(profile[0].bandwidth_bytes_per_s) / 1e9
+    ratios["copy_share_of_memcpy"] = engine_copy / memcpy
+    ratios["mean_ttft_over_prefill_layerkv"] = a[("layerkv", LONGEST)].mean_ttft_ms / slo.prefill_longest_ms
+    ratios["mean_ttft_over_prefill_fcfs"] = a[("fcfs", LONGEST)].mean_ttft_ms / slo.prefill_longest_ms
+    targets_ = {"mean_ttft_ratio_fcfs_vs_layerkv": 10.0, "throughput_ratio_layerkv_vs_fcfs": 0.97,
+                "violation_rate_drop": 15.0}
+    rows = [Row(compared=f"A: {c}-token prompts, {rate_a:.2f} req/s", path=m, cells=_cells(a[(m, c)]))
+            for c in contexts for m in METHODS]
+    rows += [Row(compared=f"B: ShareGPT-shaped, {s * capacity_b:.2f} req/s{' *' if s == at else ''}", path=m,
+                 cells=_cells(b[(m, s)])) for s in rates_b for m in METHODS]
+    return BenchResult(
+        bench="layerkv", quick=quick, ratios=ratios, targets=targets_,
+        meets={k: ratios[k] >= v for k, v in targets_.items()},
+        ceilings={"memcpy_gbps": memcpy, "memcpy_64mb_gbps": memcpy_64mb, "engine_device_to_cxl_gbps": engine_copy,
+                  "copied_bytes": float(copied), "prefill_1024_ms": slo.prefill_ms,
+                  "decode_step_ms": slo.decode_step_ms, "prefill_longest_ms": slo.prefill_longest_ms},
+        config={"model": MODEL, "dtype": DTYPE, "torch_threads": THREADS, "engine": _engine_summary(),
+                "methods": METHODS, "contexts": list(contexts), "output_len": OUTPUT_LEN, "requests_a": n_a,
+                "requests_b": n_b,
+                "rate_a": rate_a, "capacity_b": capacity_b, "rates_b": [s * capacity_b for s in rates_b],
+                "violation_rate_at": at * capacity_b, "ttft_slo_ms": slo.ttft_ms, "tpot_slo_ms": slo.tpot_ms,
+                "layer_profile": _profile_summary(profile[0])},
+        rows=rows, plots=[_plot(a, b, contexts, rates_b, rate_a, capacity_b)],
+        headline=(f"at {LONGEST}-token prompts: mean TTFT {ratios['mean_ttft_ratio_fcfs_vs_layerkv']:.2f}x lower with "
+                  f"LayerKV, throughput {ratios['throughput_ratio_layerkv_vs_fcfs']:.2f}x FCFS's; ShareGPT-shaped at "
+                  f"{at * capacity_b:.2f} req/s: {ratios['violation_rate_drop']:.0f} points fewer SLO violations"))
+
+
+# -- engines --------------------------------------------------------------------------------------
+
+def _config(method: str) -> EngineConfig:
+    layers = PRESETS[MODEL].num_layers
+    per_layer = blocks_for(LONGEST + OUTPUT_LEN, BLOCK_SIZE)  # blocks of one layer of the longest request
+    return EngineConfig(model=MODEL, dtype=DTYPE, block_size=BLOCK_SIZE, torch_threads=THREADS,
+                        device_blocks=math.ceil(DEVICE_HOLDS * per_layer) * layers,
+                        cxl_blocks=CXL_HOLDS * per_layer * layers, prefix_caching=False, token_budget=2048,
+                        policies=METHODS[method], layer_profile="off", swap_profile="off")
+
+
+def _engine(method: str, profile: list[LayerProfile]) -> Engine:
+    """An engine for `method`; LayerKV's fits from the first LayerKV engine, profiled then."""
+    config = _config(method)
+    if "layer_offload" in METHODS[method] and not profile:
+        config.layer_profile = "on"
+    engine = build_engine(config)
+    if engine.layer_profile is not None:
+        profile.append(engine.layer_profile)
+    elif "layer_offload" in METHODS[method]:
+        engine.layer_profile = profile[0]
+        engine.blocks.use_layer_costs(profile[0].prefill_cost, profile[0].offload_cost)
+    # A request with an offloaded layer runs only when that layer's whole context fits in a half of
+    # the staging area: a longer one, once offloaded, would never be scheduled again.
+    longest = blocks_for(LONGEST + OUTPUT_LEN, BLOCK_SIZE)
+    if engine.runner.staging is not None and engine.runner.staging.half < longest:
+        raise AssertionError(f"the staging area's halves hold {engine.runner.staging.half} blocks, less than one "
+                             f"layer of the longest request ({longest})")
+    return engine
+
+
+def _serve(method: str, requests: list[TraceRequest], arrivals: np.ndarray, slo: Slos, profile: list[LayerProfile],
+           advance: Callable[[], None]) -> Metrics:
+    engine = _engine(method, profile)
+    try:
+        stats = replay(engine, requests, arrivals, targets(requests, slo.ttft_ms, slo.tpot_ms, seed=5),
+                       max(r.output_len for r in requests), advance)
+        _assert_all_blocks_free(engine, method)
+    finally:
+        if engine.runner.staging is not None:
+            engine.runner.staging.close()
+    offloaded = engine.scheduler.layers_offloaded
+    return _metrics(stats, slo, offloaded["admitted"] + offloaded["forecast"], offloaded["restored"])
+
+
+def _assert_all_blocks_free(engine: Engine, method: str) -> None:
+    """The project's invariant: after the run every tier's free blocks are back to its total."""
+    for tier, pool in engine.blocks.pools.items():
+        assert pool.free_count == pool.num_blocks, \
+            f"{method}: {tier} blocks leaked: {pool.free_count} of {pool.num_blocks} free"
+    view = engine.blocks.pool_view()
+    assert dict(view.free) == dict(view.total), f"{method}: blocks held: free {dict(view.free)} of {dict(view.total)}"
+
+
+def _capacity(requests: list[TraceRequest], advance: Callable[[], None]) -> float:
+    """Requests per second FCFS completes with every request there at once."""
+    engine = build_engine(_config("fcfs"))
+    stats = replay(engine, requests, np.zeros(len(requests)), targets(requests, 1e9, 1e9),
+                   max(r.output_len for r in requests), advance)
+    _assert_all_blocks_free(engine, "capacity")
+    return float(len(requests) / max(s.times[-1] - s.arrival for s in stats.served))
+
+
+def _slos() -> Slos:
+    """This machine's 1024-token prefill and batch-1 decode step (medians) on the baseline's engine,
+    LayerKV 5.2.4's SLOs scaled by them against the L20's; and the longest prompt's prefill alone,
+    the floor under A's TTFT."""
+    engine = build_engine(_config("fcfs"))
+
+    def prefill_then_decode(prompt_len: int, seed: int) -> tuple[float, list[float]]:
+        engine.add(f"probe-{seed}", fixed(1, prompt_len, seed=seed)[0].prompt_ids,
+                   SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True))
+        started = time.perf_counter()
+        engine.step()
+        prefill, steps = time.perf_counter() - started, []
+        while engine.scheduler.has_work():
+            started = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - started)
+        return prefill, steps
+
+    prefill_then_decode(1024, seed=10)  # a warm-up
+    runs = [prefill_then_decode(1024, seed=11 + i) for i in range(3)]
+    longest = [prefill_then_decode(LONGEST, seed=20 + i)[0] for i in range(3)]
+    _assert_all_blocks_free(engine, "probe")
+    prefill_ms = 1e3 * float(np.median([prefill for prefill, _ in runs]))
+    step_ms = 1e3 * float(np.median([step for _, steps in runs for step in steps]))
+    return Slos(ttft_ms=L20_TTFT_SLO_MS * prefill_ms / L20_PREFILL_1024_MS,
+                tpot_ms=L20_TPOT_SLO_MS * step_ms / L20_DECODE_STEP_MS, prefill_ms=prefill_ms, decode_step_ms=step_ms,
+                prefill_longest_ms=1e3 * float(np.median(longest)))
+
+
+def _memcpy_gbps(nbytes: int) -> float:
+    """A ceiling for device -> cxl copies here: one contiguous torch copy of `nbytes` between two RAM tensors."""
+    source = torch.ones(nbytes // 2, dtype=torch.bfloat16)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    seconds = []
+    for _ in range(9):
+        started = time.perf_counter()
+        target.copy_(source)
+        seconds.append(time.perf_counter() - started)
+    return source.numel() * 2 / float(np.median(seconds)) / 1e9
+
+
+# -- figures --------------------------------------------------------------------------------------
+
+def _metrics(stats: RunStats, slo: Slos, offloaded: int, restored: int) -> Metrics:
+    ttft = np.array([s.ttft for s in stats.served]) * 1e3
+    tpot = np.array([(s.times[-1] - s.times[0]) / max(1, len(s.times) - 1) for s in stats.served]) * 1e3
+    violated = (ttft > slo.ttft_ms) | (tpot > slo.tpot_ms)
+    return Metrics(mean_ttft_ms=float(ttft.mean()), p99_ttft_ms=float(np.percentile(ttft, 99)),
+                   mean_tpot_ms=float(tpot.mean()),
+                   throughput_tok_s=float(sum(len(s.times) for s in stats.served) / stats.compute_s),
+                   violation_rate=float(violated.mean()), layers_offloaded=offloaded, layers_restored=restored)
+
+
+def _cells(m: Metrics) -> dict[str, float]:
+    return {"mean TTFT ms": m.mean_ttft_ms, "P99 TTFT ms": m.p99_ttft_ms, "TPOT ms": m.mean_tpot_ms,
+            "tok/s": m.throughput_tok_s, "SLO violations": m.violation_rate, "layers offloaded": m.layers_offloaded,
+            "restored": m.layers_restored}
+
+
+def _engine_summary() -> dict:
+    config = _config("layerkv")
+    return {k: getattr(config, k) for k in ("device_blocks", "cxl_blocks", "layer_staging_blocks", "block_size",
+                                            "token_budget", "layer_free_threshold", "layer_forecast_stages")}
+
+
+def _profile_summary(profile: LayerProfile) -> dict:
+    return {"flops_per_s": float(profile.flops_per_s), "prefill_lengths": [int(n) for n in profile.lengths],
+            "prefill_s": [float(t) for t in profile.prefill_s], "copy_blocks": [int(n) for n in profile.copy_blocks],
+            "copy_s": [float(t) for t in profile.copy_s],
+            "alpha": float(profile.prefill_cost.alpha) if profile.prefill_cost else None,
+            "beta": float(profile.offload_cost.beta) if profile.offload_cost else None}
+
+
+def _plot(a, b, contexts, rates_b, rate_a, capacity_b) -> str:
+    """LayerKV Fig. 4 (TTFT and throughput against the context), Fig. 6-8 (TTFT, P99 TTFT and SLO
+    violations against the rate)."""
+    rates = [s * capacity_b for s in rates_b]
+    panels = ((a, contexts, contexts, "mean_ttft_ms", f"A: mean TTFT (ms), {rate_a:.2f} req/s", "prompt tokens"),
+              (a, contexts, contexts, "throughput_tok_s", "A: throughput (output tok/s)", "prompt tokens"),
+              (b, rates_b, rates, "mean_ttft_ms", "B: mean TTFT (ms)", "arrival rate (req/s)"),
+              (b, rates_b, rates, "p99_ttft_ms", "B: P99 TTFT (ms)", "arrival rate (req/s)"),
+              (b, rates_b, rates, "violation_rate", "B: SLO violation rate", "arrival rate (req/s)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4))
+    for ax, (results, keys, xs, field, title, xlabel) in zip(axes, panels):
+        for method in METHODS:
+            ax.plot(xs, [getattr(results[(method, k)], field) for k in keys], marker="o", label=method)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel(xlabel)
+        if "ttft" in field:
+            ax.set_yscale("log")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    PLOT.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(PLOT, dpi=110)
+    plt.close(fig)
+    return str(PLOT)
