@@ -8,7 +8,7 @@ from collections.abc import Callable
 from . import admission, allocation, cache, offload, plugins, preemption, scheduling, swap_recompute
 
 HOOKS: dict[str, dict[str, Callable]] = {
-    "prefill_admission": {"fcfs": admission.fcfs, "layerkv": scheduling.layerkv},
+    "prefill_admission": {"fcfs": admission.fcfs, "layerkv": scheduling.layerkv, "car": scheduling.car},
     "kv_allocation": {"block_at_a_time": allocation.block_at_a_time, "estimate": allocation.estimate,
                       "rlp": allocation.estimate, "s3": allocation.s3, "cacheopt": allocation.cacheopt},
     "preemption_order": {"latest_arrival_first": preemption.latest_arrival_first,
@@ -16,7 +16,7 @@ HOOKS: dict[str, dict[str, Callable]] = {
                          "lkvo": preemption.lkvo, "cacheopt": preemption.cacheopt},
     "preemption_strategy": {"recompute": preemption.recompute, "swap": preemption.swap,
                             "sweet_spot": swap_recompute.sweet_spot_strategy},
-    "cache_policy": {"lru": cache.lru},
+    "cache_policy": {"lru": cache.lru, "car": cache.car},
     "layer_offload": {"none": offload.none, "layerkv": offload.layerkv},
 }
 

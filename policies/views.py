@@ -33,6 +33,9 @@ class RequestView:
     predicted_output_low: int | None = None     # lower bound of the predicted output-length range (LayerKV 3.1)
     predicted_output_median: int | None = None  # the range's median (LayerKV Eq. 5's finishing estimate)
     device_layers: int | None = None         # layers whose KV is on the device tier (LayerKV); None: all
+    cached_device_blocks: int = 0            # CaR: leading prompt blocks a prefix lookup finds on the device now
+    cached_cxl_blocks: int = 0               # CaR: blocks after those found cached, with some in the cxl tier
+    window_since: float | None = None        # CaR: when it entered the Shuffled Window; None: not in it
 
     @property
     def remaining_tokens(self) -> int:
@@ -73,7 +76,8 @@ class CachedBlockView:
     node_id: str
     last_access: float
     hits: int
-    score: float = 0.0
+    score: float = 0.0        # CaR III-B.3
+    tier: str = "device"      # where its blocks are
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

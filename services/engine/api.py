@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import Annotated, Literal
 
 from msgspec import Meta, Struct, field
 
@@ -103,6 +103,30 @@ class PolicyNames(Struct, kw_only=True, forbid_unknown_fields=True):
     preemption_strategy, cache_policy, layer_offload."""
 
     policies: dict[str, str]
+
+
+class CacheQuery(Struct, kw_only=True, frozen=True):
+    tier: Literal["device", "cxl"] | None = None   # only nodes in this tier
+    limit: Annotated[int, Meta(ge=1, le=100_000)] = 1000
+
+
+class CacheEntry(Struct, kw_only=True):
+    """One row of CaR's cache table (III-B.1): a prefix-cache node, a block in every layer."""
+
+    node_id: str
+    tier: str              # where its blocks are: device (Valid_in_GPU) or cxl
+    blocks: list[int]      # Addr: its block in each layer of that tier's pool
+    size_bytes: int        # Size
+    valid_in_gpu: bool
+    score: int             # Score: what live requests that will use it added (III-B.3)
+    refs: int              # requests holding it now
+    hits: int
+    last_access: float     # engine clock
+
+
+class CacheTable(Struct, kw_only=True):
+    entries: list[CacheEntry]   # highest score first, then most recently used
+    total: dict[str, int]       # nodes by tier, all of them
 
 
 class TokenizerSpec(Struct, kw_only=True):

@@ -16,7 +16,7 @@ from kvmesh.libs.kvmeta.client import KvmetaClient, WorkerPresence
 from kvmesh.libs.kvmeta.messages import BlockGeometry, Capacity, GpuNic, Load, WorkerInfo
 from kvmesh.observability import tracing
 
-from .api import Aborted, AbortRequest, GenerateRequest, PolicyNames, TokenizerSpec
+from .api import Aborted, AbortRequest, CacheEntry, CacheQuery, CacheTable, GenerateRequest, PolicyNames, TokenizerSpec
 from .engine import EngineLoop, EngineState, Frame
 from .factory import EngineConfig, build_engine, max_model_len
 from .handoff import KVHandle, KVReserve
@@ -139,6 +139,18 @@ def build_service(config: EngineConfig) -> Service:
     async def state(request: web.Request) -> EngineState:
         """Free blocks per tier, queue lengths, recent time between tokens."""
         return loop.state
+
+    @service.route("GET", "/v1/cache", query=CacheQuery, response=CacheTable)
+    async def cache(request: web.Request, query: CacheQuery) -> CacheTable:
+        """CaR's cache table: the prefix cache's nodes with their tier, blocks, size and score."""
+        def read() -> tuple[CacheTable, list[Frame]]:
+            blocks = engine.blocks
+            size = blocks.device.shape.bytes * blocks.num_layers
+            entries = [CacheEntry(node_id=n.node_id, tier=n.tier, blocks=list(n.blocks), size_bytes=size,
+                                  valid_in_gpu=n.tier == "device", score=n.score, refs=n.refs, hits=n.hits,
+                                  last_access=n.last_access) for n in blocks.cache_table(query.tier, query.limit)]
+            return CacheTable(entries=entries, total=blocks.cached_nodes()), []
+        return await asyncio.wrap_future(loop.call(read))
 
     tokenizer_spec = _tokenizer_spec(config, engine, context_limit)
 

@@ -7,6 +7,11 @@ tokens, CaR); once named it joins the prefix cache, is never written again, and 
 request: when no request holds it any more it stays, *evictable*, until the cache policy gives its
 space to someone else. A request about to write into a block that is shared or named gets its own
 copy first (copy-on-write).
+
+CaR's two-tier reuse (`cache_cxl`): a node the device evicts moves to the cxl tier instead of being
+dropped, and comes back to the device when a request hits it (or the prefetcher asks for it). Only
+device nodes are ever held by requests. Each node carries CaR's score (III-B.3): what the live
+requests that will use it added, taken back when they end.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import numpy as np
 import torch
 
 from kvmesh.libs.kvmeta.nodeid import node_ids
+from kvmesh.policies.cache.replacement import RUN_SCORE, WINDOW_SCORE
 from kvmesh.policies.offload.plan import OffloadCost
 from kvmesh.policies.scheduling.layerkv import PrefillCost
 from kvmesh.policies.swap_recompute import SwapCurves
@@ -34,15 +40,17 @@ MAX_RUNS = 8  # copy_blocks: more runs than this go as one gather and scatter in
 @dataclass
 class CachedNode:
     node_id: str
-    blocks: list[int]     # one device block per layer
-    refs: int             # requests holding it
+    blocks: list[int]     # one block per layer, in `tier`
+    refs: int             # requests holding it (device nodes only), and pins while it moves
     last_access: float
     hits: int = 0
+    tier: str = "device"
+    score: int = 0        # CaR III-B.3: the sum of what live requests added (Request.scores)
 
 
 class BlockManager:
     def __init__(self, pools: dict[str, KVPool], num_layers: int, policies: Policies, model: str = "",
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, cache_cxl: bool = False, high_water: float = 0.9):
         self.pools = pools
         self.device = pools["device"]
         self.num_layers = num_layers
@@ -50,12 +58,16 @@ class BlockManager:
         self.policies = policies
         self.model = model
         self.prefix_caching = prefix_caching
+        self.cache_cxl = cache_cxl and "cxl" in pools  # CaR: evicted nodes move to the cxl tier
+        self.high_water = high_water   # CaR: share of the device tier in use past which idle nodes move out
         self.cached: dict[str, CachedNode] = {}
-        self.evictable: dict[str, CachedNode] = {}
-        self._named: set[int] = set()   # device blocks that belong to a cached node
+        self.evictable: dict[str, CachedNode] = {}    # nodes no request holds, in either tier
+        self._idle: Counter = Counter()                # of those, per tier
+        self._named: dict[str, set[int]] = {tier: set() for tier in pools}  # blocks that belong to a cached node
         self.hit_tokens = 0             # prompt tokens served from the prefix cache, all time
         self.lookup_blocks = 0          # full blocks looked up in the prefix cache, all time
-        self.hit_blocks = 0             # of those, found
+        self.hit_blocks: Counter = Counter()  # of those, found, by the tier they were found in
+        self.moved_nodes: Counter = Counter()  # nodes moved to a tier ("cxl": offloaded, "device": reloaded)
         self.swap_curves: SwapCurves | None = None  # profiled at start (swap_profile.py), for the policies
         self.prefill_cost: PrefillCost | None = None  # profiled at start (layer_profile.py), for LayerKV
         self.offload_cost: OffloadCost | None = None
@@ -66,20 +78,30 @@ class BlockManager:
     # -- accounting -------------------------------------------------------------------------------
 
     @property
-    def cache_tier(self) -> str:
-        """The tier the prefix cache's blocks live in."""
-        return self.device.tier
+    def cache_tiers(self) -> list[str]:
+        """The tiers the prefix cache's nodes live in."""
+        return ["device", "cxl"] if self.cache_cxl else ["device"]
+
+    def cache_table(self, tier: str | None, limit: int) -> list[CachedNode]:
+        """CaR's cache table: the nodes (of `tier`, or all), highest score first, then the most recently used."""
+        nodes = [n for n in self.cached.values() if tier is None or n.tier == tier]
+        return sorted(nodes, key=lambda n: (-n.score, -n.last_access))[:limit]
+
+    def cached_nodes(self) -> dict[str, int]:
+        """Cached nodes by tier."""
+        counts = Counter({tier: 0 for tier in self.cache_tiers})
+        counts.update(node.tier for node in self.cached.values())
+        return dict(counts)
 
     def free(self, tier: str) -> int:
         """Blocks of `tier` a request could get now (unused cached blocks count: they can be evicted)."""
-        extra = len(self.evictable) * self.num_layers if tier == "device" else 0
-        return self.pools[tier].free_count + extra
+        return self.pools[tier].free_count + self._idle[tier] * self.num_layers
 
     def pool_view(self) -> PoolView:
         """What the policies see of the pools. Asked for by every policy call (several per request
         and step), it is rebuilt only when a count it reports has changed; read-only mappings, as
         every caller shares it."""
-        counts = (len(self.evictable), *[p.free_count for p in self.pools.values()])
+        counts = (*[self._idle[t] for t in self.pools], *[p.free_count for p in self.pools.values()])
         if self._view is None or self._view[0] != counts:
             view = PoolView(block_size=self.block_size, num_layers=self.num_layers,
                             free=MappingProxyType({t: self.free(t) for t in self.pools}),
@@ -102,21 +124,56 @@ class BlockManager:
     def attach_prefix(self, request: Request, now: float) -> int:
         """Give a request with no blocks the longest cached prefix of its tokens; returns how many
         tokens it need not compute. At least one token is always left to compute (its logits are
-        needed), so a fully cached prompt recomputes its last token into a copy of the last block."""
+        needed), so a fully cached prompt recomputes its last token into a copy of the last block.
+        Nodes of the prefix in the cxl tier come back to the device first, as many as it has room
+        for; the prefix ends where one could not."""
         if not self.prefix_caching or request.blocks_per_layer:
             return 0
-        self._name_full_blocks(request, request.num_tokens // self.block_size)
-        for node_id in request.node_ids:
-            node = self.cached.get(node_id)
-            if node is None:
+        hits = self.cached_prefix(request)
+        found_in = [node.tier for node in hits]
+        self.reload(hits)
+        for node, tier in zip(hits, found_in):
+            if node.tier != "device":
                 break
+            self.hit_blocks[tier] += 1
             self._hold(request, node, now)
         request.num_committed = len(request.cached_nodes)
         request.num_computed = min(request.num_committed * self.block_size, request.num_tokens - 1)
         self.hit_tokens += request.num_computed
         self.lookup_blocks += len(request.node_ids)
-        self.hit_blocks += len(request.cached_nodes)
         return request.num_computed
+
+    def cached_prefix(self, request: Request) -> list[CachedNode]:
+        """The cached nodes of the request's leading full blocks, in order, in any tier."""
+        if not self.prefix_caching:
+            return []
+        self._name_full_blocks(request, request.num_tokens // self.block_size)
+        hits = []
+        for node_id in request.node_ids:
+            node = self.cached.get(node_id)
+            if node is None:
+                break
+            hits.append(node)
+        return hits
+
+    def reload(self, nodes: Sequence[CachedNode]) -> int:
+        """Bring the leading cxl-tier ones among `nodes` back to the device, in one copy, as many
+        as the device has room for (evicting other idle nodes, never these); returns how many.
+        The prefetcher calls it ahead of a request's turn, attach_prefix at it."""
+        cold = [n for n in nodes if n.tier != "device"]
+        if not cold:
+            return 0
+        for node in nodes:   # pinned: the room made for them must not come from them
+            self._pin(node)
+        try:
+            fit = min(len(cold), self.free("device") // self.num_layers)
+            cold = cold[:fit]
+            fresh = self._take(fit * self.num_layers)
+            self._move(cold, self.device, fresh)
+        finally:
+            for node in nodes:
+                self._let_go(node.node_id)
+        return len(cold)
 
     def commit(self, request: Request, now: float) -> None:
         """Offer the request's blocks that became full to the prefix cache. A block whose content
@@ -130,9 +187,10 @@ class BlockManager:
             if node_id in self.cached:
                 continue
             blocks = [layer.blocks[index] for layer in request.layers]
-            self.cached[node_id] = CachedNode(node_id, blocks, refs=1, last_access=now)
-            self._named.update(blocks)
+            node = self.cached[node_id] = CachedNode(node_id, blocks, refs=1, last_access=now)
+            self._named["device"].update(blocks)
             request.cached_nodes.append(node_id)
+            self.add_score(request, [node], WINDOW_SCORE + RUN_SCORE)  # as if it entered the window and ran
         request.num_committed = full
 
     def _name_full_blocks(self, request: Request, full: int) -> None:
@@ -143,9 +201,7 @@ class BlockManager:
                                          parent)
 
     def _hold(self, request: Request, node: CachedNode, now: float) -> None:
-        if node.refs == 0:
-            del self.evictable[node.node_id]
-        node.refs += 1
+        self._pin(node)
         node.hits += 1
         node.last_access = now
         for layer, block in zip(request.layers, node.blocks):
@@ -153,21 +209,103 @@ class BlockManager:
             layer.blocks.append(block)
         request.cached_nodes.append(node.node_id)
 
+    def _pin(self, node: CachedNode) -> None:
+        if node.refs == 0:
+            del self.evictable[node.node_id]
+            self._idle[node.tier] -= 1
+        node.refs += 1
+
     def _let_go(self, node_id: str) -> None:
         node = self.cached[node_id]
         node.refs -= 1
         if node.refs == 0:
             self.evictable[node_id] = node
+            self._idle[node.tier] += 1
 
-    def _evict(self, nodes_needed: int) -> None:
-        candidates = [CachedBlockView(node_id=n.node_id, last_access=n.last_access, hits=n.hits)
-                      for n in self.evictable.values()]
-        for node_id in self.policies.cache_policy(candidates, nodes_needed):
-            node = self.evictable.pop(node_id)
-            del self.cached[node_id]
+    # -- CaR: scores, tiers of the cache ----------------------------------------------------------
+
+    def add_score(self, request: Request, nodes: Iterable[CachedNode], amount: int) -> None:
+        """Add to the nodes' scores on the request's behalf (CaR III-B.3: it entered the window,
+        or was sent to run); forget_scores takes it all back when the request ends."""
+        for node in nodes:
+            node.score += amount
+            earlier, given = request.scores.get(node.node_id, (node, 0))
+            # What it gave a node of the same content since evicted went with that node.
+            request.scores[node.node_id] = node, (given if earlier is node else 0) + amount
+
+    def forget_scores(self, request: Request) -> None:
+        """The request has ended: what it added leaves its nodes' scores (a node evicted and cached
+        again since is another node, and keeps its score)."""
+        for node_id, (node, given) in request.scores.items():
+            if self.cached.get(node_id) is node:
+                node.score -= given
+        request.scores = {}
+
+    def offload_idle(self) -> int:
+        """CaR III-C.2: with more than `high_water` of the device tier in use, move idle nodes to the
+        cxl tier, lowest score first (the cache policy's order), until it is not; returns how many.
+        Allocations then find room without waiting for a copy."""
+        over = self.device.num_blocks - self.device.free_count - int(self.high_water * self.device.num_blocks)
+        if not self.cache_cxl or over <= 0:
+            return 0
+        return self._evict("device", -(-over // self.num_layers))
+
+    def clear_cache(self) -> None:
+        """Forget every cached node no request holds, in every tier."""
+        for node in list(self.evictable.values()):
+            self._drop_node(node)
+
+    def _evict(self, tier: str, nodes_needed: int) -> int:
+        """Free the space of `nodes_needed` idle nodes of `tier` (the cache policy picks them):
+        device nodes move to the cxl tier while it has room (CaR), else they are dropped."""
+        candidates = [CachedBlockView(node_id=n.node_id, last_access=n.last_access, hits=n.hits, score=n.score,
+                                      tier=n.tier) for n in self.evictable.values() if n.tier == tier]
+        chosen = [self.cached[i] for i in self.policies.cache_policy(candidates, nodes_needed)]
+        for node in self._offload(chosen) if tier == "device" and self.cache_cxl else chosen:
+            self._drop_node(node)
+        return len(chosen)
+
+    def _offload(self, nodes: list[CachedNode]) -> list[CachedNode]:
+        """Move what fits of `nodes` to the cxl tier (dropping idle cxl nodes for room); the rest,
+        which did not fit, to be dropped."""
+        cxl = self.pools["cxl"]
+        for node in nodes:
+            self._pin(node)
+        short = len(nodes) * self.num_layers - cxl.free_count
+        if short > 0 and self._idle["cxl"]:
+            self._evict("cxl", -(-short // self.num_layers))
+        fit = min(len(nodes), cxl.free_count // self.num_layers)
+        self._move(nodes[:fit], cxl, cxl.allocate(fit * self.num_layers))
+        for node in nodes:
+            self._let_go(node.node_id)
+        return nodes[fit:]
+
+    def _move(self, nodes: list[CachedNode], target: KVPool, fresh: list[int]) -> None:
+        """Copy pinned nodes to `target` blocks `fresh` (just allocated), in one copy per source
+        tier, and free where they were."""
+        if not nodes:
+            return
+        source = self.pools[nodes[0].tier]
+        self.copy(source, [b for n in nodes for b in n.blocks], target, fresh)
+        for i, node in enumerate(nodes):
             for block in node.blocks:
-                self._named.discard(block)
-                self.device.release(block)
+                self._named[source.tier].discard(block)
+                source.release(block)
+            node.blocks = fresh[i * self.num_layers:(i + 1) * self.num_layers]
+            for block in node.blocks:
+                target.decref(block)   # named, not held: a cached node's blocks have no references
+            self._named[target.tier].update(node.blocks)
+            node.tier = target.tier   # pinned: idle again, in this tier, when let go
+            self.moved_nodes[target.tier] += 1
+
+    def _drop_node(self, node: CachedNode) -> None:
+        del self.evictable[node.node_id]
+        self._idle[node.tier] -= 1
+        del self.cached[node.node_id]
+        pool = self.pools[node.tier]
+        for block in node.blocks:
+            self._named[node.tier].discard(block)
+            pool.release(block)
 
     # -- growing, writing, freeing ----------------------------------------------------------------
 
@@ -185,7 +323,7 @@ class BlockManager:
             return True
         elsewhere = Counter(layer.tier for layer in request.layers if layer.tier != "device")
         if self.free("device") < (extra + len(shared)) * len(on_device) or any(
-                self.pools[tier].free_count < extra * n for tier, n in elsewhere.items()):
+                self.free(tier) < extra * n for tier, n in elsewhere.items()):
             return False
         fresh = iter(self._take((extra + len(shared)) * len(on_device)))
         for index in shared:
@@ -200,7 +338,7 @@ class BlockManager:
                 self._let_go(node_id)
         for layer in request.layers:
             layer.blocks += [next(fresh) for _ in range(extra)] if layer.tier == "device" else \
-                self.pools[layer.tier].allocate(extra)
+                self._take(extra, layer.tier)
         return True
 
     def place(self, request: Request, device_layers: Sequence[int]) -> bool:
@@ -228,17 +366,19 @@ class BlockManager:
         request.num_committed = 0
 
     def _shared(self, block: int) -> bool:
-        return block in self._named or self.device.refs(block) > 1
+        return block in self._named["device"] or self.device.refs(block) > 1
 
     def _drop(self, pool: KVPool, block: int) -> None:
-        if pool.decref(block) == 0 and not (pool is self.device and block in self._named):
+        if pool.decref(block) == 0 and block not in self._named[pool.tier]:
             pool.release(block)
 
-    def _take(self, n: int) -> list[int]:
-        short = n - self.device.free_count
-        if short > 0:
-            self._evict(-(-short // self.num_layers))
-        return self.device.allocate(n)
+    def _take(self, n: int, tier: str = "device") -> list[int]:
+        """n blocks of `tier`, making room from idle cached nodes if the free list is short."""
+        pool = self.pools[tier]
+        short = n - pool.free_count
+        if short > 0 and self._idle[tier]:
+            self._evict(tier, -(-short // self.num_layers))
+        return pool.allocate(n)
 
     # -- swapping between tiers -------------------------------------------------------------------
 
@@ -264,9 +404,9 @@ class BlockManager:
         moving = [request.layers[i] for i in layers if request.layers[i].tier != tier]
         target = self.pools.get(tier)
         n = request.blocks_per_layer * len(moving)
-        if target is None or (self.free(tier) if tier == "device" else target.free_count) < n:
+        if target is None or self.free(tier) < n:
             return False
-        fresh = iter(self._take(n) if tier == "device" else target.allocate(n))
+        fresh = iter(self._take(n, tier))
         for source_tier in {layer.tier for layer in moving}:
             group = [layer for layer in moving if layer.tier == source_tier]
             destination = [[next(fresh) for _ in layer.blocks] for layer in group]

@@ -107,8 +107,10 @@ class EngineState(msgspec.Struct, kw_only=True):
     # All time, for the metrics (services/engine/metrics.py reads this snapshot when scraped).
     generated_tokens: int
     computed_prompt_tokens: int                # of prompts, tokens whose KV this engine computed
-    prefix_cache_lookup_blocks: dict[str, int]  # by tier: full blocks looked up
-    prefix_cache_hit_blocks: dict[str, int]     # by tier: of those, found
+    prefix_cache_lookup_blocks: dict[str, int]  # for each tier the cache holds: full blocks looked up (in all)
+    prefix_cache_hit_blocks: dict[str, int]     # by tier: of those, found there
+    prefix_cache_nodes: dict[str, int]          # now: cached nodes (a block in every layer) by tier
+    prefix_cache_moved_nodes: dict[str, int]    # all time: nodes moved to a tier (cxl: offloaded, device: reloaded)
     kv_transfer: TransferTotals
     swap_profile: SwapProfile | None   # CacheOpt 3.5's start-up profile and fitted curves; None: not profiled
     layer_profile: LayerProfile | None = None  # LayerKV's start-up fits of Eq. 3 and 4; None: not profiled
@@ -275,6 +277,7 @@ class Engine:
                 frames.append(self._frame(request, [], [], [], ""))
                 continue
             frames.append(self._emit(request, token, logprob, done))
+        self.blocks.offload_idle()  # CaR: idle prefix nodes out to the cxl tier past the high-water mark
         return frames
 
     def _pusher(self, requests: list[Request]) -> Callable[[int], None]:
@@ -350,8 +353,10 @@ class Engine:
                            layers_offloaded=dict(self.scheduler.layers_offloaded),
                            policies=dict(self.scheduler.policies.names),
                            generated_tokens=self.generated_tokens, computed_prompt_tokens=self.computed_prompt_tokens,
-                           prefix_cache_lookup_blocks={self.blocks.cache_tier: self.blocks.lookup_blocks},
-                           prefix_cache_hit_blocks={self.blocks.cache_tier: self.blocks.hit_blocks},
+                           prefix_cache_lookup_blocks={t: self.blocks.lookup_blocks for t in self.blocks.cache_tiers},
+                           prefix_cache_hit_blocks={t: self.blocks.hit_blocks[t] for t in self.blocks.cache_tiers},
+                           prefix_cache_nodes=self.blocks.cached_nodes(),
+                           prefix_cache_moved_nodes={t: self.blocks.moved_nodes[t] for t in self.blocks.cache_tiers},
                            kv_transfer=msgspec.structs.replace(self.transferred), swap_profile=self.swap_profile,
                            layer_profile=self.layer_profile)
 

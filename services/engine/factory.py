@@ -21,6 +21,7 @@ from .block_manager import BlockManager
 from .engine import Engine
 from .kv_pool import BlockShape, KVPool
 from .layer_staging import ChunkedCopier, LayerStaging
+from .reuse import Reuse, WindowParams
 from .model_runner import ModelRunner
 from .models import PRESETS, build_preset, load_checkpoint
 from .policy_set import Policies
@@ -51,6 +52,11 @@ class EngineConfig(ServiceConfig, kw_only=True):
     token_budget: int = 512            # tokens computed per step (chunked prefill)
     max_model_len: int = 0             # 0: the model's limit, or what the device tier holds if less
     prefix_caching: bool = True
+    # CaR (docs/car.md): prefix-cache nodes the device evicts move to the cxl tier and come back on a hit.
+    prefix_cache_cxl: bool = False
+    cache_high_water: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9  # idle nodes move out past this share in use
+    car_window: Annotated[int, msgspec.Meta(ge=1)] = 8            # requests in the Shuffled Window (`car` admission)
+    car_max_wait_ms: Annotated[float, msgspec.Meta(gt=0)] = 2000.0  # queued this long: into the window first
     policies: dict[str, str] = {}
     # CacheOpt 3.3's allocation ledger (read by every kv_allocation policy but block_at_a_time).
     kv_block_tokens: Annotated[int, msgspec.Meta(ge=1)] = 8       # B: basic extra KV, and one on-demand step
@@ -105,6 +111,9 @@ def build_engine(config: EngineConfig) -> Engine:
     device_blocks = config.device_blocks or shape.blocks_in(config.device_bytes)
     cxl_blocks = config.cxl_blocks or shape.blocks_in(config.cxl_bytes)
     staging = staging_blocks(config, device_blocks, cxl_blocks)
+    if config.prefix_cache_cxl and not (cxl_blocks and config.prefix_caching):
+        raise ConfigError("prefix_cache_cxl keeps prefix-cache nodes in the cxl tier: it needs prefix_caching and a "
+                          "cxl tier (cxl_blocks or cxl_bytes)")
     if staging >= device_blocks:
         raise ConfigError(f"layer_staging_blocks ({staging}) leaves nothing of the device tier's {device_blocks} "
                           "blocks for KV; give the device tier more room or the staging area less")
@@ -113,12 +122,13 @@ def build_engine(config: EngineConfig) -> Engine:
     if cxl_blocks:
         pools["cxl"] = KVPool("cxl", cxl_blocks, shape, "cpu", config.cxl_path or shared.get("cxl"))
     policies = Policies(config.policies)
-    blocks = BlockManager(pools, spec.num_layers, policies, model=config.model,
-                          prefix_caching=config.prefix_caching)
+    blocks = BlockManager(pools, spec.num_layers, policies, model=config.model, prefix_caching=config.prefix_caching,
+                          cache_cxl=config.prefix_cache_cxl, high_water=config.cache_high_water)
     scheduler = Scheduler(blocks, policies, config.max_num_seqs, config.token_budget, allocation_params(config),
                           staging_half=staging // 2, offload=OffloadParams(
                               threshold_blocks=int(config.layer_free_threshold * pools["device"].num_blocks),
-                              horizon_stages=config.layer_forecast_stages))
+                              horizon_stages=config.layer_forecast_stages),
+                          reuse=Reuse(blocks, WindowParams(config.car_window, config.car_max_wait_ms / 1e3)))
     layer_staging = None
     if staging:
         blocks.copy = ChunkedCopier(chunk_blocks=config.layer_copy_chunk_blocks)

@@ -49,10 +49,16 @@ class EngineCollector:
                        "Prompt tokens whose KV this engine computed, or found in its prefix cache", "source",
                        {"computed": state.computed_prompt_tokens, "cached": state.prefix_cache_hit_tokens})
         yield self._by(CounterMetricFamily, "kvmesh_engine_prefix_cache_lookup_blocks",
-                       "Full prompt blocks looked up in the prefix cache, by the tier the cache holds", "tier",
+                       "Full prompt blocks looked up in the prefix cache (in all), for each tier the cache holds", "tier",
                        state.prefix_cache_lookup_blocks)
         yield self._by(CounterMetricFamily, "kvmesh_engine_prefix_cache_hit_blocks",
                        "Full prompt blocks found in the prefix cache, by tier", "tier", state.prefix_cache_hit_blocks)
+        yield self._by(GaugeMetricFamily, "kvmesh_engine_prefix_cache_nodes",
+                       "Prefix-cache nodes (a block in every layer), by the tier they are in", "tier",
+                       state.prefix_cache_nodes)
+        yield self._by(CounterMetricFamily, "kvmesh_engine_prefix_cache_moved_nodes",
+                       "Prefix-cache nodes moved to a tier (cxl: offloaded by CaR, device: reloaded)", "tier",
+                       state.prefix_cache_moved_nodes)
         yield self._one(CounterMetricFamily, "kvmesh_engine_generated_tokens", "Tokens sampled",
                         state.generated_tokens)
         yield self._one(CounterMetricFamily, "kvmesh_engine_steps", "Iterations of the engine loop that ran the model",

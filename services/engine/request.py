@@ -60,6 +60,9 @@ class Request:
     read_offset: int = 0                   # output tokens whose text is in `text`
     node_ids: list[str] = field(default_factory=list)     # NodeIDs of the full blocks, in order
     cached_nodes: list[str] = field(default_factory=list)  # prefix-cache nodes this request holds a ref on
+    scores: dict = field(default_factory=dict)  # CaR: node id -> (node, what this request added to its score)
+    window_since: float | None = None      # CaR: when it entered the scheduler's Shuffled Window
+    cache_hits: tuple[int, int] = (0, 0)   # CaR: leading prompt blocks cached on the device, then in the cxl tier
     num_committed: int = 0                 # leading full blocks already offered to the prefix cache
     generator: torch.Generator | None = None
     scheduled_at: float | None = None      # when it first got blocks (compute or a pull): the end of its queueing

@@ -15,7 +15,9 @@ then from the reservation, then out of others' allotted but unused KV, and only 
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -29,6 +31,7 @@ from kvmesh.policies.views import RequestView, blocks_for
 from .block_manager import BlockManager
 from .policy_set import Policies
 from .request import Request, Status
+from .reuse import Reuse
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,7 @@ class Plan:
 class Scheduler:
     def __init__(self, blocks: BlockManager, policies: Policies, max_num_seqs: int, token_budget: int,
                  allocation: AllocationParams = AllocationParams(), staging_half: int = 0,
-                 offload: OffloadParams = OffloadParams()):
+                 offload: OffloadParams = OffloadParams(), reuse: Reuse | None = None):
         self.blocks = blocks
         self.policies = policies
         self.max_num_seqs = max_num_seqs
@@ -62,6 +65,7 @@ class Scheduler:
         # how many of them this step's chunks use.
         self.staging_half = staging_half
         self.offload = offload
+        self.reuse = reuse  # CaR: the Shuffled Window, scores and prefetch (services/engine/reuse.py)
         self._staged = 0
         # Request layers put in the cxl tier (admitted, forecast) or brought back (restored), all time.
         self.layers_offloaded = {"admitted": 0, "forecast": 0, "restored": 0}
@@ -103,6 +107,7 @@ class Scheduler:
                 queue.remove(request)
         if release:
             self.blocks.release(request)
+        self.blocks.forget_scores(request)
         self._settle(request)
         request.status, request.finish_reason = Status.FINISHED, reason
 
@@ -126,8 +131,14 @@ class Scheduler:
         if len(plan.preempted) == planned:  # nobody lost their place for want of blocks
             if not planned:  # room the plan made is for its waiting requests, not for the swapped ones
                 budget = self._resume_swapped(plan, budget)
+            if self.reuse is not None and self.waiting and self.policies.names["prefill_admission"] == "car":
+                self.reuse.before_admission(list(self.waiting), self.running, now, views, self._tpop_s())
             self._admit_waiting(plan, budget, now, grants, retain)
         return plan
+
+    def _tpop_s(self) -> float:
+        """CaR's TPOP: the median of recent step times (0 before any: the prefetcher then loads at once)."""
+        return statistics.median(self.iteration_s) if self.iteration_s else 0.0
 
     def _plan_offload(self, now: float) -> dict[str, int]:
         """LayerKV: offload retained layers of running requests when the free-block forecast says
@@ -274,6 +285,8 @@ class Scheduler:
                 request.num_computed = 0
                 return
             self.waiting.remove(request)
+            if request.scheduled_at is None and self.reuse is not None:
+                self.reuse.admitted(request)
             request.scheduled_at = request.scheduled_at or now
             self._run(request, n, plan)
             budget -= n
@@ -431,6 +444,10 @@ class Scheduler:
         plan.preempted.append((victim, strategy))
 
 
+def views(requests: Iterable[Request]) -> list[RequestView]:
+    return [view(r) for r in requests]
+
+
 def view(request: Request) -> RequestView:
     return RequestView(request_id=request.request_id, arrival=request.arrival, prompt_len=len(request.prompt_ids),
                        num_tokens=request.num_tokens, num_computed=request.num_computed,
@@ -443,4 +460,5 @@ def view(request: Request) -> RequestView:
                        first_token_at=request.output_times[0] if request.output_times else None,
                        scheduled_at=request.scheduled_at, predicted_output_low=request.targets.predicted_output_low,
                        predicted_output_median=request.targets.predicted_output_median,
-                       device_layers=request.device_layers)
+                       device_layers=request.device_layers, cached_device_blocks=request.cache_hits[0],
+                       cached_cxl_blocks=request.cache_hits[1], window_since=request.window_since)

@@ -22,6 +22,7 @@ from kvmesh.services.engine.policy_set import Policies
 from kvmesh.policies.allocation import AllocationParams
 from kvmesh.services.engine.request import Request, Status, Targets
 from kvmesh.services.engine.sampling import SamplingParams
+from kvmesh.services.engine.reuse import Reuse, WindowParams
 from kvmesh.services.engine.scheduler import Scheduler
 
 LAYERS, BLOCK = 2, 4
@@ -49,14 +50,17 @@ registry.HOOKS["layer_offload"]["scattered"] = scattered_offload
 
 
 def make(strategy: str = "recompute", device_blocks: int = 24, cxl_blocks: int = 16, budget: int = 12,
-         allocation: str = "block_at_a_time", order: str = "latest_arrival_first", offload: str = "none"):
+         allocation: str = "block_at_a_time", order: str = "latest_arrival_first", offload: str = "none",
+         car: bool = False):
+    """car: CaR's two-tier prefix cache, its admission (a window of 2) and score replacement."""
     pools = {"device": KVPool("device", device_blocks, SHAPE, staging_blocks=8 if offload != "none" else 0),
              "cxl": KVPool("cxl", cxl_blocks, SHAPE)}
     policies = Policies({"preemption_strategy": strategy, "kv_allocation": allocation, "preemption_order": order,
-                         "layer_offload": offload})
-    blocks = BlockManager(pools, LAYERS, policies)
+                         "layer_offload": offload, **({"prefill_admission": "car", "cache_policy": "car"} if car else {})})
+    blocks = BlockManager(pools, LAYERS, policies, cache_cxl=car, high_water=0.75)
     return blocks, Scheduler(blocks, policies, max_num_seqs=4, token_budget=budget, allocation=SMALL,
-                             staging_half=4 if offload != "none" else 0)
+                             staging_half=4 if offload != "none" else 0,
+                             reuse=Reuse(blocks, WindowParams(size=2, max_wait_s=3.0)))
 
 
 def random_targets(rng: random.Random) -> Targets:
@@ -78,6 +82,7 @@ def simulate_step(scheduler: Scheduler, now: float, rng: random.Random) -> None:
             request.output_times.append(now)
             if len(request.output_ids) >= request.sampling.max_tokens:
                 scheduler.finish(request, "length")
+    scheduler.blocks.offload_idle()
 
 
 def live_requests(scheduler: Scheduler) -> list[Request]:
@@ -94,7 +99,8 @@ def assert_exact_accounting(blocks: BlockManager, scheduler: Scheduler) -> None:
         assert request.num_computed <= request.blocks_per_layer * BLOCK
         assert request.allocation is None or request.status is not Status.RUNNING or \
             request.num_computed <= request.allocation, "a request computed past its allocation"
-    idle_named = {b for node in blocks.evictable.values() for b in node.blocks}
+    idle_named = {tier: {b for node in blocks.evictable.values() if node.tier == tier for b in node.blocks}
+                  for tier in blocks.pools}
     # A prefix block a request still holds the node of, in a layer it moved to the cxl tier: cached
     # content the request's table no longer points at (it stays for whoever shares the prefix).
     # A prefix block whose node a request holds while its table no longer points at it (the layer
@@ -103,18 +109,24 @@ def assert_exact_accounting(blocks: BlockManager, scheduler: Scheduler) -> None:
     unpointed = {blocks.cached[node_id].blocks[layer] for request in live_requests(scheduler)
                  for node_id in request.cached_nodes for layer, own in enumerate(request.layers)
                  if own.tier != "device" or own.blocks[request.node_ids.index(node_id)] != blocks.cached[node_id].blocks[layer]}
-    idle_named |= unpointed - set(held["device"])
+    idle_named["device"] |= unpointed - set(held["device"])
     for tier, pool in blocks.pools.items():
         free = list(pool._free)
         assert len(free) == len(set(free)), f"{tier}: a block is free twice"
         for block in range(pool.num_blocks):
             assert pool.refs(block) == held[tier][block], f"{tier} block {block}"
-        # Every block is exactly one of: free, held by requests, or cached and idle (device only).
-        parts = [set(free), set(held[tier]), idle_named if tier == "device" else set()]
+        # Every block is exactly one of: free, held by requests, or cached and idle.
+        parts = [set(free), set(held[tier]), idle_named[tier]]
         assert sum(map(len, parts)) == len(set().union(*parts)) == pool.num_blocks, tier
+    scores: Counter = Counter()
+    for request in live_requests(scheduler):
+        scores.update({node_id: given for node_id, (node, given) in request.scores.items()
+                       if blocks.cached.get(node_id) is node})
     for node in blocks.cached.values():
         assert node.refs == node_refs[node.node_id]
         assert (node.refs == 0) == (node.node_id in blocks.evictable)
+        assert node.score == scores[node.node_id], "a node's score is what live requests added to it"
+        assert node.tier == "device" or node.refs == 0, "only device nodes are held"
 
 
 def assert_everything_returns(blocks: BlockManager, scheduler: Scheduler) -> None:
@@ -122,7 +134,7 @@ def assert_everything_returns(blocks: BlockManager, scheduler: Scheduler) -> Non
         scheduler.finish(request, "abort")
     view = blocks.pool_view()
     assert view.free == view.total
-    blocks._evict(len(blocks.evictable))
+    blocks.clear_cache()
     assert all(pool.free_count == pool.num_blocks for pool in blocks.pools.values())
 
 
@@ -134,9 +146,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.count = 0
 
     @initialize(strategy=st.sampled_from(["recompute", "swap", "sweet_spot"]), allocation=st.sampled_from(ALLOCATIONS),
-                order=st.sampled_from(["latest_arrival_first", "cacheopt"]), offload=st.sampled_from(["none", "scattered"]))
-    def build(self, strategy, allocation, order, offload):
-        self.blocks, self.scheduler = make(strategy=strategy, allocation=allocation, order=order, offload=offload)
+                order=st.sampled_from(["latest_arrival_first", "cacheopt"]), offload=st.sampled_from(["none", "scattered"]),
+                car=st.booleans())
+    def build(self, strategy, allocation, order, offload, car):
+        self.blocks, self.scheduler = make(strategy=strategy, allocation=allocation, order=order, offload=offload,
+                                           car=car)
 
     @rule(prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]]),
           tail=st.lists(st.integers(0, 2), min_size=1, max_size=14), max_tokens=st.integers(1, 10))

@@ -208,3 +208,16 @@ async def test_tokenizer_spec_rebuilds_the_engines_tokenizer(client):
     frames = await generate(client, prompt="The cache holds", max_tokens=1, temperature=0.0)
     assert frames[-1].usage.prompt_tokens == len(rebuilt.encode("The cache holds").ids)  # with BOS, as the engine encodes
     assert spec.eos_token_ids and spec.max_model_len > 0 and "eos_token" in spec.special_tokens
+
+
+async def test_the_cache_table_lists_car_s_fields_and_refuses_bad_queries(client):
+    await generate(client, prompt_token_ids=list(range(10, 74)), max_tokens=2, temperature=0.0)
+    table = await client.call("GET", "/v1/cache", params={"tier": "device", "limit": 2}, into=dict)
+    assert len(table["entries"]) == 2 and table["total"]["device"] >= 4
+    entry = table["entries"][0]
+    assert entry["tier"] == "device" and entry["valid_in_gpu"] and entry["refs"] == 0 and len(entry["blocks"]) == 4
+    assert entry["size_bytes"] > 0 and entry["score"] == 0   # its request has ended
+    for params in ({"tier": "gpu"}, {"limit": 0}, {"limit": "many"}):
+        with pytest.raises(RemoteError) as refused:
+            await client.call("GET", "/v1/cache", params=params)
+        assert refused.value.status == 400

@@ -1,0 +1,114 @@
+"""CaR in the engine: prefix-cache nodes the device evicts move to the cxl tier with every byte, come
+back on a hit (or ahead of it, prefetched), and a multi-turn conversation reusing them answers
+token for token as recomputing it would; scores go back to zero and every block comes back."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from kvmesh.libs.controlplane import ConfigError
+from kvmesh.services.engine.sampling import SamplingParams
+
+from .conftest import assert_all_blocks_free, engine_for, run_all
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+CAR = {"prefill_admission": "car", "cache_policy": "car"}
+
+
+def conversation(engine, turns: list[list[int]]) -> list[list[int]]:
+    """Each turn's prompt is the history (earlier prompts and answers) plus a new message; returns
+    the answers."""
+    history, answers = [], []
+    for message in turns:
+        request = run_all(engine, [history + message], GREEDY)[0]
+        answers.append(request.output_ids)
+        history = history + message + request.output_ids
+    return answers
+
+
+def turns(n: int, seed: int, length: int = 40) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, 200, (length,), generator=generator).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("admission", ["car", "fcfs"])
+def test_a_conversation_reusing_nodes_from_the_cxl_tier_answers_as_recomputing_does(tiny_checkpoint, admission):
+    recompute = engine_for(tiny_checkpoint, prefix_caching=False)
+    # A device tier of about one conversation's context: earlier turns' nodes go to the cxl tier
+    # while other conversations run, and come back for the next turn: prefetched from the window
+    # (car), or reloaded when the request is admitted (fcfs).
+    car = engine_for(tiny_checkpoint, policies={**CAR, "prefill_admission": admission}, prefix_cache_cxl=True,
+                     device_blocks=4 * 24, cxl_blocks=4 * 96)
+    talks = [turns(4, seed) for seed in range(3)]
+    expected = [conversation(recompute, talk) for talk in talks]
+    got = [[], [], []]
+    history = [[], [], []]
+    for turn in range(4):   # interleaved: each turn of one conversation pushes the others' nodes out
+        for c, talk in enumerate(talks):
+            request = run_all(car, [history[c] + talk[turn]], GREEDY)[0]
+            got[c].append(request.output_ids)
+            history[c] += talk[turn] + request.output_ids
+    assert got == expected
+    state = car.state()
+    assert state.prefix_cache_moved_nodes["cxl"] > 0 and state.prefix_cache_moved_nodes["device"] > 0
+    found_in = "device" if admission == "car" else "cxl"   # the prefetcher had them back before the request ran
+    assert state.prefix_cache_hit_blocks[found_in] > 0 and car.scheduler.reuse.prefetched == (
+        state.prefix_cache_moved_nodes["device"] if admission == "car" else 0)
+    assert all(node.score == 0 for node in car.blocks.cached.values())
+    assert_all_blocks_free(car)
+
+
+def digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.float().numpy().tobytes()).hexdigest()
+
+
+def test_moving_a_node_between_tiers_keeps_every_byte(tiny_checkpoint):
+    engine = engine_for(tiny_checkpoint, prefix_cache_cxl=True)
+    run_all(engine, turns(1, seed=7, length=64), GREEDY)
+    blocks = engine.blocks
+    nodes = list(blocks.cached.values())
+    before = {n.node_id: digest(blocks.device.tensor[n.blocks]) for n in nodes}
+    blocks._evict("device", len(nodes))        # what the device does when it needs the room
+    assert {n.tier for n in nodes} == {"cxl"}
+    assert {n.node_id: digest(blocks.pools["cxl"].tensor[n.blocks]) for n in nodes} == before
+    assert blocks.reload(nodes) == len(nodes)
+    assert {n.tier for n in nodes} == {"device"}
+    assert {n.node_id: digest(blocks.device.tensor[n.blocks]) for n in nodes} == before
+    assert_all_blocks_free(engine)
+
+
+def test_idle_nodes_move_out_past_the_high_water_mark(tiny_checkpoint):
+    engine = engine_for(tiny_checkpoint, prefix_cache_cxl=True, device_blocks=4 * 16, cache_high_water=0.5)
+    run_all(engine, turns(1, seed=8, length=200), GREEDY)   # 13 of 16 blocks a layer, cached when done
+    device = engine.blocks.device
+    assert device.num_blocks - device.free_count <= 0.5 * device.num_blocks
+    assert engine.state().prefix_cache_nodes["cxl"] > 0
+    assert_all_blocks_free(engine)
+
+
+def test_the_prefetcher_brings_a_window_request_s_nodes_back_before_its_turn(tiny_checkpoint):
+    engine = engine_for(tiny_checkpoint, policies=CAR, prefix_cache_cxl=True, max_num_seqs=1)
+    first = turns(1, seed=9, length=64)[0]
+    run_all(engine, [first], GREEDY)
+    engine.blocks._evict("device", len(engine.blocks.cached))   # the conversation's nodes now in the cxl tier
+    # One request runs (max_num_seqs 1); the next turn waits in the window; with nothing measured
+    # yet about when the running one ends the prefetcher loads at once.
+    busy = engine.add("busy", turns(1, seed=10)[0], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    engine.step()
+    follow_up = engine.add("next", first + turns(1, seed=11)[0], GREEDY)
+    engine.scheduler.iteration_s.clear()
+    engine.step()
+    assert follow_up.window_since is not None and engine.scheduler.reuse.prefetched > 0
+    while engine.scheduler.has_work():
+        engine.step()
+    assert busy.finished and follow_up.finished and follow_up.num_cached >= 64 - 16
+    assert engine.state().prefix_cache_hit_blocks["device"] >= 4
+    assert_all_blocks_free(engine)
+
+
+def test_prefix_cache_cxl_without_a_cxl_tier_is_a_config_error(tiny_checkpoint):
+    with pytest.raises(ConfigError, match="prefix_cache_cxl"):
+        engine_for(tiny_checkpoint, prefix_cache_cxl=True, cxl_blocks=0, cxl_bytes=0)
