@@ -16,7 +16,9 @@ from kvmesh.libs.kvmeta.client import KvmetaClient, WorkerPresence
 from kvmesh.libs.kvmeta.messages import BlockGeometry, Capacity, GpuNic, Load, WorkerInfo
 from kvmesh.observability import tracing
 
-from .api import Aborted, AbortRequest, CacheEntry, CacheQuery, CacheTable, GenerateRequest, PolicyNames, TokenizerSpec
+from .api import (Aborted, AbortRequest, CacheEntry, CacheQuery, CacheTable, GenerateRequest, PolicyNames,
+                  TokenizerSpec)
+from .cache_publisher import CachePublisher
 from .engine import EngineLoop, EngineState, Frame
 from .factory import EngineConfig, build_engine, max_model_len
 from .handoff import KVHandle, KVReserve
@@ -60,9 +62,11 @@ def build_service(config: EngineConfig) -> Service:
             if config.kvmeta_url:
                 kvmeta = await stack.enter_async_context(KvmetaClient(config.kvmeta_url, config.token))
                 handoff.kvmeta = kvmeta
+                publisher = await stack.enter_async_context(CachePublisher(kvmeta, config.engine_id, loop))
                 await stack.enter_async_context(WorkerPresence(kvmeta, _worker_info(config, engine),
                                                                ttl_ms=config.heartbeat_ttl_ms,
-                                                               load=lambda: _load(loop.state)))
+                                                               load=lambda: _load(loop.state),
+                                                               on_register=publisher.republish))
                 await stack.enter_async_context(handoff.following(kvmeta))
             yield
 

@@ -68,6 +68,9 @@ class BlockManager:
         self.lookup_blocks = 0          # full blocks looked up in the prefix cache, all time
         self.hit_blocks: Counter = Counter()  # of those, found, by the tier they were found in
         self.moved_nodes: Counter = Counter()  # nodes moved to a tier ("cxl": offloaded, "device": reloaded)
+        # Nodes cached, moved or dropped since the cache publisher last looked (None: dropped); None
+        # while no publisher reads it (services/engine/cache_publisher.py).
+        self.cache_changes: dict[str, CachedNode | None] | None = None
         self.swap_curves: SwapCurves | None = None  # profiled at start (swap_profile.py), for the policies
         self.prefill_cost: PrefillCost | None = None  # profiled at start (layer_profile.py), for LayerKV
         self.offload_cost: OffloadCost | None = None
@@ -188,6 +191,7 @@ class BlockManager:
                 continue
             blocks = [layer.blocks[index] for layer in request.layers]
             node = self.cached[node_id] = CachedNode(node_id, blocks, refs=1, last_access=now)
+            self._changed(node)
             self._named["device"].update(blocks)
             request.cached_nodes.append(node_id)
             self.add_score(request, [node], WINDOW_SCORE + RUN_SCORE)  # as if it entered the window and ran
@@ -297,8 +301,19 @@ class BlockManager:
             self._named[target.tier].update(node.blocks)
             node.tier = target.tier   # pinned: idle again, in this tier, when let go
             self.moved_nodes[target.tier] += 1
+            self._changed(node)
+
+    def _changed(self, node: CachedNode, dropped: bool = False) -> None:
+        if self.cache_changes is not None:
+            self.cache_changes[node.node_id] = None if dropped else node
+
+    def take_cache_changes(self) -> tuple[list[CachedNode], list[str]]:
+        """For the cache publisher: the nodes cached or moved, and those dropped, since it last asked."""
+        changes, self.cache_changes = self.cache_changes or {}, {}
+        return [n for n in changes.values() if n is not None], [i for i, n in changes.items() if n is None]
 
     def _drop_node(self, node: CachedNode) -> None:
+        self._changed(node, dropped=True)
         del self.evictable[node.node_id]
         self._idle[node.tier] -= 1
         del self.cached[node.node_id]

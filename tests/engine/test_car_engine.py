@@ -112,3 +112,18 @@ def test_the_prefetcher_brings_a_window_request_s_nodes_back_before_its_turn(tin
 def test_prefix_cache_cxl_without_a_cxl_tier_is_a_config_error(tiny_checkpoint):
     with pytest.raises(ConfigError, match="prefix_cache_cxl"):
         engine_for(tiny_checkpoint, prefix_cache_cxl=True, cxl_blocks=0, cxl_bytes=0)
+
+
+def test_the_journal_tells_the_publisher_what_was_cached_moved_and_dropped(tiny_checkpoint):
+    engine = engine_for(tiny_checkpoint, prefix_cache_cxl=True)
+    blocks = engine.blocks
+    blocks.take_cache_changes()   # what the publisher does first: the journal starts
+    run_all(engine, turns(1, seed=12, length=48), GREEDY)
+    cached, dropped = blocks.take_cache_changes()
+    assert {n.tier for n in cached} == {"device"} and len(cached) == 3 and dropped == []
+    blocks._evict("device", 3)
+    cached, _ = blocks.take_cache_changes()
+    assert {n.tier for n in cached} == {"cxl"} and len(cached) == 3
+    blocks.clear_cache()
+    assert blocks.take_cache_changes() == ([], [n.node_id for n in cached])
+    assert_all_blocks_free(engine)

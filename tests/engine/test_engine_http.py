@@ -13,6 +13,7 @@ import pytest
 from kvmesh.infra.local.processes import Child, free_port, service_child
 from kvmesh.libs.controlplane import RemoteError, ServiceClient
 from kvmesh.libs.kvmeta.client import KvmetaClient
+from kvmesh.libs.kvmeta.nodeid import node_ids
 from kvmesh.services.engine.engine import EngineState, Frame
 
 from ..conftest import TOKEN, Kvmeta
@@ -221,3 +222,35 @@ async def test_the_cache_table_lists_car_s_fields_and_refuses_bad_queries(client
         with pytest.raises(RemoteError) as refused:
             await client.call("GET", "/v1/cache", params=params)
         assert refused.value.status == 400
+
+
+async def test_the_engine_publishes_its_prefix_cache_to_kvmeta(kvmeta: Kvmeta, tiny_checkpoint: Path, tmp_path: Path):
+    """What the engine caches and moves to the cxl tier shows in kvmeta's cache table, where the
+    scheduler's prefix-aware routing looks (a device tier of 8 blocks a layer: the second prompt's
+    7 blocks push 3 of the first one's 4 nodes out to the cxl tier)."""
+    child = start_engine(tmp_path, tiny_checkpoint, KVMESH_KVMETA_URL=kvmeta.url, KVMESH_CLUSTER=kvmeta.cluster,
+                         KVMESH_ENGINE_ENGINE_ID="engine-c", KVMESH_ENGINE_DEVICE_BLOCKS="32",
+                         KVMESH_ENGINE_PREFIX_CACHE_CXL="true")
+    first, second = list(range(10, 74)), list(range(100, 196))   # 4 and 6 full blocks
+    ids = node_ids(first, 16, str(tiny_checkpoint), None)
+    try:
+        async with ServiceClient(child.url, token=TOKEN) as engine, KvmetaClient(kvmeta.url, TOKEN) as registry:
+            await generate(engine, prompt_token_ids=first, max_tokens=1, temperature=0.0)
+            match = await eventually(registry.lookup, ids, until=lambda m: m and m[0].device_blocks == 4)
+            assert match[0].engine == "engine-c" and match[0].blocks == 4
+            await generate(engine, prompt_token_ids=second, max_tokens=1, temperature=0.0)
+            match = await eventually(registry.lookup, ids, until=lambda m: m and m[0].device_blocks == 1)
+            assert match[0].blocks == 4   # all still cached here, 3 in the cxl tier
+            table = await engine.call("GET", "/v1/cache", params={"tier": "cxl"}, into=dict)
+            assert len(table["entries"]) == 3 and not table["entries"][0]["valid_in_gpu"]
+    finally:
+        child.stop()
+
+
+async def eventually(call, *args, until, tries: int = 50):
+    for _ in range(tries):
+        result = await call(*args)
+        if until(result):
+            return result
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"never came true; last: {result}")

@@ -1,0 +1,63 @@
+"""Keeps kvmeta's cache table in step with this engine's prefix cache (CaR III-B.1's table, shared:
+what the scheduler's prefix-aware routing reads). Every `interval_s` it publishes the nodes cached
+or moved between tiers since the last time and evicts those dropped; when kvmeta has forgotten the
+engine (its registration expired, Redis lost its data) it publishes every node again."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from kvmesh.libs.controlplane import KvmeshError, cancel_and_wait
+from kvmesh.libs.kvmeta.client import KvmetaClient
+from kvmesh.libs.kvmeta.messages import MAX_ITEMS, CacheEntry
+
+from .block_manager import CachedNode
+from .engine import EngineLoop
+
+log = logging.getLogger(__name__)
+
+
+class CachePublisher:
+    def __init__(self, kvmeta: KvmetaClient, engine_id: str, loop: EngineLoop, interval_s: float = 0.2):
+        self.kvmeta, self.engine_id, self.loop, self.interval_s = kvmeta, engine_id, loop, interval_s
+        blocks = loop.engine.blocks
+        self.node_bytes = blocks.device.shape.bytes * blocks.num_layers
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> CachePublisher:
+        await self._on_engine(lambda: self.loop.engine.blocks.take_cache_changes())  # starts the journal
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            await cancel_and_wait([self._task])
+
+    async def republish(self) -> None:
+        """Everything cached, for a kvmeta that has forgotten this engine (WorkerPresence.on_register)."""
+        nodes = await self._on_engine(lambda: list(self.loop.engine.blocks.cached.values()))
+        await self._send(nodes, [])
+
+    async def flush(self) -> None:
+        nodes, dropped = await self._on_engine(self.loop.engine.blocks.take_cache_changes)
+        await self._send(nodes, dropped)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.flush()
+            except KvmeshError as exc:  # kvmeta is away: these changes wait for the republish on return
+                log.warning("publishing the cache table failed: %s", exc)
+
+    async def _on_engine(self, read):
+        """Run `read` on the engine thread, between steps."""
+        return await asyncio.wrap_future(self.loop.call(lambda: (read(), [])))
+
+    async def _send(self, nodes: list[CachedNode], dropped: list[str]) -> None:
+        entries = [CacheEntry(node_id=n.node_id, tier=n.tier, size=self.node_bytes, score=float(n.score)) for n in nodes]
+        for start in range(0, len(entries), MAX_ITEMS):
+            await self.kvmeta.publish(self.engine_id, entries[start:start + MAX_ITEMS])
+        for start in range(0, len(dropped), MAX_ITEMS):
+            await self.kvmeta.evict(self.engine_id, dropped[start:start + MAX_ITEMS])
