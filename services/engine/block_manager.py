@@ -159,19 +159,24 @@ class BlockManager:
             hits.append(node)
         return hits
 
-    def reload(self, nodes: Sequence[CachedNode]) -> int:
+    def reload(self, nodes: Sequence[CachedNode], spare_only: bool = False) -> int:
         """Bring the leading cxl-tier ones among `nodes` back to the device, in one copy, as many
         as the device has room for (evicting other idle nodes, never these); returns how many.
-        The prefetcher calls it ahead of a request's turn, attach_prefix at it."""
+        attach_prefix calls it at a request's turn; the prefetcher ahead of it, `spare_only`: then
+        the room comes only from free blocks and idle nodes no live request will use (score <= 0),
+        so one window request's prefetch never pushes out another's."""
         cold = [n for n in nodes if n.tier != "device"]
         if not cold:
             return 0
+        max_score = 0 if spare_only else None
         for node in nodes:   # pinned: the room made for them must not come from them
             self._pin(node)
         try:
-            fit = min(len(cold), self.free("device") // self.num_layers)
+            spare = self.free("device") if max_score is None else self.device.free_count + self.num_layers * sum(
+                n.tier == "device" and n.score <= max_score for n in self.evictable.values())
+            fit = min(len(cold), spare // self.num_layers)
             cold = cold[:fit]
-            fresh = self._take(fit * self.num_layers)
+            fresh = self._take(fit * self.num_layers, max_score=max_score)
             self._move(cold, self.device, fresh)
         finally:
             for node in nodes:
@@ -259,11 +264,13 @@ class BlockManager:
         for node in list(self.evictable.values()):
             self._drop_node(node)
 
-    def _evict(self, tier: str, nodes_needed: int) -> int:
-        """Free the space of `nodes_needed` idle nodes of `tier` (the cache policy picks them):
-        device nodes move to the cxl tier while it has room (CaR), else they are dropped."""
+    def _evict(self, tier: str, nodes_needed: int, max_score: float | None = None) -> int:
+        """Free the space of `nodes_needed` idle nodes of `tier` (the cache policy picks them, among
+        those scored at most `max_score` if given): device nodes move to the cxl tier while it has
+        room (CaR), else they are dropped."""
         candidates = [CachedBlockView(node_id=n.node_id, last_access=n.last_access, hits=n.hits, score=n.score,
-                                      tier=n.tier) for n in self.evictable.values() if n.tier == tier]
+                                      tier=n.tier) for n in self.evictable.values()
+                      if n.tier == tier and (max_score is None or n.score <= max_score)]
         chosen = [self.cached[i] for i in self.policies.cache_policy(candidates, nodes_needed)]
         for node in self._offload(chosen) if tier == "device" and self.cache_cxl else chosen:
             self._drop_node(node)
@@ -387,12 +394,13 @@ class BlockManager:
         if pool.decref(block) == 0 and block not in self._named[pool.tier]:
             pool.release(block)
 
-    def _take(self, n: int, tier: str = "device") -> list[int]:
-        """n blocks of `tier`, making room from idle cached nodes if the free list is short."""
+    def _take(self, n: int, tier: str = "device", max_score: float | None = None) -> list[int]:
+        """n blocks of `tier`, making room from idle cached nodes (scored at most `max_score`, if
+        given) if the free list is short."""
         pool = self.pools[tier]
         short = n - pool.free_count
         if short > 0 and self._idle[tier]:
-            self._evict(tier, -(-short // self.num_layers))
+            self._evict(tier, -(-short // self.num_layers), max_score)
         return pool.allocate(n)
 
     # -- swapping between tiers -------------------------------------------------------------------

@@ -57,7 +57,7 @@ class Reuse:
                 continue
             size = request.cache_hits[1] * block_bytes
             if fetch(running_views, now, tpop_s, size, self.bandwidth):
-                self.prefetched += self.blocks.reload(self.blocks.cached_prefix(request))
+                self.prefetched += self.blocks.reload(self.blocks.cached_prefix(request), spare_only=True)
                 request.cache_hits = self._hits(request)
 
     def admitted(self, request: Request) -> None:

@@ -127,3 +127,22 @@ def test_the_journal_tells_the_publisher_what_was_cached_moved_and_dropped(tiny_
     blocks.clear_cache()
     assert blocks.take_cache_changes() == ([], [n.node_id for n in cached])
     assert_all_blocks_free(engine)
+
+
+def test_a_prefetch_uses_only_room_no_live_request_will_reuse(tiny_checkpoint):
+    engine = engine_for(tiny_checkpoint, prefix_cache_cxl=True, device_blocks=4 * 8, cache_high_water=1.0)
+    blocks = engine.blocks
+    first, second = turns(1, seed=13, length=64)[0], turns(1, seed=14, length=112)[0]
+    run_all(engine, [first], SamplingParams(max_tokens=1, temperature=0.0))
+    cold = list(blocks.cached.values())
+    blocks._evict("device", len(cold))                       # first's 4 nodes to the cxl tier
+    run_all(engine, [second], SamplingParams(max_tokens=1, temperature=0.0))   # 7 nodes: 1 block a layer left
+    wanted = [n for n in blocks.cached.values() if n.tier == "device"]
+    for node in wanted:
+        node.score = 1                                      # as if a window request will reuse them
+    assert blocks.reload(cold, spare_only=True) == 1        # the free block only
+    assert all(n.tier == "device" for n in wanted)
+    assert blocks.reload(cold) == 3                         # at the request's turn: whatever room it takes
+    for node in wanted:
+        node.score = 0
+    assert_all_blocks_free(engine)

@@ -79,3 +79,14 @@ def test_layerkv_bench_compares_fcfs_and_layerkv_with_and_without_its_scheduler(
     assert {row["path"] for row in result["rows"]} == {"fcfs", "layerkv-noslo", "layerkv"}
     assert Path(tmp_path / result["plots"][0]).stat().st_size > 0
     assert "points fewer SLO violations" in " ".join(done.stdout.split())  # the headline, however rich wraps it
+
+
+def test_car_bench_compares_recompute_lru_and_car_with_and_without_prefetch(tmp_path: Path):
+    result, done = quick_bench(tmp_path, "car", timeout=300)
+    assert {"ttft_reduction_vs_recompute", "ttft_ratio_lru_vs_car"} == set(result["targets"])
+    assert {"ttft_reduction_vs_recompute", "ttft_ratio_lru_vs_car", "hit_ratio_device",
+            "hit_ratio_cxl"} <= result["ratios"].keys()
+    assert set(result["meets"]) == set(result["targets"]) and "reload_gbps" in result["ceilings"]
+    assert {row["path"] for row in result["rows"]} >= {"recompute", "lru", "car", "car+prefetch"}
+    assert Path(tmp_path / result["plots"][0]).stat().st_size > 0
+    assert "lower than recomputing" in " ".join(done.stdout.split())
