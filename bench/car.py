@@ -45,7 +45,7 @@ from kvmesh.services.engine.models import PRESETS
 from kvmesh.services.engine.sampling import SamplingParams
 
 from .car_workloads import ANSWER_LEN, USER, Conversation, conversations, final_context, system_prompt_requests
-from .report import BenchResult, Row
+from .report import BenchResult, Row, save_figure
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -269,8 +269,4 @@ def _plot(multi, shared, fig5, lengths) -> str:
     axes[2].set_title("CaR Fig. 5: TTFT (ms) by prompt length, idle engine", fontsize=9)
     axes[2].set_xlabel("prompt tokens")
     axes[2].legend(fontsize=8)
-    fig.tight_layout()
-    PLOT.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(PLOT, dpi=110)
-    plt.close(fig)
-    return str(PLOT)
+    return save_figure(fig, PLOT)

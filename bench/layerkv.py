@@ -61,7 +61,7 @@ from .cacheopt_serving import RunStats, replay
 from .cacheopt_traces import TraceRequest
 from .layerkv_traces import OUTPUT_LEN, fixed, sharegpt, targets
 from .loadgen import poisson_arrivals
-from .report import BenchResult, Row
+from .report import BenchResult, Row, save_figure
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -324,8 +324,4 @@ def _plot(a, b, contexts, rates_b, rate_a, capacity_b) -> str:
         if "ttft" in field:
             ax.set_yscale("log")
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    PLOT.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(PLOT, dpi=110)
-    plt.close(fig)
-    return str(PLOT)
+    return save_figure(fig, PLOT)

@@ -32,6 +32,17 @@ class BenchResult(msgspec.Struct, kw_only=True):
     plots: list[str] = []
 
 
+def save_figure(fig, path: Path, dpi: int = 110) -> str:
+    """Write a matplotlib figure (making its folder) and close it; the path, for BenchResult.plots."""
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return str(path)
+
+
 def latency_row(compared: str, path: str, seconds: list[float], wall_s: float) -> Row:
     ms = np.asarray(seconds) * 1e3
     return Row(compared=compared, path=path, cells={"p50 ms": float(np.percentile(ms, 50)),

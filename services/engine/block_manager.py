@@ -71,6 +71,12 @@ class BlockManager:
         # Nodes cached, moved or dropped since the cache publisher last looked (None: dropped); None
         # while no publisher reads it (services/engine/cache_publisher.py).
         self.cache_changes: dict[str, CachedNode | None] | None = None
+        # CaR III-C.1: with `layerwise_reload` (an engine whose runner loads layer by layer), a reload
+        # at a request's turn gives the nodes their device blocks now and copies into them inside the
+        # next step, each layer before its attention; until then a node stays pinned, with its cxl
+        # blocks, in `pending_loads`.
+        self.layerwise_reload = False
+        self.pending_loads: list[tuple[CachedNode, list[int]]] = []
         self.swap_curves: SwapCurves | None = None  # profiled at start (swap_profile.py), for the policies
         self.prefill_cost: PrefillCost | None = None  # profiled at start (layer_profile.py), for LayerKV
         self.offload_cost: OffloadCost | None = None
@@ -134,7 +140,7 @@ class BlockManager:
             return 0
         hits = self.cached_prefix(request)
         found_in = [node.tier for node in hits]
-        self.reload(hits)
+        self.reload(hits, layerwise=self.layerwise_reload)
         for node, tier in zip(hits, found_in):
             if node.tier != "device":
                 break
@@ -159,12 +165,13 @@ class BlockManager:
             hits.append(node)
         return hits
 
-    def reload(self, nodes: Sequence[CachedNode], spare_only: bool = False) -> int:
+    def reload(self, nodes: Sequence[CachedNode], spare_only: bool = False, layerwise: bool = False) -> int:
         """Bring the leading cxl-tier ones among `nodes` back to the device, in one copy, as many
         as the device has room for (evicting other idle nodes, never these); returns how many.
-        attach_prefix calls it at a request's turn; the prefetcher ahead of it, `spare_only`: then
-        the room comes only from free blocks and idle nodes no live request will use (score <= 0),
-        so one window request's prefetch never pushes out another's."""
+        attach_prefix calls it at a request's turn (`layerwise`: the copies wait for the step, see
+        pending_loads); the prefetcher ahead of it, `spare_only`: then the room comes only from free
+        blocks and idle nodes no live request will use (score <= 0), so one window request's
+        prefetch never pushes out another's."""
         cold = [n for n in nodes if n.tier != "device"]
         if not cold:
             return 0
@@ -177,7 +184,10 @@ class BlockManager:
             fit = min(len(cold), spare // self.num_layers)
             cold = cold[:fit]
             fresh = self._take(fit * self.num_layers, max_score=max_score)
-            self._move(cold, self.device, fresh)
+            if layerwise:
+                self._defer(cold, fresh)
+            else:
+                self._move(cold, self.device, fresh)
         finally:
             for node in nodes:
                 self._let_go(node.node_id)
@@ -318,6 +328,43 @@ class BlockManager:
         """For the cache publisher: the nodes cached or moved, and those dropped, since it last asked."""
         changes, self.cache_changes = self.cache_changes or {}, {}
         return [n for n in changes.values() if n is not None], [i for i, n in changes.items() if n is None]
+
+    def _defer(self, nodes: list[CachedNode], fresh: list[int]) -> None:
+        """Give pinned cxl nodes their device blocks `fresh` now, the copy into them left to the step
+        (layer_loads); each stays pinned, its cxl blocks kept, until loads_done."""
+        for i, node in enumerate(nodes):
+            self.pending_loads.append((node, node.blocks))
+            node.blocks = fresh[i * self.num_layers:(i + 1) * self.num_layers]
+            for block in node.blocks:
+                self.device.decref(block)
+            self._named["device"].update(node.blocks)
+            node.tier = "device"
+            self.moved_nodes["device"] += 1
+            self._changed(node)
+            self._pin(node)
+
+    def layer_loads(self) -> list[tuple[list[int], list[int]]] | None:
+        """The pending reloads, per layer: (cxl blocks, device blocks); None when there are none."""
+        if not self.pending_loads:
+            return None
+        return [([sources[layer] for _, sources in self.pending_loads],
+                 [node.blocks[layer] for node, _ in self.pending_loads]) for layer in range(self.num_layers)]
+
+    def loads_done(self) -> None:
+        """The step copied every pending reload: free their cxl blocks and unpin the nodes."""
+        cxl = self.pools["cxl"] if self.pending_loads else None
+        for node, sources in self.pending_loads:
+            for block in sources:
+                self._named["cxl"].discard(block)
+                cxl.release(block)
+            self._let_go(node.node_id)
+        self.pending_loads = []
+
+    def flush_loads(self) -> None:
+        """Copy every pending reload now (a step that runs no model), then as loads_done."""
+        for sources, targets in self.layer_loads() or []:
+            self.copy(self.pools["cxl"], sources, self.device, targets)
+        self.loads_done()
 
     def _drop_node(self, node: CachedNode) -> None:
         self._changed(node, dropped=True)

@@ -248,15 +248,20 @@ class Engine:
                 request.kv_deadline = now + self.kv_lease_s
             self.on_pull(request)
         if not plan.chunks:
+            self.blocks.flush_loads()
             return []
         sampling = [c for c in plan.chunks if c.samples]
         # Push mode: prompts that finish in this step write each layer's KV out as the layer is done.
         pushing = [c.request for c in sampling if c.request.push is not None]
         self.runner.model.after_layer = self._pusher(pushing) if pushing else None
+        loads = self.blocks.layer_loads()
+        reloads = None if loads is None else [(self.blocks.pools["cxl"], sources, self.blocks.device, targets)
+                                              for sources, targets in loads]
         try:
-            logits = self.runner.run(plan.chunks)
+            logits = self.runner.run(plan.chunks, reloads)
         finally:
             self.runner.model.after_layer = None
+            self.blocks.loads_done()
         failed = {r.request_id: error for r in pushing if (error := r.push.wait()) is not None}
         tokens, logprobs = sample(logits, [c.request.sampling for c in sampling],
                                   [c.request.generator for c in sampling]) if sampling else ([], [])

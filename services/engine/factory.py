@@ -20,7 +20,7 @@ from kvmesh.policies.offload.plan import OffloadParams
 from .block_manager import BlockManager
 from .engine import Engine
 from .kv_pool import BlockShape, KVPool
-from .layer_staging import ChunkedCopier, LayerStaging
+from .layer_staging import ChunkedCopier, LayerStaging, SideCopies
 from .reuse import Reuse, WindowParams
 from .model_runner import ModelRunner
 from .models import PRESETS, build_preset, load_checkpoint
@@ -133,7 +133,11 @@ def build_engine(config: EngineConfig) -> Engine:
     if staging:
         blocks.copy = ChunkedCopier(chunk_blocks=config.layer_copy_chunk_blocks)
         layer_staging = LayerStaging(pools["device"], pools["cxl"], blocks.copy, config.layer_copy_thread)
-    runner = ModelRunner(model, pools["device"], spec.num_layers, spec.head_dim, layer_staging)
+    reloads = None
+    if blocks.cache_cxl:  # CaR: reloads at a request's turn copy layer by layer inside its step
+        blocks.layerwise_reload = True
+        reloads = SideCopies(pools["device"].tensor.device, blocks.copy, config.layer_copy_thread)
+    runner = ModelRunner(model, pools["device"], spec.num_layers, spec.head_dim, layer_staging, reloads)
     engine = Engine(runner, blocks, scheduler, tokenizer, tuple(spec.eos_token_ids), engine_id=config.engine_id,
                     kv_lease_s=config.kv_lease_ms / 1e3, output_len_fallback=config.output_len_fallback or None)
     if wants_swap_profile(config, blocks):

@@ -161,6 +161,31 @@ class StagedStep:
         self._loads, self._writes = {}, []
 
 
+class LayerLoads:
+    """CaR III-C.1: a step's reloads of prefix-cache nodes, layer by layer, each layer's copy done
+    before that layer's attention. On a GPU (or a copy thread) every layer's copy starts with the
+    step, in layer order, and a layer waits only for its own: later layers load while earlier ones
+    compute. Inline on a CPU, each layer copies right before its attention."""
+
+    def __init__(self, side: SideCopies, copies: list[Copy]):
+        self.side, self.copies = side, copies
+        eager = side.stream is not None or side.worker is not None
+        self._handles = [side.start([copy]) for copy in copies] if eager else [None] * len(copies)
+
+    def wrap(self, attention: Callable) -> Callable:
+        def loaded(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if self._handles[layer] is None:
+                self._handles[layer] = self.side.start([self.copies[layer]])
+            self.side.wait(self._handles[layer])
+            return attention(layer, q, k, v)
+        return loaded
+
+    def finish(self) -> None:
+        """Wait for every layer's copy (those of layers the step never reached are started now)."""
+        for layer, handle in enumerate(self._handles):
+            self.side.settle(handle if handle is not None else self.side.start([self.copies[layer]]))
+
+
 class LayerStaging:
     """The staging area of a device pool and the copies in and out of it."""
 

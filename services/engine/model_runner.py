@@ -17,16 +17,17 @@ import torch
 
 from .attention import StepAttention
 from .kv_pool import KVPool
-from .layer_staging import LayerStaging
+from .layer_staging import Copy, LayerLoads, LayerStaging, SideCopies
 from .request import Request
 from .scheduler import ScheduledChunk
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pool: KVPool, num_layers: int, head_dim: int,
-                 staging: LayerStaging | None = None):
+                 staging: LayerStaging | None = None, reload_side: SideCopies | None = None):
         self.model, self.pool, self.num_layers = model, pool, num_layers
         self.staging = staging  # LayerKV: where layers whose KV is in the cxl tier are computed
+        self.reload_side = reload_side  # CaR: what copies reloaded prefix-cache nodes in, layer by layer
         self.block_size = pool.shape.block_size
         self.scale = head_dim ** -0.5
         self.device = pool.tensor.device
@@ -34,8 +35,9 @@ class ModelRunner:
         self._tables: tuple[list[np.ndarray], np.ndarray] = ([], np.zeros(0))  # last step's rows and tables
 
     @torch.inference_mode()
-    def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        """Compute every chunk; logits [n, vocab] (float32) of the chunks that sample, in order."""
+    def run(self, chunks: Sequence[ScheduledChunk], reloads: list[Copy] | None = None) -> torch.Tensor:
+        """Compute every chunk; logits [n, vocab] (float32) of the chunks that sample, in order.
+        `reloads`: one copy a layer into the device pool, each made before that layer's attention."""
         requests = [c.request for c in chunks]
         lengths = [c.num_tokens for c in chunks]
         query_start = np.array([0, *accumulate(lengths)], dtype=np.int32)
@@ -56,14 +58,17 @@ class ModelRunner:
         step = StepAttention(self.pool.tensor, torch.from_numpy(tables).to(device), torch.from_numpy(slots).to(device),
                          torch.from_numpy((starts + lengths).astype(np.int32)).to(device),
                          torch.from_numpy(query_start).to(device), self.scale)
-        if staged is None:
-            hidden = self.model(torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device), step)
-        else:
-            try:
-                hidden = self.model(torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device),
-                                    staged.wrap(step))
-            finally:
-                staged.finish()
+        attention, around = step, []   # the copies each layer's attention waits for, and their ends
+        if staged is not None:
+            attention, around = staged.wrap(attention), [staged]
+        if reloads is not None:
+            loading = LayerLoads(self.reload_side, reloads)
+            attention, around = loading.wrap(attention), [loading, *around]
+        try:
+            hidden = self.model(torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device), attention)
+        finally:
+            for copies in around:
+                copies.finish()
         samples = [c.samples for c in chunks]
         if num_tokens > len(chunks) or not all(samples):  # else each chunk is one sampling token: every row
             last = query_start[1:][samples] - 1

@@ -34,14 +34,16 @@ def turns(n: int, seed: int, length: int = 40) -> list[list[int]]:
     return [torch.randint(10, 200, (length,), generator=generator).tolist() for _ in range(n)]
 
 
-@pytest.mark.parametrize("admission", ["car", "fcfs"])
-def test_a_conversation_reusing_nodes_from_the_cxl_tier_answers_as_recomputing_does(tiny_checkpoint, admission):
+@pytest.mark.parametrize("admission,thread", [("car", False), ("fcfs", False), ("fcfs", True)])
+def test_a_conversation_reusing_nodes_from_the_cxl_tier_answers_as_recomputing_does(tiny_checkpoint, admission,
+                                                                                    thread):
     recompute = engine_for(tiny_checkpoint, prefix_caching=False)
     # A device tier of about one conversation's context: earlier turns' nodes go to the cxl tier
     # while other conversations run, and come back for the next turn: prefetched from the window
-    # (car), or reloaded when the request is admitted (fcfs).
+    # (car), or reloaded layer by layer in the step of the request that hits them (fcfs; its
+    # copies inline, or started at once on a copy thread).
     car = engine_for(tiny_checkpoint, policies={**CAR, "prefill_admission": admission}, prefix_cache_cxl=True,
-                     device_blocks=4 * 24, cxl_blocks=4 * 96)
+                     device_blocks=4 * 24, cxl_blocks=4 * 96, layer_copy_thread=thread)
     talks = [turns(4, seed) for seed in range(3)]
     expected = [conversation(recompute, talk) for talk in talks]
     got = [[], [], []]
@@ -145,4 +147,19 @@ def test_a_prefetch_uses_only_room_no_live_request_will_reuse(tiny_checkpoint):
     assert blocks.reload(cold) == 3                         # at the request's turn: whatever room it takes
     for node in wanted:
         node.score = 0
+    assert_all_blocks_free(engine)
+
+
+def test_reloads_left_pending_by_a_step_that_runs_nothing_are_copied_then(tiny_checkpoint):
+    engine = engine_for(tiny_checkpoint, prefix_cache_cxl=True)
+    blocks = engine.blocks
+    run_all(engine, turns(1, seed=15, length=64), GREEDY)
+    nodes = list(blocks.cached.values())
+    before = {n.node_id: digest(blocks.device.tensor[n.blocks]) for n in nodes}
+    blocks._evict("device", len(nodes))
+    assert blocks.reload(nodes, layerwise=True) == len(nodes)   # as a request whose admission then fell through
+    assert all(n.tier == "device" and n.node_id not in blocks.evictable for n in nodes)   # pinned while pending
+    engine.step()                                               # nothing to run: the copies are made now
+    assert blocks.pending_loads == [] and all(n.node_id in blocks.evictable for n in nodes)
+    assert {n.node_id: digest(blocks.device.tensor[n.blocks]) for n in nodes} == before
     assert_all_blocks_free(engine)
