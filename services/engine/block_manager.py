@@ -248,6 +248,7 @@ class BlockManager:
         or was sent to run); forget_scores takes it all back when the request ends."""
         for node in nodes:
             node.score += amount
+            self._changed(node)
             earlier, given = request.scores.get(node.node_id, (node, 0))
             # What it gave a node of the same content since evicted went with that node.
             request.scores[node.node_id] = node, (given if earlier is node else 0) + amount
@@ -258,6 +259,7 @@ class BlockManager:
         for node_id, (node, given) in request.scores.items():
             if self.cached.get(node_id) is node:
                 node.score -= given
+                self._changed(node)
         request.scores = {}
 
     def offload_idle(self) -> int:

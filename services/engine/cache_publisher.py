@@ -1,7 +1,7 @@
 """Keeps kvmeta's cache table in step with this engine's prefix cache (CaR III-B.1's table, shared:
-what the scheduler's prefix-aware routing reads). Every `interval_s` it publishes the nodes cached
-or moved between tiers since the last time and evicts those dropped; when kvmeta has forgotten the
-engine (its registration expired, Redis lost its data) it publishes every node again."""
+what the scheduler's prefix-aware routing reads). Every `interval_s` it publishes the nodes cached,
+moved between tiers or rescored since the last time and evicts those dropped; when kvmeta has
+forgotten the engine (its registration expired, Redis lost its data) it publishes every node again."""
 
 from __future__ import annotations
 

@@ -123,6 +123,7 @@ def test_the_journal_tells_the_publisher_what_was_cached_moved_and_dropped(tiny_
     run_all(engine, turns(1, seed=12, length=48), GREEDY)
     cached, dropped = blocks.take_cache_changes()
     assert {n.tier for n in cached} == {"device"} and len(cached) == 3 and dropped == []
+    assert {n.score for n in cached} == {0}   # rescored when its request ended: published with it
     blocks._evict("device", 3)
     cached, _ = blocks.take_cache_changes()
     assert {n.tier for n in cached} == {"cxl"} and len(cached) == 3
