@@ -31,6 +31,12 @@ class EngineView:
     load: EngineLoad
     block_size: int
     cached_blocks: int = 0    # leading blocks of this prompt the engine holds (kvmeta's cache table)
+    cached_device_blocks: int | None = None  # of those, in its device tier (CaR); None: all of them
+
+    @property
+    def cached_cxl_blocks(self) -> int:
+        """Of the cached blocks, those in the cxl tier: a reload away."""
+        return 0 if self.cached_device_blocks is None else self.cached_blocks - self.cached_device_blocks
 
 
 @dataclass(frozen=True, slots=True)

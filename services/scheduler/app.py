@@ -76,13 +76,14 @@ def build_service(config: Config) -> Service:
         if not cluster.synced.is_set():
             raise ServiceUnavailable(f"no worker snapshot from kvmeta at {config.kvmeta_url} yet")
 
-    async def cached_blocks(body: RouteRequest) -> dict[str, int]:
-        """Leading blocks of the prompt each engine that could prefill it holds; {} if kvmeta cannot say.
+    async def cached_blocks(body: RouteRequest) -> dict[str, tuple[int, int]]:
+        """Leading blocks of the prompt each engine that could prefill it holds, and of those how many
+        in its device tier; {} if kvmeta cannot say.
         Looked up whatever the policy, so every route reports what its prefill engine will reuse
         (one kvmeta call, under a millisecond)."""
         sizes = {m.info.geometry.block_size for m in cluster.members.values()
                  if m.info.model == body.model and m.info.role != "decode"}
-        cached: dict[str, int] = {}
+        cached: dict[str, tuple[int, int]] = {}
         for size in sorted(sizes):
             ids = node_ids(body.prompt_token_ids, size, body.model)
             if not ids:
@@ -93,7 +94,8 @@ def build_service(config: Config) -> Service:
                 log.warning("routing without the cache table: %s", exc)
                 return {}
             holders = {engine_id for engine_id, m in cluster.members.items() if m.info.geometry.block_size == size}
-            cached.update({match.engine: match.blocks for match in matches if match.engine in holders})
+            cached.update({match.engine: (match.blocks, match.device_blocks) for match in matches
+                           if match.engine in holders})
         return cached
 
     @service.route("POST", "/v1/route", body=RouteRequest, response=Route)

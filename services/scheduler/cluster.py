@@ -80,12 +80,15 @@ class LiveCluster:
 
     # -- what routing reads and writes ------------------------------------------------------------
 
-    def views(self, cached: dict[str, int]) -> list[EngineView]:
+    def views(self, cached: dict[str, tuple[int, int]]) -> list[EngineView]:
+        """What routing sees of each member; `cached`: its leading blocks of the prompt, and of those
+        how many are in its device tier."""
         return [EngineView(id=m.info.id, role=m.info.role, model=m.info.model, block_size=m.info.geometry.block_size,
                            load=EngineLoad(free_device_blocks=m.free_device_blocks(),
                                            total_device_blocks=m.info.capacity.device_blocks,
                                            waiting=m.load.waiting + m.routed, running=m.load.running),
-                           cached_blocks=cached.get(m.info.id, 0))
+                           cached_blocks=cached.get(m.info.id, (0, 0))[0],
+                           cached_device_blocks=cached.get(m.info.id, (0, 0))[1])
                 for m in self.members.values()]
 
     def routed(self, engine_id: str, prompt_tokens: int) -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from kvmesh.policies.routing import registry
 from kvmesh.policies.routing.least_loaded import least_loaded
-from kvmesh.policies.routing.prefix_aware import prefix_aware
+from kvmesh.policies.routing.prefix_aware import prefix_aware, score
 from kvmesh.policies.routing.round_robin import round_robin
 from kvmesh.policies.routing.views import EngineLoad, EngineView, RouteDecision, RouteQuery, RoutingState
 
@@ -14,8 +14,9 @@ ALL = [round_robin, least_loaded, prefix_aware]
 
 
 def engine(engine_id: str, role: str = "prefill", *, free: int = 100, total: int = 100, waiting: int = 0,
-           running: int = 0, cached: int = 0, model: str = "tiny") -> EngineView:
+           running: int = 0, cached: int = 0, model: str = "tiny", on_device: int | None = None) -> EngineView:
     return EngineView(id=engine_id, role=role, model=model, block_size=16, cached_blocks=cached,
+                      cached_device_blocks=on_device,
                       load=EngineLoad(free_device_blocks=free, total_device_blocks=total, waiting=waiting,
                                       running=running))
 
@@ -78,6 +79,17 @@ def test_prefix_aware_prefers_the_engine_holding_the_longest_prefix():
     engines[1] = engine("p1", cached=6, free=90)
     decision, _ = route(prefix_aware, engines, prompt_tokens=128)
     assert (decision.prefill, decision.cached_blocks) == ("p1", 6)
+
+
+def test_prefix_aware_weighs_blocks_in_the_cxl_tier_a_reload_below_those_on_the_device():
+    # 8 blocks of 16 tokens: all on the device, 128; 2 on the device and 6 in cxl, 32 + 0.95 * 96 = 123.2
+    device, cxl = engine("p0", cached=8, on_device=8), engine("p1", cached=8, on_device=2)
+    more = engine("p2", cached=9, on_device=0)
+    assert score(device, 128) == pytest.approx(128) and score(cxl, 128) == pytest.approx(123.2)
+    decision, _ = route(prefix_aware, [cxl, device, engine("d0", "decode")], prompt_tokens=128)
+    assert decision.prefill == "p0"
+    decision, _ = route(prefix_aware, [device, more, engine("d0", "decode")], prompt_tokens=160)
+    assert decision.prefill == "p2"   # 0.95 * 144 = 136.8 > 128: a longer prefix a reload away still wins
 
 
 def test_prefix_aware_leaves_the_prefix_when_its_holder_is_much_busier():
