@@ -314,17 +314,29 @@ class BlockManager:
             for block in node.blocks:
                 self._named[source.tier].discard(block)
                 source.release(block)
-            node.blocks = fresh[i * self.num_layers:(i + 1) * self.num_layers]
-            for block in node.blocks:
-                target.decref(block)   # named, not held: a cached node's blocks have no references
-            self._named[target.tier].update(node.blocks)
-            node.tier = target.tier   # pinned: idle again, in this tier, when let go
-            self.moved_nodes[target.tier] += 1
-            self._changed(node)
+            self._rehome(node, target, fresh[i * self.num_layers:(i + 1) * self.num_layers])
+
+    def _rehome(self, node: CachedNode, target: KVPool, blocks: list[int]) -> None:
+        """A pinned node's blocks are now `blocks` of `target` (just allocated; its old ones are the
+        caller's); idle again, in this tier, when let go."""
+        node.blocks = blocks
+        for block in blocks:
+            target.decref(block)   # named, not held: a cached node's blocks have no references
+        self._named[target.tier].update(blocks)
+        node.tier = target.tier
+        self.moved_nodes[target.tier] += 1
+        self._changed(node)
 
     def _changed(self, node: CachedNode, dropped: bool = False) -> None:
         if self.cache_changes is not None:
             self.cache_changes[node.node_id] = None if dropped else node
+
+    def note_cache_changes(self, node_ids: Iterable[str]) -> None:
+        """Journal these nodes again as they are now (cached, or dropped), unless newer news is there:
+        for the publisher, when sending them failed."""
+        if self.cache_changes is not None:
+            for node_id in node_ids:
+                self.cache_changes.setdefault(node_id, self.cached.get(node_id))
 
     def take_cache_changes(self) -> tuple[list[CachedNode], list[str]]:
         """For the cache publisher: the nodes cached or moved, and those dropped, since it last asked."""
@@ -336,36 +348,31 @@ class BlockManager:
         (layer_loads); each stays pinned, its cxl blocks kept, until loads_done."""
         for i, node in enumerate(nodes):
             self.pending_loads.append((node, node.blocks))
-            node.blocks = fresh[i * self.num_layers:(i + 1) * self.num_layers]
-            for block in node.blocks:
-                self.device.decref(block)
-            self._named["device"].update(node.blocks)
-            node.tier = "device"
-            self.moved_nodes["device"] += 1
-            self._changed(node)
+            self._rehome(node, self.device, fresh[i * self.num_layers:(i + 1) * self.num_layers])
             self._pin(node)
 
-    def layer_loads(self) -> list[tuple[list[int], list[int]]] | None:
-        """The pending reloads, per layer: (cxl blocks, device blocks); None when there are none."""
+    def layer_loads(self) -> list[tuple[KVPool, list[int], KVPool, list[int]]] | None:
+        """The pending reloads as one copy a layer (cxl pool and blocks, device pool and blocks);
+        None when there are none."""
         if not self.pending_loads:
             return None
-        return [([sources[layer] for _, sources in self.pending_loads],
+        cxl = self.pools["cxl"]
+        return [(cxl, [sources[layer] for _, sources in self.pending_loads], self.device,
                  [node.blocks[layer] for node, _ in self.pending_loads]) for layer in range(self.num_layers)]
 
     def loads_done(self) -> None:
         """The step copied every pending reload: free their cxl blocks and unpin the nodes."""
-        cxl = self.pools["cxl"] if self.pending_loads else None
         for node, sources in self.pending_loads:
             for block in sources:
                 self._named["cxl"].discard(block)
-                cxl.release(block)
+                self.pools["cxl"].release(block)
             self._let_go(node.node_id)
         self.pending_loads = []
 
     def flush_loads(self) -> None:
         """Copy every pending reload now (a step that runs no model), then as loads_done."""
-        for sources, targets in self.layer_loads() or []:
-            self.copy(self.pools["cxl"], sources, self.device, targets)
+        for copy in self.layer_loads() or []:
+            self.copy(*copy)
         self.loads_done()
 
     def _drop_node(self, node: CachedNode) -> None:

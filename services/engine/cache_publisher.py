@@ -1,7 +1,8 @@
 """Keeps kvmeta's cache table in step with this engine's prefix cache (CaR III-B.1's table, shared:
 what the scheduler's prefix-aware routing reads). Every `interval_s` it publishes the nodes cached,
-moved between tiers or rescored since the last time and evicts those dropped; when kvmeta has
-forgotten the engine (its registration expired, Redis lost its data) it publishes every node again."""
+moved between tiers or rescored since the last time and evicts those dropped (what it could not
+send goes back in the journal); when kvmeta has forgotten the engine (its registration expired,
+Redis lost its data) it publishes every node again."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from kvmesh.libs.controlplane import KvmeshError, cancel_and_wait
 from kvmesh.libs.kvmeta.client import KvmetaClient
 from kvmesh.libs.kvmeta.messages import MAX_ITEMS, CacheEntry
 
-from .block_manager import CachedNode
 from .engine import EngineLoop
 
 log = logging.getLogger(__name__)
@@ -36,27 +36,39 @@ class CachePublisher:
 
     async def republish(self) -> None:
         """Everything cached, for a kvmeta that has forgotten this engine (WorkerPresence.on_register)."""
-        nodes = await self._on_engine(lambda: list(self.loop.engine.blocks.cached.values()))
-        await self._send(nodes, [])
+        entries = await self._on_engine(lambda: self._entries(self.loop.engine.blocks.cached.values()))
+        await self._send(entries, [])
 
     async def flush(self) -> None:
-        nodes, dropped = await self._on_engine(self.loop.engine.blocks.take_cache_changes)
-        await self._send(nodes, dropped)
+        def take() -> tuple[list[CacheEntry], list[str]]:
+            nodes, dropped = self.loop.engine.blocks.take_cache_changes()
+            return self._entries(nodes), dropped
+        entries, dropped = await self._on_engine(take)
+        try:
+            await self._send(entries, dropped)
+        except KvmeshError:
+            # Journalled again as they are now, for the next flush.
+            ids = [e.node_id for e in entries] + dropped
+            await self._on_engine(lambda: self.loop.engine.blocks.note_cache_changes(ids))
+            raise
 
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
                 await self.flush()
-            except KvmeshError as exc:  # kvmeta is away: these changes wait for the republish on return
+            except KvmeshError as exc:
                 log.warning("publishing the cache table failed: %s", exc)
+
+    def _entries(self, nodes) -> list[CacheEntry]:
+        """kvmeta's rows of `nodes`, read on the engine thread (their tier and score change there)."""
+        return [CacheEntry(node_id=n.node_id, tier=n.tier, size=self.node_bytes, score=float(n.score)) for n in nodes]
 
     async def _on_engine(self, read):
         """Run `read` on the engine thread, between steps."""
         return await asyncio.wrap_future(self.loop.call(lambda: (read(), [])))
 
-    async def _send(self, nodes: list[CachedNode], dropped: list[str]) -> None:
-        entries = [CacheEntry(node_id=n.node_id, tier=n.tier, size=self.node_bytes, score=float(n.score)) for n in nodes]
+    async def _send(self, entries: list[CacheEntry], dropped: list[str]) -> None:
         for start in range(0, len(entries), MAX_ITEMS):
             await self.kvmeta.publish(self.engine_id, entries[start:start + MAX_ITEMS])
         for start in range(0, len(dropped), MAX_ITEMS):

@@ -254,11 +254,8 @@ class Engine:
         # Push mode: prompts that finish in this step write each layer's KV out as the layer is done.
         pushing = [c.request for c in sampling if c.request.push is not None]
         self.runner.model.after_layer = self._pusher(pushing) if pushing else None
-        loads = self.blocks.layer_loads()
-        reloads = None if loads is None else [(self.blocks.pools["cxl"], sources, self.blocks.device, targets)
-                                              for sources, targets in loads]
         try:
-            logits = self.runner.run(plan.chunks, reloads)
+            logits = self.runner.run(plan.chunks, self.blocks.layer_loads())
         finally:
             self.runner.model.after_layer = None
             self.blocks.loads_done()

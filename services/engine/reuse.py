@@ -22,7 +22,7 @@ from kvmesh.policies.cache.prefetch import fetch
 from kvmesh.policies.cache.replacement import RUN_SCORE, WINDOW_SCORE
 from kvmesh.policies.scheduling.car import fill_window
 
-from .block_manager import BlockManager, copy_blocks
+from .block_manager import BlockManager, CachedNode, copy_blocks
 from .request import Request
 
 
@@ -41,13 +41,14 @@ class Reuse:
     def before_admission(self, waiting: list[Request], running: list[Request], now: float, views, tpop_s: float):
         """Look the waiting requests' prefixes up, top the window up, prefetch; `views` turns
         requests into RequestViews (the scheduler's)."""
+        prefixes = {request.request_id: self.blocks.cached_prefix(request) for request in waiting}
         for request in waiting:
-            request.cache_hits = self._hits(request)
+            request.cache_hits = _hits(prefixes[request.request_id])
         entering = set(fill_window(views(waiting), self.params.size, now, self.params.max_wait_s))
         for request in waiting:
             if request.request_id in entering:
                 request.window_since = now
-                self.blocks.add_score(request, self.blocks.cached_prefix(request), WINDOW_SCORE)
+                self.blocks.add_score(request, prefixes[request.request_id], WINDOW_SCORE)
         if not self.blocks.cache_cxl:
             return
         block_bytes = self.blocks.device.shape.bytes * self.blocks.num_layers
@@ -57,8 +58,9 @@ class Reuse:
                 continue
             size = request.cache_hits[1] * block_bytes
             if fetch(running_views, now, tpop_s, size, self.bandwidth):
-                self.prefetched += self.blocks.reload(self.blocks.cached_prefix(request), spare_only=True)
-                request.cache_hits = self._hits(request)
+                prefix = self.blocks.cached_prefix(request)   # afresh: an earlier prefetch may have moved nodes
+                self.prefetched += self.blocks.reload(prefix, spare_only=True)
+                request.cache_hits = _hits(prefix)   # reloaded nodes changed tier in place
 
     def admitted(self, request: Request) -> None:
         """The request is sent to run for the first time: RUN_SCORE to the nodes it holds (and
@@ -66,11 +68,11 @@ class Reuse:
         held = [self.blocks.cached[node_id] for node_id in request.cached_nodes]
         self.blocks.add_score(request, held, RUN_SCORE + (WINDOW_SCORE if request.window_since is None else 0))
 
-    def _hits(self, request: Request) -> tuple[int, int]:
-        """Leading blocks of its prefix cached on the device, then how many after them in the cxl tier."""
-        tiers = [node.tier for node in self.blocks.cached_prefix(request)]
-        device = next((i for i, tier in enumerate(tiers) if tier != "device"), len(tiers))
-        return device, len(tiers) - device
+
+def _hits(prefix: list[CachedNode]) -> tuple[int, int]:
+    """Leading blocks of a cached prefix on the device, then how many after them (some in the cxl tier)."""
+    device = next((i for i, node in enumerate(prefix) if node.tier != "device"), len(prefix))
+    return device, len(prefix) - device
 
 
 def link_bandwidth(blocks: BlockManager, n: int = 32, repeats: int = 5) -> float:

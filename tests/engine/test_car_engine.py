@@ -127,6 +127,8 @@ def test_the_journal_tells_the_publisher_what_was_cached_moved_and_dropped(tiny_
     blocks._evict("device", 3)
     cached, _ = blocks.take_cache_changes()
     assert {n.tier for n in cached} == {"cxl"} and len(cached) == 3
+    blocks.note_cache_changes([cached[0].node_id])   # a send that failed: journalled again as it is now
+    assert blocks.take_cache_changes() == ([cached[0]], [])
     blocks.clear_cache()
     assert blocks.take_cache_changes() == ([], [n.node_id for n in cached])
     assert_all_blocks_free(engine)
