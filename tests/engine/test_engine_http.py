@@ -243,6 +243,12 @@ async def test_the_engine_publishes_its_prefix_cache_to_kvmeta(kvmeta: Kvmeta, t
             assert match[0].blocks == 4   # all still cached here, 3 in the cxl tier
             table = await engine.call("GET", "/v1/cache", params={"tier": "cxl"}, into=dict)
             assert len(table["entries"]) == 3 and not table["entries"][0]["valid_in_gpu"]
+            for _ in range(50):   # the state is published between steps: after the last one, soon
+                state = await engine.call("GET", "/v1/state", into=EngineState)
+                if state.free_blocks == state.total_blocks:
+                    break
+                await asyncio.sleep(0.1)
+            assert state.free_blocks == state.total_blocks
     finally:
         child.stop()
 
