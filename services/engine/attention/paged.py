@@ -42,8 +42,13 @@ def write_kv(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping:
 
 
 def paged_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                    query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of each sequence's new queries to its whole context in the pool: [T, Hq, D]."""
+                    query_start_loc: torch.Tensor, scale: float, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new queries to its whole context in the pool: [T, Hq, D].
+
+    valid, bool [num_blocks, block_size] (contiguous, on the pool's device), masks keys out: the key
+    in block b at offset o takes part only where valid[b, o] is True. Masked slots must hold finite
+    values, and each query's own key must be kept.
+    """
     _check_pool(pool)
     q_shape, pool_shape = q.shape, pool.shape
     if len(q_shape) != 3 or q_shape[2] != pool_shape[4] or q_shape[1] % pool_shape[3]:
@@ -62,11 +67,13 @@ def paged_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Tens
         raise ValueError(f"paged_attention: query_start_loc must be int32 [{num_seqs + 1}], got "
                          f"{query_start_loc.dtype} {tuple(query_start_loc.shape)}")
     _check_device(pool, q)
+    if valid is not None:
+        _check_valid(pool, valid)
     kernel = _kernel() if pool.is_cpu else None  # the kernel checks that its index tensors are on the CPU too
     if kernel is not None:
         return kernel.paged_attention(_token_rows(q), pool, block_table.contiguous(), seq_lens.contiguous(),
-                                      query_start_loc.contiguous(), float(scale))
-    return _torch_paged_attention(q, pool, block_table, seq_lens, query_start_loc, float(scale))
+                                      query_start_loc.contiguous(), float(scale), valid)
+    return _torch_paged_attention(q, pool, block_table, seq_lens, query_start_loc, float(scale), valid)
 
 
 class StepAttention:
@@ -75,12 +82,14 @@ class StepAttention:
     The step's index tensors (per-layer tables and slots, shared lengths) and q/k/v's shapes and
     dtypes are the same in every layer, so the first layer's call checks them all and later layers
     go straight to the kernel: eight checked calls cost ~50 us a step, a fair share of a decode step.
+    valid (see paged_attention) masks keys in every layer.
     """
 
     def __init__(self, pool: torch.Tensor, block_tables: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
-                 query_start_loc: torch.Tensor, scale: float):
+                 query_start_loc: torch.Tensor, scale: float, valid: torch.Tensor | None = None):
         self.pool, self.block_tables, self.slots = pool, block_tables, slots
         self.seq_lens, self.query_start_loc, self.scale = seq_lens, query_start_loc, float(scale)
+        self.valid = valid
         self._kernel = None  # set once the first layer has passed the checks
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -88,7 +97,7 @@ class StepAttention:
         if kernel is None:
             write_kv(self.pool, k, v, self.slots[layer])
             out = paged_attention(q, self.pool, self.block_tables[layer], self.seq_lens, self.query_start_loc,
-                                  self.scale)
+                                  self.scale, self.valid)
             self._kernel = _kernel() if self.pool.is_cpu else None
             if self._kernel is not None:  # the kernel reads each layer's row of these densely
                 self.block_tables, self.slots = self.block_tables.contiguous(), self.slots.contiguous()
@@ -96,7 +105,7 @@ class StepAttention:
             return out
         kernel.write_kv(self.pool, _token_rows(k), _token_rows(v), self.slots[layer])
         return kernel.paged_attention(_token_rows(q), self.pool, self.block_tables[layer], self.seq_lens,
-                                      self.query_start_loc, self.scale)
+                                      self.query_start_loc, self.scale, self.valid)
 
 
 def backend(device: torch.device | str = "cpu") -> str:
@@ -140,8 +149,17 @@ def _check_device(pool: torch.Tensor, tensor: torch.Tensor) -> None:
         raise ValueError(f"paged attention: tensors on {tensor.device}, the pool on {pool.device}")
 
 
+def _check_valid(pool: torch.Tensor, valid: torch.Tensor) -> None:
+    shape = (pool.shape[0], pool.shape[2])
+    if valid.dtype != torch.bool or valid.shape != shape or not valid.is_contiguous():
+        raise ValueError(f"paged_attention: valid must be a contiguous bool [{shape[0]}, {shape[1]}] (one entry "
+                         f"per pool slot), got {valid.dtype} {tuple(valid.shape)}"
+                         f"{'' if valid.is_contiguous() else ' not contiguous'}")
+    _check_device(pool, valid)
+
+
 def _torch_paged_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                           query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+                           query_start_loc: torch.Tensor, scale: float, valid: torch.Tensor | None) -> torch.Tensor:
     out = torch.empty_like(q)
     n_q = query_start_loc[1:] - query_start_loc[:-1]
     # Decodes batch without padding; prefill chunks are padded to the longest one among them.
@@ -149,12 +167,13 @@ def _torch_paged_attention(q: torch.Tensor, pool: torch.Tensor, block_table: tor
         seqs = group.nonzero().squeeze(1)
         if seqs.numel():
             _attend_padded(q, pool, block_table[seqs], seq_lens[seqs].long(), query_start_loc[seqs].long(),
-                           n_q[seqs].long(), scale, out)
+                           n_q[seqs].long(), scale, out, valid)
     return out
 
 
 def _attend_padded(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor,
-                   starts: torch.Tensor, n_q: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+                   starts: torch.Tensor, n_q: torch.Tensor, scale: float, out: torch.Tensor,
+                   valid: torch.Tensor | None) -> None:
     """SDPA over sequences gathered token by token from the pool and padded to the longest."""
     num_seqs, block_size, device = len(seq_lens), pool.shape[2], q.device
     max_len, max_q = int(seq_lens.max()), int(n_q.max())
@@ -162,18 +181,23 @@ def _attend_padded(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, seq
     # memory that could be NaN and poison 0 * V), and masked out anyway.
     positions = torch.arange(max_len, device=device)
     positions = torch.where(positions < seq_lens[:, None], positions, 0)
-    blocks = table.gather(1, positions // block_size).long()
-    k_rows = (blocks * (2 * block_size) + positions % block_size).flatten()
+    blocks, offsets = table.gather(1, positions // block_size).long(), positions % block_size
+    k_rows = (blocks * (2 * block_size) + offsets).flatten()
+    kept = None  # [S, 1, max_len]: the keys valid keeps, gathered like K
+    if valid is not None:
+        kept = valid.view(-1).index_select(0, (blocks * block_size + offsets).flatten()).view(num_seqs, 1, max_len)
     rows = pool.view(-1, *pool.shape[3:])
     # index_select with flat indices: twice as fast as tensor indexing on CPU.
     k = rows.index_select(0, k_rows).view(num_seqs, max_len, *rows.shape[1:]).transpose(1, 2)
     v = rows.index_select(0, k_rows + block_size).view(num_seqs, max_len, *rows.shape[1:]).transpose(1, 2)
 
     index = torch.arange(max_q, device=device)
-    valid = index < n_q[:, None]
-    q_rows = torch.where(valid, starts[:, None] + index, starts[:, None])  # [S, max_q]
+    real = index < n_q[:, None]   # [S, max_q]: padding past a sequence's queries is not
+    q_rows = torch.where(real, starts[:, None] + index, starts[:, None])  # [S, max_q]
     queries = q.index_select(0, q_rows.flatten()).view(num_seqs, max_q, *q.shape[1:]).transpose(1, 2)
     query_pos = seq_lens[:, None] - n_q[:, None] + index
     mask = torch.arange(max_len, device=device) <= query_pos[:, :, None]  # [S, max_q, max_len]
+    if kept is not None:
+        mask &= kept
     o = F.scaled_dot_product_attention(queries, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
-    out[q_rows[valid]] = o.transpose(1, 2)[valid]
+    out[q_rows[real]] = o.transpose(1, 2)[real]

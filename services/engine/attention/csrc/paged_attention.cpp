@@ -13,6 +13,8 @@
 //  - many rows (prefill tiles): rows in vector lanes, so no horizontal sums at all; bf16 blocks
 //    (and head_dims that are not whole pairs of vectors) are widened into a per-thread buffer,
 //    once per block for all rows.
+// An optional mask (valid, one bool per pool slot) drops keys: their scores become -inf before the
+// softmax, so they get probability 0 (their K/V rows must be finite, as 0 * V must be 0).
 // Items are handed out to at::parallel_for's threads dynamically, largest first.
 // Needs GCC >= 12 or Clang (vector extensions with __builtin_shufflevector), little-endian.
 #include <torch/extension.h>
@@ -28,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -260,17 +263,32 @@ HOT inline void row_scores(const Q* q, const E* k, const int64_t* off, int64_t n
   }
 }
 
+// 0 for each of W kept keys, -inf for the others.
+typedef uint8_t vbyte __attribute__((vector_size(W)));
+HOT inline vfloat kept_bias(const bool* kept) {
+  vbyte b;
+  std::memcpy(&b, kept, sizeof b);
+  return __builtin_convertvector(b, vint) != 0 ? splat(0.0f) : splat(kNegInf);
+}
+
+// s += bias over n scores (a multiple of W): the keys bias masks (-inf) drop out.
+HOT inline void add_bias(float* s, const float* bias, int64_t n) {
+  for (int64_t c = 0; c < n; c += W) store(s + c, load(s + c) + load(bias + c));
+}
+
 // One online-softmax step of a row over n scores (a multiple of W): s becomes p = exp(s - m'),
 // m becomes m' and l is rescaled and grown; returns the rescaling alpha = exp(m - m') of acc.
-// m' is finite: every row sees key 0, in its first tile.
+// Without a mask m' is finite (every row sees key 0, in its first tile); with one it stays -inf
+// while all the keys a row has seen are masked, and exponentiating against 0 instead then gives
+// p = 0 and alpha = 0 (acc and l are still 0), not NaN.
 HOT inline float softmax_step(float* s, int64_t n, float& m, float& l) {
   vfloat mx = splat(m);
   for (int64_t c = 0; c < n; c += W) mx = vmax(mx, load(s + c));
-  const float m_new = hmax(mx);
-  const float alpha = vexp(splat(m - m_new))[0];  // 0 on the first tile (m = -inf)
+  const float m_new = hmax(mx), base = m_new == kNegInf ? 0.0f : m_new;
+  const float alpha = vexp(splat(m - base))[0];  // 0 on the first tile (m = -inf)
   vfloat sum{};
   for (int64_t c = 0; c < n; c += W) {
-    const vfloat p = vexp(load(s + c) - m_new);
+    const vfloat p = vexp(load(s + c) - base);
     store(s + c, p);
     sum += p;
   }
@@ -335,6 +353,7 @@ constexpr int64_t kKeyTile = 256;  // keys per online-softmax step of the few-ro
 // Per-thread buffers, kept across calls (the OpenMP threads persist) and grown on demand.
 struct Scratch {
   std::vector<float> q, acc, m, l, pos, alpha, scores, k, v;
+  std::vector<float> bias;           // a tile's keys: 0, or -inf where valid masks them
   std::vector<at::BFloat16> qb, pb;  // q and p in bf16, for AVX512-BF16
   std::vector<int64_t> off;          // where each key of a tile starts
   void reserve(int64_t rows, int64_t dp, int64_t block, int64_t heads) {
@@ -346,6 +365,7 @@ struct Scratch {
     grow(qb, rows * dp);
     grow(pb, rows * kKeyTile);
     grow(off, kKeyTile);
+    grow(bias, kKeyTile);
   }
   template <typename T>
   static void grow(std::vector<T>& b, int64_t n) {
@@ -370,6 +390,7 @@ struct PagedAttention {
   const int32_t* table;
   const int32_t* seq_lens;
   const int32_t* starts;
+  const bool* valid;  // [num_blocks][L]: whether each slot's key takes part; nullptr: all do
   int64_t M, L, Hq, Hkv, G, D;
   int64_t Dp;  // D rounded up to whole pairs of vectors; rows of other lengths are widened and padded
   float scale;
@@ -426,6 +447,7 @@ struct PagedAttention {
     for (int64_t t0 = 0; t0 < keys; t0 += kKeyTile) {
       const int64_t tb = std::min(kKeyTile, keys - t0), n = round_up(tb, 2 * W);
       const TileRows<E> tile = tile_rows<E>(it, t0, tb, n, sc);
+      if (valid) tile_bias(it, t0, tb, n, sc.bias.data());
       for (int64_t h = 0; h < it.heads; ++h) {
         const int64_t r0 = h * RG;
         for (int64_t r = r0; r < r0 + RG; ++r) {
@@ -434,6 +456,7 @@ struct PagedAttention {
             row_scores<decltype(NC)::value>(qs + r * Dp, tile.k + h * tile.head_stride, sc.off.data(), n, Dp,
                                             scale, float(t0), sc.pos[r], s);
           });
+          if (valid) add_bias(s, sc.bias.data(), n);
           sc.alpha[r] = softmax_step(s, n, sc.m[r], sc.l[r]);
 #if defined(__AVX512BF16__)
           if constexpr (native_bf16) to_bf16(s, sc.pb.data() + r * kKeyTile, n);
@@ -507,6 +530,18 @@ struct PagedAttention {
     }
   }
 
+  // bias[t] for the keys t0 .. t0 + n of the item's sequence: 0, or -inf where valid masks the
+  // key; 0 for the padding past tb.
+  void tile_bias(const Item& it, int64_t t0, int64_t tb, int64_t n, float* bias) const {
+    for (int64_t t = 0; t < tb;) {  // block by block
+      const int64_t p = t0 + t, end = std::min(tb, t + L - p % L);
+      const bool* kept = valid + int64_t(table[it.seq * M + p / L]) * L + p % L;
+      for (; t + W <= end; t += W, kept += W) store(bias + t, kept_bias(kept));
+      for (; t < end; ++t) bias[t] = *kept++ ? 0.0f : kNegInf;
+    }
+    std::fill(bias + tb, bias + n, 0.0f);
+  }
+
   // Many rows (prefill tiles of one KV head): rows in vector lanes, query-major (row r is query
   // it.begin + r / G and query head it.head * G + r % G), padded to whole vectors with copies of
   // the last row's position, which keeps their softmax finite. float blocks are read in place;
@@ -531,8 +566,10 @@ struct PagedAttention {
     const int64_t token_stride = Hkv * D;  // between consecutive tokens of one head in a block
     for (int64_t t0 = 0; t0 < keys; t0 += L) {
       const int64_t tb = std::min(L, keys - t0);
-      const scalar_t* kb = pool + (int64_t(table[it.seq * M + t0 / L]) * 2 * L * Hkv + it.head) * D;
+      const int64_t block = table[it.seq * M + t0 / L];
+      const scalar_t* kb = pool + (block * 2 * L * Hkv + it.head) * D;
       const scalar_t* vb = kb + L * token_stride;
+      const bool* kept = valid ? valid + block * L : nullptr;
       const float* k = sc.k.data();
       const float* v = sc.v.data();
       int64_t stride = Dp;
@@ -548,10 +585,10 @@ struct PagedAttention {
         }
       }
       switch (rp / W) {
-        case 1: lane_block<1>(k, v, stride, t0, tb, rows, sc); break;
-        case 2: lane_block<2>(k, v, stride, t0, tb, rows, sc); break;
-        case 3: lane_block<3>(k, v, stride, t0, tb, rows, sc); break;
-        default: lane_block<4>(k, v, stride, t0, tb, rows, sc); break;
+        case 1: lane_block<1>(k, v, stride, t0, tb, rows, kept, sc); break;
+        case 2: lane_block<2>(k, v, stride, t0, tb, rows, kept, sc); break;
+        case 3: lane_block<3>(k, v, stride, t0, tb, rows, kept, sc); break;
+        default: lane_block<4>(k, v, stride, t0, tb, rows, kept, sc); break;
       }
     }
 
@@ -563,10 +600,11 @@ struct PagedAttention {
     }
   }
 
-  // Many rows: RV vectors of rows in lanes; q is transposed to [D][RV * W].
+  // Many rows: RV vectors of rows in lanes; q is transposed to [D][RV * W]. kept: the block's
+  // entries of valid, or nullptr.
   template <int RV>
   void lane_block(const float* k, const float* v, int64_t stride, int64_t t0, int64_t tb, int64_t rows,
-                  Scratch& sc) const {
+                  const bool* kept, Scratch& sc) const {
     constexpr int64_t rp = RV * W;
     float* s = sc.scores.data();  // [tb][rp]
     vfloat pos[RV];
@@ -574,14 +612,19 @@ struct PagedAttention {
     int64_t t = 0;
     for (; t + 2 <= tb; t += 2) lane_scores<RV, 2>(sc.q.data(), rp, k + t * stride, stride, D, s + t * rp, t0 + t, pos);
     if (t < tb) lane_scores<RV, 1>(sc.q.data(), rp, k + t * stride, stride, D, s + t * rp, t0 + t, pos);
+    if (kept) {
+      for (t = 0; t < tb; ++t)
+        if (!kept[t]) std::fill(s + t * rp, s + (t + 1) * rp, kNegInf);
+    }
     for (int rv = 0; rv < RV; ++rv) {
       const vfloat m = load(sc.m.data() + rv * W);
       vfloat mx = m;
       for (t = 0; t < tb; ++t) mx = vmax(mx, load(s + t * rp + rv * W));
-      const vfloat alpha = vexp(m - mx);
+      const vfloat base = mx == splat(kNegInf) ? vfloat{} : mx;  // as in softmax_step
+      const vfloat alpha = vexp(m - base);
       vfloat sum{};
       for (t = 0; t < tb; ++t) {
-        const vfloat p = vexp(load(s + t * rp + rv * W) - mx);
+        const vfloat p = vexp(load(s + t * rp + rv * W) - base);
         store(s + t * rp + rv * W, p);
         sum += p;
       }
@@ -598,12 +641,13 @@ struct PagedAttention {
 
 template <typename scalar_t>
 void launch(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& table, const at::Tensor& seq_lens,
-            const at::Tensor& starts, double scale, at::Tensor& out) {
+            const at::Tensor& starts, const bool* valid, double scale, at::Tensor& out) {
   const int64_t S = table.size(0), L = pool.size(2), Hkv = pool.size(3), Hq = q.size(1), D = q.size(2);
   const int64_t G = Hq / Hkv, tile = std::max<int64_t>(1, kMaxRowVecs * W / G);
   const PagedAttention<scalar_t> pa{q.data_ptr<scalar_t>(), q.stride(0), pool.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
                                     table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), starts.data_ptr<int32_t>(),
-                                    table.size(1), L, Hq, Hkv, G, D, round_up(D, 2 * W), static_cast<float>(scale)};
+                                    valid, table.size(1), L, Hq, Hkv, G, D, round_up(D, 2 * W),
+                                    static_cast<float>(scale)};
   // Sequences with few rows (decodes) take all KV heads in one item, so that each block is read
   // front to back once; unless that leaves too few items to keep the threads busy.
   const int64_t threads = at::get_num_threads();
@@ -653,7 +697,7 @@ bool rows_contiguous(const at::Tensor& x) {
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& table, const at::Tensor& seq_lens,
-                  const at::Tensor& starts) {
+                  const at::Tensor& starts, const std::optional<at::Tensor>& valid) {
   TORCH_CHECK_VALUE(q.device().is_cpu() && pool.device().is_cpu() && table.device().is_cpu() &&
                         seq_lens.device().is_cpu() && starts.device().is_cpu(),
                     "paged_attention kernel: CPU tensors only");
@@ -668,6 +712,13 @@ void check_inputs(const at::Tensor& q, const at::Tensor& pool, const at::Tensor&
   const int64_t S = table.size(0), M = table.size(1), NB = pool.size(0), L = pool.size(2);
   TORCH_CHECK_VALUE(pool.size(1) == 2 && pool.size(4) == q.size(2), "paged_attention: pool shape does not match q");
   TORCH_CHECK_VALUE(q.size(1) % pool.size(3) == 0, "paged_attention: Hq must be a multiple of Hkv");
+  if (valid) {
+    TORCH_CHECK_VALUE(valid->device().is_cpu(), "paged_attention kernel: CPU tensors only");
+    TORCH_CHECK_VALUE(valid->scalar_type() == at::kBool && valid->dim() == 2 && valid->size(0) == NB &&
+                          valid->size(1) == L && valid->is_contiguous(),
+                      "paged_attention: valid must be a contiguous bool [", NB, ", ", L, "], got ",
+                      valid->scalar_type(), " ", valid->sizes());
+  }
   TORCH_CHECK_VALUE(seq_lens.numel() == S && starts.numel() == S + 1,
                     "paged_attention: seq_lens must have S and query_start_loc S + 1 entries");
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -689,13 +740,15 @@ void check_inputs(const at::Tensor& q, const at::Tensor& pool, const at::Tensor&
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& table,
-                           const at::Tensor& seq_lens, const at::Tensor& starts, double scale) {
-  check_inputs(q, pool, table, seq_lens, starts);
+                           const at::Tensor& seq_lens, const at::Tensor& starts, double scale,
+                           const std::optional<at::Tensor>& valid) {
+  check_inputs(q, pool, table, seq_lens, starts, valid);
   at::Tensor out = at::empty_like(q);
+  const bool* kept = valid ? valid->data_ptr<bool>() : nullptr;
   if (q.scalar_type() == at::kFloat) {
-    launch<float>(q, pool, table, seq_lens, starts, scale, out);
+    launch<float>(q, pool, table, seq_lens, starts, kept, scale, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    launch<at::BFloat16>(q, pool, table, seq_lens, starts, scale, out);
+    launch<at::BFloat16>(q, pool, table, seq_lens, starts, kept, scale, out);
   } else {
     TORCH_CHECK_VALUE(false, "paged_attention: dtype must be float32 or bfloat16, got ", q.scalar_type());
   }
@@ -736,8 +789,9 @@ void write_kv(at::Tensor& pool, const at::Tensor& k, const at::Tensor& v, const 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels release the GIL: the engine runs on its own thread next to the HTTP server.
-  m.def("paged_attention", &paged_attention, "Paged attention over the KV pool (docs/engine.md)",
-        py::call_guard<py::gil_scoped_release>());
+  m.def("paged_attention", &paged_attention, "Paged attention over the KV pool (docs/engine.md)", py::arg("q"),
+        py::arg("pool"), py::arg("block_table"), py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"),
+        py::arg("valid") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("write_kv", &write_kv, "Write k and v into the pool at slot_mapping",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &kvmesh::rms_norm, "RMSNorm of each row", py::call_guard<py::gil_scoped_release>());
