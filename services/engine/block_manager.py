@@ -26,6 +26,7 @@ import torch
 
 from kvmesh.libs.kvmeta.nodeid import node_ids
 from kvmesh.policies.cache.replacement import RUN_SCORE, WINDOW_SCORE
+from kvmesh.policies.cache.sparsify import kept_slots
 from kvmesh.policies.offload.plan import OffloadCost
 from kvmesh.policies.scheduling.layerkv import PrefillCost
 from kvmesh.policies.swap_recompute import SwapCurves
@@ -46,6 +47,7 @@ class CachedNode:
     hits: int = 0
     tier: str = "device"
     score: int = 0        # CaR III-B.3: the sum of what live requests added (Request.scores)
+    sparsified: bool = False  # CaR III-D: its least-attended tokens were dropped on the way to the cxl tier
 
 
 class BlockManager:
@@ -68,6 +70,10 @@ class BlockManager:
         self.lookup_blocks = 0          # full blocks looked up in the prefix cache, all time
         self.hit_blocks: Counter = Counter()  # of those, found, by the tier they were found in
         self.moved_nodes: Counter = Counter()  # nodes moved to a tier ("cxl": offloaded, "device": reloaded)
+        self.moved_bytes: Counter = Counter()  # the KV bytes those moves copied, by the tier moved to
+        # CaR III-D: per layer, the tokens of each block a node keeps when it first moves to the cxl
+        # tier (the pools track tokens then: KVPool.track_tokens); None: nodes move whole.
+        self.keep_tokens: list[int] | None = None
         # Nodes cached, moved or dropped since the cache publisher last looked (None: dropped); None
         # while no publisher reads it (services/engine/cache_publisher.py).
         self.cache_changes: dict[str, CachedNode | None] | None = None
@@ -298,10 +304,32 @@ class BlockManager:
         if short > 0 and self._idle["cxl"]:
             self._evict("cxl", -(-short // self.num_layers))
         fit = min(len(nodes), cxl.free_count // self.num_layers)
+        if self.keep_tokens is not None:
+            self._sparsify(nodes[:fit])
         self._move(nodes[:fit], cxl, cxl.allocate(fit * self.num_layers))
         for node in nodes:
             self._let_go(node.node_id)
         return nodes[fit:]
+
+    def _sparsify(self, nodes: list[CachedNode]) -> None:
+        """CaR III-D: in each layer, keep the best-scored `keep_tokens` of each dense node's device
+        block (the dropped slots are not copied out, and are masked wherever the node goes)."""
+        for node in nodes:
+            if node.sparsified:
+                continue
+            node.sparsified = True
+            for block, keep in zip(node.blocks, self.keep_tokens):
+                if keep < self.block_size:
+                    scores = self.device.scores[block].masked_fill(~self.device.valid[block], float("-inf"))
+                    self.device.drop_tokens(block, kept_slots(scores.tolist(), keep))
+
+    def _kv_bytes(self, pool: KVPool, blocks: list[int]) -> int:
+        """The bytes of KV `blocks` of `pool` hold: whole blocks, but only the kept slots of sparsified ones."""
+        sparse = [b for b in blocks if b in pool.sparse]
+        tokens = (len(blocks) - len(sparse)) * self.block_size
+        if sparse:
+            tokens += int(pool.valid[torch.tensor(sparse, device=pool.valid.device)].sum())
+        return tokens * (pool.shape.bytes // self.block_size)
 
     def _move(self, nodes: list[CachedNode], target: KVPool, fresh: list[int]) -> None:
         """Copy pinned nodes to `target` blocks `fresh` (just allocated), in one copy per source
@@ -309,7 +337,9 @@ class BlockManager:
         if not nodes:
             return
         source = self.pools[nodes[0].tier]
-        self.copy(source, [b for n in nodes for b in n.blocks], target, fresh)
+        sources = [b for n in nodes for b in n.blocks]
+        self.moved_bytes[target.tier] += self._kv_bytes(source, sources)
+        self.copy(source, sources, target, fresh)
         for i, node in enumerate(nodes):
             for block in node.blocks:
                 self._named[source.tier].discard(block)
@@ -346,9 +376,14 @@ class BlockManager:
     def _defer(self, nodes: list[CachedNode], fresh: list[int]) -> None:
         """Give pinned cxl nodes their device blocks `fresh` now, the copy into them left to the step
         (layer_loads); each stays pinned, its cxl blocks kept, until loads_done."""
+        cxl = self.pools["cxl"]
         for i, node in enumerate(nodes):
+            blocks = fresh[i * self.num_layers:(i + 1) * self.num_layers]
             self.pending_loads.append((node, node.blocks))
-            self._rehome(node, self.device, fresh[i * self.num_layers:(i + 1) * self.num_layers])
+            self.moved_bytes["device"] += self._kv_bytes(cxl, node.blocks)
+            if self.device.valid is not None:   # masks now: the step's attention reads them from its start
+                self.device.take_masks(cxl, node.blocks, blocks)
+            self._rehome(node, self.device, blocks)
             self._pin(node)
 
     def layer_loads(self) -> list[tuple[KVPool, list[int], KVPool, list[int]]] | None:
@@ -408,7 +443,9 @@ class BlockManager:
             for layer in on_device:
                 old = layer.blocks[index]
                 layer.blocks[index] = next(fresh)
-                self.device.tensor[layer.blocks[index]].copy_(self.device.tensor[old])
+                copy_blocks(self.device, [old], self.device, [layer.blocks[index]])
+                if layer.blocks[index] in self.device.sparse:   # a sparsified node's: the slots to write hold KV
+                    self.device.valid[layer.blocks[index], max(0, request.num_computed - index * self.block_size):] = True
                 self._drop(self.device, old)
             node_id = request.node_ids[index]
             if node_id in request.cached_nodes:
@@ -499,12 +536,40 @@ class BlockManager:
 
 
 def copy_blocks(source: KVPool, source_blocks: list[int], target: KVPool, target_blocks: list[int]) -> None:
-    """Copy whole blocks between pools (GPU<->CXL DMA when the pools are on different devices).
-    Runs of blocks consecutive on both sides go as one slice copy (one memcpy or DMA, no gather);
-    many runs go as one pass: a gather straight into a consecutive target (a staged layer's load),
-    a scatter straight from a consecutive source (its write-back), else a gather then a scatter."""
+    """Copy blocks between pools (GPU<->CXL DMA when the pools are on different devices): whole
+    blocks, but of a sparsified block (CaR III-D) only the slots that hold KV; masks follow."""
     if not source_blocks:
         return
+    if source.sparse.isdisjoint(source_blocks):
+        _copy_whole(source, source_blocks, target_blocks, target=target)
+    else:
+        dense = [b not in source.sparse for b in source_blocks]
+        for copy, wanted in ((_copy_whole, True), (_copy_present, False)):
+            pairs = [(s, t) for s, t, d in zip(source_blocks, target_blocks, dense) if d == wanted]
+            if pairs:
+                copy(source, [s for s, _ in pairs], [t for _, t in pairs], target=target)
+    if target.valid is not None:
+        target.take_masks(source, source_blocks, target_blocks)
+
+
+def _copy_present(source: KVPool, source_blocks: list[int], target_blocks: list[int], *, target: KVPool) -> None:
+    """Copy the K and V rows of the slots that hold KV, in one gather and scatter."""
+    block_size = source.shape.block_size
+    present = source.valid[torch.tensor(source_blocks, device=source.valid.device)]   # [n, block_size]
+    offsets = torch.arange(block_size, device=present.device)
+    # In a pool viewed as rows of [Hkv, D], a slot's K row is 2 * block_size * block + offset; V is block_size on.
+    src = (torch.tensor(source_blocks, device=present.device)[:, None] * (2 * block_size) + offsets)[present]
+    dst = (torch.tensor(target_blocks, device=present.device)[:, None] * (2 * block_size) + offsets)[present]
+    src, dst = src.to(source.tensor.device), dst.to(target.tensor.device)
+    rows, target_rows = source.tensor.view(-1, *source.tensor.shape[3:]), target.tensor.view(-1, *target.tensor.shape[3:])
+    for shift in (0, block_size):
+        target_rows.index_copy_(0, dst + shift, rows.index_select(0, src + shift).to(target_rows.device))
+
+
+def _copy_whole(source: KVPool, source_blocks: list[int], target_blocks: list[int], *, target: KVPool) -> None:
+    """Runs of blocks consecutive on both sides go as one slice copy (one memcpy or DMA, no gather);
+    many runs go as one pass: a gather straight into a consecutive target (a staged layer's load),
+    a scatter straight from a consecutive source (its write-back), else a gather then a scatter."""
     src, dst = np.asarray(source_blocks), np.asarray(target_blocks)
     src_runs, dst_runs = np.diff(src) != 1, np.diff(dst) != 1
     breaks = np.flatnonzero(src_runs | dst_runs) + 1

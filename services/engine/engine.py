@@ -29,6 +29,7 @@ from .request import Request, Status, Targets
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .layer_profile import LayerProfile
+from .sparsity_profile import SparsityProfile
 from .swap_profile import SwapProfile
 
 log = logging.getLogger(__name__)
@@ -111,9 +112,11 @@ class EngineState(msgspec.Struct, kw_only=True):
     prefix_cache_hit_blocks: dict[str, int]     # by tier: of those, found there
     prefix_cache_nodes: dict[str, int]          # now: cached nodes (a block in every layer) by tier
     prefix_cache_moved_nodes: dict[str, int]    # all time: nodes moved to a tier (cxl: offloaded, device: reloaded)
+    prefix_cache_moved_bytes: dict[str, int]    # all time: the KV bytes those moves copied
     kv_transfer: TransferTotals
     swap_profile: SwapProfile | None   # CacheOpt 3.5's start-up profile and fitted curves; None: not profiled
     layer_profile: LayerProfile | None = None  # LayerKV's start-up fits of Eq. 3 and 4; None: not profiled
+    sparsity_profile: SparsityProfile | None = None  # CaR III-D's per-layer sparsity and keep ratios; None: off
 
 
 @dataclass
@@ -131,6 +134,7 @@ class Engine:
     transferred: TransferTotals = field(default_factory=TransferTotals)
     swap_profile: SwapProfile | None = None
     layer_profile: LayerProfile | None = None
+    sparsity_profile: SparsityProfile | None = None
     # The KV hand-off (docs/serving.md): who we are on the data plane, how long held KV waits for its
     # decode engine, and the service's hooks for starting a pull and for KV given up.
     engine_id: str = "engine-0"
@@ -359,8 +363,9 @@ class Engine:
                            prefix_cache_hit_blocks={t: self.blocks.hit_blocks[t] for t in self.blocks.cache_tiers},
                            prefix_cache_nodes=self.blocks.cached_nodes(),
                            prefix_cache_moved_nodes={t: self.blocks.moved_nodes[t] for t in self.blocks.cache_tiers},
+                           prefix_cache_moved_bytes={t: self.blocks.moved_bytes[t] for t in self.blocks.cache_tiers},
                            kv_transfer=msgspec.structs.replace(self.transferred), swap_profile=self.swap_profile,
-                           layer_profile=self.layer_profile)
+                           layer_profile=self.layer_profile, sparsity_profile=self.sparsity_profile)
 
 
 class EngineLoop:

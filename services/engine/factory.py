@@ -27,6 +27,8 @@ from .models import PRESETS, build_preset, load_checkpoint
 from .policy_set import Policies
 from .scheduler import Scheduler
 from .layer_profile import profile_layerkv
+from .sparsity_profile import profile_sparsity
+from .token_scores import ScoreProbe
 from .swap_profile import profile_lengths, profile_swap
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,12 @@ class EngineConfig(ServiceConfig, kw_only=True):
     cache_high_water: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9  # idle nodes move out past this share in use
     car_window: Annotated[int, msgspec.Meta(ge=1)] = 8            # requests in the Shuffled Window (`car` admission)
     car_max_wait_ms: Annotated[float, msgspec.Meta(gt=0)] = 2000.0  # queued this long: into the window first
+    # CaR III-D: a node moving to the cxl tier keeps only each layer's best-attended tokens (docs/car.md).
+    prefix_cache_sparsify: bool = False
+    sparsify_keep_ratios: list[Annotated[float, msgspec.Meta(gt=0, le=1)]] = []  # per layer; empty: profiled
+    sparsify_keep_floor: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.25  # profiled ratios keep at least this
+    sparsify_quality_bound: Annotated[float, msgspec.Meta(ge=0)] = 0.05  # nats: mean |change| of held-out
+                                                                  # next-token log-likelihoods allowed
     policies: dict[str, str] = {}
     # CacheOpt 3.3's allocation ledger (read by every kv_allocation policy but block_at_a_time).
     kv_block_tokens: Annotated[int, msgspec.Meta(ge=1)] = 8       # B: basic extra KV, and one on-demand step
@@ -114,6 +122,12 @@ def build_engine(config: EngineConfig) -> Engine:
     if config.prefix_cache_cxl and not (cxl_blocks and config.prefix_caching):
         raise ConfigError("prefix_cache_cxl keeps prefix-cache nodes in the cxl tier: it needs prefix_caching and a "
                           "cxl tier (cxl_blocks or cxl_bytes)")
+    if config.prefix_cache_sparsify and not config.prefix_cache_cxl:
+        raise ConfigError("prefix_cache_sparsify drops tokens of nodes moving to the cxl tier: it needs prefix_cache_cxl")
+    if config.prefix_cache_sparsify and config.role == "prefill":
+        # A decode engine pulls whole blocks: the slots a sparsified node dropped would reach it unmasked.
+        raise ConfigError("prefix_cache_sparsify is for engines that decode what they cache (role both or decode), "
+                          "not role prefill")
     if staging >= device_blocks:
         raise ConfigError(f"layer_staging_blocks ({staging}) leaves nothing of the device tier's {device_blocks} "
                           "blocks for KV; give the device tier more room or the staging area less")
@@ -137,14 +151,31 @@ def build_engine(config: EngineConfig) -> Engine:
     if blocks.cache_cxl:  # CaR: reloads at a request's turn copy layer by layer inside its step
         blocks.layerwise_reload = True
         reloads = SideCopies(pools["device"].tensor.device, blocks.copy, config.layer_copy_thread)
-    runner = ModelRunner(model, pools["device"], spec.num_layers, spec.head_dim, layer_staging, reloads)
+    probe = None
+    if config.prefix_cache_sparsify:
+        for pool in pools.values():
+            pool.track_tokens()
+        device = pools["device"]
+        probe = ScoreProbe(device.tensor, device.valid, device.scores, spec.head_dim ** -0.5)
+    runner = ModelRunner(model, pools["device"], spec.num_layers, spec.head_dim, layer_staging, reloads, probe)
     engine = Engine(runner, blocks, scheduler, tokenizer, tuple(spec.eos_token_ids), engine_id=config.engine_id,
                     kv_lease_s=config.kv_lease_ms / 1e3, output_len_fallback=config.output_len_fallback or None)
     if wants_swap_profile(config, blocks):
         _profile_swap(config, engine)
     if wants_layer_profile(config):
         _profile_layers(config, engine)
+    if config.prefix_cache_sparsify:
+        _profile_sparsity(config, engine)
     return engine
+
+
+def _profile_sparsity(config: EngineConfig, engine: Engine) -> None:
+    started = time.perf_counter()
+    profile = profile_sparsity(engine.runner.model, engine.tokenizer, config.block_size, config.sparsify_keep_floor,
+                               config.sparsify_quality_bound, config.sparsify_keep_ratios)
+    engine.sparsity_profile = profile
+    engine.blocks.keep_tokens = profile.keep_tokens
+    log.info("CaR sparsity profile in %.2fs: %s", time.perf_counter() - started, profile)
 
 
 def uses_layerkv(config: EngineConfig, hook: str) -> bool:

@@ -59,6 +59,9 @@ class EngineCollector:
         yield self._by(CounterMetricFamily, "kvmesh_engine_prefix_cache_moved_nodes",
                        "Prefix-cache nodes moved to a tier (cxl: offloaded by CaR, device: reloaded)", "tier",
                        state.prefix_cache_moved_nodes)
+        yield self._by(CounterMetricFamily, "kvmesh_engine_prefix_cache_moved_bytes",
+                       "KV bytes those moves copied, by the tier moved to (sparsified nodes: only their kept tokens)",
+                       "tier", state.prefix_cache_moved_bytes)
         yield self._one(CounterMetricFamily, "kvmesh_engine_generated_tokens", "Tokens sampled",
                         state.generated_tokens)
         yield self._one(CounterMetricFamily, "kvmesh_engine_steps", "Iterations of the engine loop that ran the model",

@@ -20,12 +20,15 @@ from .kv_pool import KVPool
 from .layer_staging import Copy, LayerLoads, LayerStaging, SideCopies
 from .request import Request
 from .scheduler import ScheduledChunk
+from .token_scores import ScoreProbe
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pool: KVPool, num_layers: int, head_dim: int,
-                 staging: LayerStaging | None = None, reload_side: SideCopies | None = None):
+                 staging: LayerStaging | None = None, reload_side: SideCopies | None = None,
+                 probe: ScoreProbe | None = None):
         self.model, self.pool, self.num_layers = model, pool, num_layers
+        self.probe = probe  # CaR III-D: scores the tokens that observation queries attend to
         self.staging = staging  # LayerKV: where layers whose KV is in the cxl tier are computed
         self.reload_side = reload_side  # CaR: what copies reloaded prefix-cache nodes in, layer by layer
         self.block_size = pool.shape.block_size
@@ -55,10 +58,13 @@ class ModelRunner:
         ids = np.array([t for c in chunks for t in _new_ids(c.request, c.num_tokens)], dtype=np.int64)
 
         device = self.device
-        step = StepAttention(self.pool.tensor, torch.from_numpy(tables).to(device), torch.from_numpy(slots).to(device),
-                         torch.from_numpy((starts + lengths).astype(np.int32)).to(device),
-                         torch.from_numpy(query_start).to(device), self.scale)
-        attention, around = step, []   # the copies each layer's attention waits for, and their ends
+        block_tables = torch.from_numpy(tables).to(device)
+        attention = StepAttention(self.pool.tensor, block_tables, torch.from_numpy(slots).to(device),
+                                  torch.from_numpy((starts + lengths).astype(np.int32)).to(device),
+                                  torch.from_numpy(query_start).to(device), self.scale, valid=self.pool.valid)
+        if self.probe is not None:
+            attention = self.probe.wrap(attention, block_tables, self._observed(chunks, starts + lengths, query_start))
+        around = []   # the copies each layer's attention waits for, and their ends
         if staged is not None:
             attention, around = staged.wrap(attention), [staged]
         if reloads is not None:
@@ -74,6 +80,13 @@ class ModelRunner:
             last = query_start[1:][samples] - 1
             hidden = hidden[torch.from_numpy(last.astype(np.int64)).to(device)]
         return self.model.logits(hidden)
+
+    def _observed(self, chunks: Sequence[ScheduledChunk], ends: np.ndarray,
+                  query_start: np.ndarray) -> list[tuple[int, int, int]]:
+        """The sequences whose last query this step observes (token_scores.py): those whose prompt
+        ends here, or whose step fills a block."""
+        return [(s, int(query_start[s + 1]) - 1, int(end)) for s, (chunk, end) in enumerate(zip(chunks, ends))
+                if end == len(chunk.request.prompt_ids) or end % self.block_size == 0]
 
     def _block_tables(self, requests: Sequence[Request]) -> np.ndarray:
         """[layers, seqs, widest] int32: row (l, s) holds request s's blocks of layer l, zero-padded.
