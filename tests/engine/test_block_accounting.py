@@ -51,13 +51,18 @@ registry.HOOKS["layer_offload"]["scattered"] = scattered_offload
 
 def make(strategy: str = "recompute", device_blocks: int = 24, cxl_blocks: int = 16, budget: int = 12,
          allocation: str = "block_at_a_time", order: str = "latest_arrival_first", offload: str = "none",
-         car: bool = False):
-    """car: CaR's two-tier prefix cache, its admission (a window of 2) and score replacement."""
+         car: bool = False, sparsify: bool = False):
+    """car: CaR's two-tier prefix cache, its admission (a window of 2) and score replacement;
+    sparsify: and nodes that keep part of their tokens in the cxl tier (III-D)."""
     pools = {"device": KVPool("device", device_blocks, SHAPE, staging_blocks=8 if offload != "none" else 0),
              "cxl": KVPool("cxl", cxl_blocks, SHAPE)}
     policies = Policies({"preemption_strategy": strategy, "kv_allocation": allocation, "preemption_order": order,
                          "layer_offload": offload, **({"prefill_admission": "car", "cache_policy": "car"} if car else {})})
     blocks = BlockManager(pools, LAYERS, policies, cache_cxl=car, high_water=0.75)
+    if car and sparsify:
+        for pool in pools.values():
+            pool.track_tokens()
+        blocks.keep_tokens = [BLOCK // 2, 1] + [BLOCK] * (LAYERS - 2)
     return blocks, Scheduler(blocks, policies, max_num_seqs=4, token_budget=budget, allocation=SMALL,
                              staging_half=4 if offload != "none" else 0,
                              reuse=Reuse(blocks, WindowParams(size=2, max_wait_s=3.0)))
@@ -118,6 +123,9 @@ def assert_exact_accounting(blocks: BlockManager, scheduler: Scheduler) -> None:
         # Every block is exactly one of: free, held by requests, or cached and idle.
         parts = [set(free), set(held[tier]), idle_named[tier]]
         assert sum(map(len, parts)) == len(set().union(*parts)) == pool.num_blocks, tier
+        if pool.valid is not None:   # a freed block forgets its mask and scores
+            assert pool.sparse.isdisjoint(free) and bool(pool.valid[free].all()), f"{tier}: a free block is masked"
+            assert float(pool.scores[free].abs().sum()) == 0
     scores: Counter = Counter()
     for request in live_requests(scheduler):
         scores.update({node_id: given for node_id, (node, given) in request.scores.items()
@@ -147,10 +155,10 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @initialize(strategy=st.sampled_from(["recompute", "swap", "sweet_spot"]), allocation=st.sampled_from(ALLOCATIONS),
                 order=st.sampled_from(["latest_arrival_first", "cacheopt"]), offload=st.sampled_from(["none", "scattered"]),
-                car=st.booleans())
-    def build(self, strategy, allocation, order, offload, car):
+                car=st.booleans(), sparsify=st.booleans())
+    def build(self, strategy, allocation, order, offload, car, sparsify):
         self.blocks, self.scheduler = make(strategy=strategy, allocation=allocation, order=order, offload=offload,
-                                           car=car)
+                                           car=car, sparsify=sparsify)
 
     @rule(prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]]),
           tail=st.lists(st.integers(0, 2), min_size=1, max_size=14), max_tokens=st.integers(1, 10))
