@@ -149,8 +149,7 @@ def build_service(config: EngineConfig) -> Service:
         """CaR's cache table: the prefix cache's nodes with their tier, blocks, size and score."""
         def read() -> tuple[CacheTable, list[Frame]]:
             blocks = engine.blocks
-            size = blocks.device.shape.bytes * blocks.num_layers
-            entries = [CacheEntry(node_id=n.node_id, tier=n.tier, blocks=list(n.blocks), size_bytes=size,
+            entries = [CacheEntry(node_id=n.node_id, tier=n.tier, blocks=list(n.blocks), size_bytes=blocks.node_bytes(n),
                                   valid_in_gpu=n.tier == "device", score=n.score, refs=n.refs, hits=n.hits,
                                   last_access=n.last_access) for n in blocks.cache_table(query.tier, query.limit)]
             return CacheTable(entries=entries, total=blocks.cached_nodes()), []

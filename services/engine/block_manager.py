@@ -314,21 +314,25 @@ class BlockManager:
     def _sparsify(self, nodes: list[CachedNode]) -> None:
         """CaR III-D: in each layer, keep the best-scored `keep_tokens` of each dense node's device
         block (the dropped slots are not copied out, and are masked wherever the node goes)."""
-        for node in nodes:
-            if node.sparsified:
-                continue
+        dense = [node for node in nodes if not node.sparsified]
+        if not dense:
+            return
+        device = self.device
+        blocks = [block for node in dense for block in node.blocks]
+        index = torch.tensor(blocks, device=device.valid.device)
+        scores = device.scores[index].masked_fill(~device.valid[index], float("-inf")).tolist()
+        keep = self.keep_tokens * len(dense)
+        device.drop_tokens(blocks, [kept_slots(row, k) for row, k in zip(scores, keep)])
+        for node in dense:
             node.sparsified = True
-            for block, keep in zip(node.blocks, self.keep_tokens):
-                if keep < self.block_size:
-                    scores = self.device.scores[block].masked_fill(~self.device.valid[block], float("-inf"))
-                    self.device.drop_tokens(block, kept_slots(scores.tolist(), keep))
+
+    def node_bytes(self, node: CachedNode) -> int:
+        """CaR's Size: the bytes of KV a node holds (of a sparsified one, its kept tokens')."""
+        return self._kv_bytes(self.pools[node.tier], node.blocks)
 
     def _kv_bytes(self, pool: KVPool, blocks: list[int]) -> int:
         """The bytes of KV `blocks` of `pool` hold: whole blocks, but only the kept slots of sparsified ones."""
-        sparse = [b for b in blocks if b in pool.sparse]
-        tokens = (len(blocks) - len(sparse)) * self.block_size
-        if sparse:
-            tokens += int(pool.valid[torch.tensor(sparse, device=pool.valid.device)].sum())
+        tokens = sum(pool.sparse.get(block, self.block_size) for block in blocks)
         return tokens * (pool.shape.bytes // self.block_size)
 
     def _move(self, nodes: list[CachedNode], target: KVPool, fresh: list[int]) -> None:
@@ -443,9 +447,11 @@ class BlockManager:
             for layer in on_device:
                 old = layer.blocks[index]
                 layer.blocks[index] = next(fresh)
-                copy_blocks(self.device, [old], self.device, [layer.blocks[index]])
-                if layer.blocks[index] in self.device.sparse:   # a sparsified node's: the slots to write hold KV
-                    self.device.valid[layer.blocks[index], max(0, request.num_computed - index * self.block_size):] = True
+                copy = layer.blocks[index]
+                copy_blocks(self.device, [old], self.device, [copy])
+                if copy in self.device.sparse:   # a sparsified node's: the slots it will write hold KV
+                    self.device.valid[copy, max(0, request.num_computed - index * self.block_size):] = True
+                    self.device.sparse[copy] = int(self.device.valid[copy].sum())
                 self._drop(self.device, old)
             node_id = request.node_ids[index]
             if node_id in request.cached_nodes:
@@ -540,7 +546,7 @@ def copy_blocks(source: KVPool, source_blocks: list[int], target: KVPool, target
     blocks, but of a sparsified block (CaR III-D) only the slots that hold KV; masks follow."""
     if not source_blocks:
         return
-    if source.sparse.isdisjoint(source_blocks):
+    if source.sparse.keys().isdisjoint(source_blocks):
         _copy_whole(source, source_blocks, target_blocks, target=target)
     else:
         dense = [b not in source.sparse for b in source_blocks]

@@ -21,8 +21,6 @@ log = logging.getLogger(__name__)
 class CachePublisher:
     def __init__(self, kvmeta: KvmetaClient, engine_id: str, loop: EngineLoop, interval_s: float = 0.2):
         self.kvmeta, self.engine_id, self.loop, self.interval_s = kvmeta, engine_id, loop, interval_s
-        blocks = loop.engine.blocks
-        self.node_bytes = blocks.device.shape.bytes * blocks.num_layers
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> CachePublisher:
@@ -62,7 +60,8 @@ class CachePublisher:
 
     def _entries(self, nodes) -> list[CacheEntry]:
         """kvmeta's rows of `nodes`, read on the engine thread (their tier and score change there)."""
-        return [CacheEntry(node_id=n.node_id, tier=n.tier, size=self.node_bytes, score=float(n.score)) for n in nodes]
+        blocks = self.loop.engine.blocks
+        return [CacheEntry(node_id=n.node_id, tier=n.tier, size=blocks.node_bytes(n), score=float(n.score)) for n in nodes]
 
     async def _on_engine(self, read):
         """Run `read` on the engine thread, between steps."""

@@ -153,8 +153,8 @@ def build_engine(config: EngineConfig) -> Engine:
         reloads = SideCopies(pools["device"].tensor.device, blocks.copy, config.layer_copy_thread)
     probe = None
     if config.prefix_cache_sparsify:
-        for pool in pools.values():
-            pool.track_tokens()
+        for tier, pool in pools.items():
+            pool.track_tokens(scores=tier == "device")
         device = pools["device"]
         probe = ScoreProbe(device.tensor, device.valid, device.scores, spec.head_dim ** -0.5)
     runner = ModelRunner(model, pools["device"], spec.num_layers, spec.head_dim, layer_staging, reloads, probe)

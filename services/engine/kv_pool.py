@@ -55,38 +55,40 @@ class KVPool:
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
         # Sparsification (CaR III-D, track_tokens): which slots of each block hold KV (a dropped
-        # token's slot does not), the attention each slot's token has drawn, and the blocks with
-        # dropped slots. None and empty while sparsification is off.
+        # token's slot does not), the attention each slot's token has drawn (a tier where requests
+        # compute only), and the blocks with dropped slots with how many slots they keep. None and
+        # empty while sparsification is off.
         self.valid: torch.Tensor | None = None
         self.scores: torch.Tensor | None = None
-        self.sparse: set[int] = set()
+        self.sparse: dict[int, int] = {}
 
-    def track_tokens(self) -> None:
-        """Keep a per-slot mask of present KV and per-slot attention scores (every block: staging too)."""
+    def track_tokens(self, scores: bool) -> None:
+        """Keep a per-slot mask of present KV, and per-slot attention scores if `scores` (every
+        block: staging too)."""
         rows = (self.tensor.shape[0], self.shape.block_size)
         self.valid = torch.ones(rows, dtype=torch.bool, device=self.tensor.device)
-        self.scores = torch.zeros(rows, dtype=torch.float32, device=self.tensor.device)
+        self.scores = torch.zeros(rows, dtype=torch.float32, device=self.tensor.device) if scores else None
 
-    def drop_tokens(self, block: int, keep: list[int]) -> None:
-        """Mark every slot of `block` but `keep` as holding no KV."""
-        mask = torch.zeros(self.shape.block_size, dtype=torch.bool)
-        mask[keep] = True
-        self.valid[block] = mask.to(self.valid.device)
-        if len(keep) < self.shape.block_size:
-            self.sparse.add(block)
+    def drop_tokens(self, blocks: list[int], keep: list[list[int]]) -> None:
+        """Mark every slot of each of `blocks` but its `keep` as holding no KV."""
+        size = self.shape.block_size
+        self.valid[torch.tensor(blocks, device=self.valid.device)] = torch.tensor(
+            [[slot in set(kept) for slot in range(size)] for kept in keep], device=self.valid.device)
+        self.sparse.update((block, len(kept)) for block, kept in zip(blocks, keep) if len(kept) < size)
 
     def take_masks(self, source: KVPool, source_blocks: list[int], blocks: list[int]) -> None:
         """`blocks` now hold what `source_blocks` of `source` hold: their masks follow."""
-        for src, dst in zip(source_blocks, blocks):
-            if src in source.sparse:
-                self.valid[dst] = source.valid[src].to(self.valid.device)
-                self.sparse.add(dst)
-            elif dst in self.sparse:
-                self._clear_mask(dst)
-
-    def _clear_mask(self, block: int) -> None:
-        self.valid[block] = True
-        self.sparse.discard(block)
+        masked = [(src, dst) for src, dst in zip(source_blocks, blocks) if src in source.sparse]
+        cleared = [dst for src, dst in zip(source_blocks, blocks) if dst in self.sparse and src not in source.sparse]
+        if masked:
+            index = torch.tensor([src for src, _ in masked], device=source.valid.device)
+            self.valid[torch.tensor([dst for _, dst in masked], device=self.valid.device)] = \
+                source.valid[index].to(self.valid.device)
+            self.sparse.update((dst, source.sparse[src]) for src, dst in masked)
+        if cleared:
+            self.valid[torch.tensor(cleared, device=self.valid.device)] = True
+            for block in cleared:
+                del self.sparse[block]
 
     @property
     def free_count(self) -> int:
@@ -117,8 +119,8 @@ class KVPool:
         """Return a block with no references to the free list."""
         if self._refs[block]:
             raise AssertionError(f"{self.tier} block {block} freed while still referenced")
-        if self.valid is not None:
-            if block in self.sparse:
-                self._clear_mask(block)
+        if self.sparse.pop(block, None) is not None:
+            self.valid[block] = True
+        if self.scores is not None:
             self.scores[block] = 0
         self._free.append(block)

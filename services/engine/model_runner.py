@@ -61,7 +61,7 @@ class ModelRunner:
         block_tables = torch.from_numpy(tables).to(device)
         attention = StepAttention(self.pool.tensor, block_tables, torch.from_numpy(slots).to(device),
                                   torch.from_numpy((starts + lengths).astype(np.int32)).to(device),
-                                  torch.from_numpy(query_start).to(device), self.scale, valid=self.pool.valid)
+                                  torch.from_numpy(query_start).to(device), self.scale, valid=self._valid())
         if self.probe is not None:
             attention = self.probe.wrap(attention, block_tables, self._observed(chunks, starts + lengths, query_start))
         around = []   # the copies each layer's attention waits for, and their ends
@@ -80,6 +80,12 @@ class ModelRunner:
             last = query_start[1:][samples] - 1
             hidden = hidden[torch.from_numpy(last.astype(np.int64)).to(device)]
         return self.model.logits(hidden)
+
+    def _valid(self) -> torch.Tensor | None:
+        """The pool's slot mask when some block may be sparsified (CaR III-D): one of the device
+        tier's, or one a staged layer loads this step; else none, and attention takes its unmasked path."""
+        pool = self.pool
+        return pool.valid if pool.sparse or (pool.valid is not None and self.staging is not None) else None
 
     def _observed(self, chunks: Sequence[ScheduledChunk], ends: np.ndarray,
                   query_start: np.ndarray) -> list[tuple[int, int, int]]:

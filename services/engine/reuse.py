@@ -51,12 +51,11 @@ class Reuse:
                 self.blocks.add_score(request, prefixes[request.request_id], WINDOW_SCORE)
         if not self.blocks.cache_cxl:
             return
-        block_bytes = self.blocks.device.shape.bytes * self.blocks.num_layers
         running_views = views(running)
         for request in waiting:
             if request.window_since is None or not request.cache_hits[1]:
                 continue
-            size = request.cache_hits[1] * block_bytes
+            size = sum(self.blocks.node_bytes(node) for node in prefixes[request.request_id][request.cache_hits[0]:])
             if fetch(running_views, now, tpop_s, size, self.bandwidth):
                 prefix = self.blocks.cached_prefix(request)   # afresh: an earlier prefetch may have moved nodes
                 self.prefetched += self.blocks.reload(prefix, spare_only=True)
