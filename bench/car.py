@@ -17,7 +17,11 @@ Workloads (car_workloads):
   system-prompt  REQUESTS requests over SYSTEM_PROMPTS system prompts of SYSTEM_LEN tokens, 4 clients;
                  the device tier holds about 1.5 system prompts beside the running requests
 And CaR Fig. 5: the TTFT of a prompt of S tokens computed whole, against the same prompt with its
-KV reloaded from the cxl tier, and found on the device, on an idle engine.
+KV reloaded from the cxl tier, and found on the device, on an idle engine. And CaR III-D: the
+multi-turn workload again on a model whose attention is as sparse as a trained one's
+(car_sparsify.py), car+prefetch against car+prefetch+sparsify (profiled keep ratios within the
+default quality bound): bytes copied per reloaded node, TTFT, the profile's quality cost, and how
+many answer tokens match the dense run's.
 
 Keys: ttft_reduction_vs_recompute, 1 - mean TTFT of car+prefetch / recompute over the multi-turn
 turns with the longest histories (the last half; target 0.3); ttft_ratio_lru_vs_car, mean TTFT of
@@ -29,6 +33,7 @@ tier over blocks looked up (car+prefetch, multi-turn).
 from __future__ import annotations
 
 import math
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +48,9 @@ from kvmesh.services.engine.engine import Engine
 from kvmesh.services.engine.factory import EngineConfig, build_engine
 from kvmesh.services.engine.models import PRESETS
 from kvmesh.services.engine.sampling import SamplingParams
+from kvmesh.services.engine.sparsity_profile import SparsityProfile
 
+from . import car_sparsify
 from .car_workloads import ANSWER_LEN, USER, Conversation, conversations, final_context, system_prompt_requests
 from .report import BenchResult, Row, save_figure
 
@@ -60,6 +67,7 @@ METHODS = {"recompute": dict(prefix_caching=False),
            "lru": dict(),
            "car": dict(prefix_cache_cxl=True, policies={"cache_policy": "car"}),
            "car+prefetch": dict(prefix_cache_cxl=True, policies={"cache_policy": "car", "prefill_admission": "car"})}
+SPARSIFY = {**METHODS["car+prefetch"], "prefix_cache_sparsify": True, "sparsify_quality_bound": car_sparsify.BOUND}
 ANSWER = SamplingParams(max_tokens=ANSWER_LEN, temperature=0.0, ignore_eos=True)
 
 
@@ -70,7 +78,10 @@ class Outcome:
     hit_device: float = 0.0
     hit_cxl: float = 0.0
     reloaded_bytes: float = 0.0
+    reloaded_nodes: int = 0
     prefetched: int = 0
+    answers: dict[str, list[int]] = field(default_factory=dict)   # by request id
+    profile: SparsityProfile | None = None
 
     def cells(self) -> dict[str, float]:
         ttft = np.array(self.ttft_s) * 1e3
@@ -87,15 +98,22 @@ def run(quick: bool) -> BenchResult:
     lengths = FIG5_LENGTHS[:2] if quick else FIG5_LENGTHS
     multi, shared = {}, {}
     with Progress(transient=True) as progress:
-        task = progress.add_task("car", total=len(METHODS) * (n_conv * turns + n_sys) + 3 * len(lengths))
+        task = progress.add_task("car", total=(len(METHODS) + 2) * n_conv * turns + len(METHODS) * n_sys
+                                 + 3 * len(lengths))
         advance = lambda: progress.advance(task)  # noqa: E731
-        for method in METHODS:
+        for method, settings in METHODS.items():
             progress.update(task, description=f"multi-turn: {method}")
-            multi[method] = _multi_turn(method, talks, advance)
+            multi[method] = _multi_turn(settings, talks, advance)
             progress.update(task, description=f"system prompts: {method}")
-            shared[method] = _system_prompts(method, system, advance)
+            shared[method] = _system_prompts(settings, system, advance)
         progress.update(task, description="Fig. 5: recompute vs reload")
         fig5 = _fig5(lengths, advance)
+        progress.update(task, description="III-D: sparsification")
+        with tempfile.TemporaryDirectory() as workdir:
+            sharp = str(car_sparsify.sharp_checkpoint(MODEL, Path(workdir)))
+            sparse = {name: _multi_turn(settings, talks, advance, sharp)
+                      for name, settings in (("car+prefetch", METHODS["car+prefetch"]), ("+sparsify", SPARSIFY))}
+            curve = car_sparsify.quality_curve(Path(sharp), BLOCK_SIZE)
     long = lambda o: [t for t, h in zip(o.ttft_s, o.history) if h >= np.median(o.history)]  # noqa: E731
     ours, base = multi["car+prefetch"], multi["recompute"]
     ratios = {"ttft_reduction_vs_recompute": 1 - np.mean(long(ours)) / np.mean(long(base)),
@@ -105,6 +123,7 @@ def run(quick: bool) -> BenchResult:
                   shared["car+prefetch"].ttft_s),
               "ttft_ratio_car_vs_prefetch": np.mean(multi["car"].ttft_s) / np.mean(ours.ttft_s),
               f"reload_speedup_{lengths[-1]}": fig5[lengths[-1]]["recompute"] / fig5[lengths[-1]]["reload"]}
+    ratios |= _sparsify_ratios(sparse)
     ratios = {k: float(v) for k, v in ratios.items()}
     targets = {"ttft_reduction_vs_recompute": 0.3, "ttft_ratio_lru_vs_car": 1.0}
     tiers = {"multi_turn": _multi_turn_tiers(talks), "system_prompts": _system_prompt_tiers()}
@@ -113,6 +132,12 @@ def run(quick: bool) -> BenchResult:
                  cells=shared[m].cells()) for m in METHODS]
     rows += [Row(compared=f"Fig. 5: {s}-token prompt, idle engine", path="TTFT ms",
                  cells={k: v * 1e3 for k, v in fig5[s].items()}) for s in lengths]
+    rows += [Row(compared="III-D: multi-turn, sharp-attention model", path=m, cells={
+        **sparse[m].cells(), "MB a reloaded node": sparse[m].reloaded_bytes / max(1, sparse[m].reloaded_nodes) / 1e6})
+        for m in sparse]
+    rows += [Row(compared="III-D: quality cost of a uniform keep ratio", path=f"keep {r:.3f}",
+                 cells={"nats": cost}) for r, cost in curve.items()]
+    profile = sparse["+sparsify"].profile
     return BenchResult(
         bench="car", quick=quick, ratios=ratios, targets=targets,
         meets={k: ratios[k] >= v if k.startswith("ttft_reduction") else ratios[k] > v for k, v in targets.items()},
@@ -121,20 +146,39 @@ def run(quick: bool) -> BenchResult:
                 "conversations": n_conv, "turns": turns, "answer_len": ANSWER_LEN,
                 "device_and_cxl_blocks_per_layer": tiers,
                 "system_prompts": SYSTEM_PROMPTS, "system_len": SYSTEM_LEN, "system_requests": n_sys,
-                "clients": CLIENTS, "methods": {k: {**v} for k, v in METHODS.items()}},
-        rows=rows, plots=[_plot(multi, shared, fig5, lengths)],
+                "clients": CLIENTS, "methods": {k: {**v} for k, v in METHODS.items()},
+                "sparsify": {"sharpness": car_sparsify.SHARPNESS, "sparsity": profile.sparsity,
+                             "keep_ratios": profile.keep_ratios, "keep_tokens": profile.keep_tokens,
+                             "quality_bound_nats": profile.quality_bound, "relaxations": profile.relaxations,
+                             "engine_default_bound_nats": EngineConfig().sparsify_quality_bound}},
+        rows=rows, plots=[_plot(multi, shared, fig5, lengths), car_sparsify.plot(
+            profile.sparsity, profile.keep_ratios, curve,
+            (float(np.mean(profile.keep_tokens)) / BLOCK_SIZE, profile.quality_cost),
+            {m: float(np.mean(o.ttft_s)) * 1e3 for m, o in sparse.items()},
+            {m: o.reloaded_bytes / max(1, o.reloaded_nodes) / 1e6 for m, o in sparse.items()})],
         headline=(f"multi-turn, long histories: TTFT {ratios['ttft_reduction_vs_recompute']:.0%} lower than "
                   f"recomputing; {ratios['ttft_ratio_lru_vs_car']:.2f}x lower than a device-only LRU cache; "
-                  f"hits {ours.hit_device:.0%} device, {ours.hit_cxl:.0%} cxl"))
+                  f"hits {ours.hit_device:.0%} device, {ours.hit_cxl:.0%} cxl; sparsified (III-D, "
+                  f"{profile.quality_cost:.2f} nats): {ratios['sparsify_reload_bytes_ratio_dense_vs_sparse']:.1f}x "
+                  "fewer bytes a reloaded node"))
 
 
 # -- engines --------------------------------------------------------------------------------------
 
-def _config(method: str, device: int, cxl: int) -> EngineConfig:
-    """`method`'s engine with `device` and `cxl` blocks a layer."""
+def _sparsify_ratios(sparse: dict[str, Outcome]) -> dict[str, float]:
+    dense, ours = sparse["car+prefetch"], sparse["+sparsify"]
+    per_node = lambda o: o.reloaded_bytes / max(1, o.reloaded_nodes)  # noqa: E731
+    same = [a == b for key, answer in ours.answers.items() for a, b in zip(answer, dense.answers[key])]
+    return {"sparsify_reload_bytes_ratio_dense_vs_sparse": per_node(dense) / max(1.0, per_node(ours)),
+            "sparsify_ttft_ratio_dense_vs_sparse": np.mean(dense.ttft_s) / np.mean(ours.ttft_s),
+            "sparsify_quality_cost_nats": ours.profile.quality_cost,
+            "sparsify_answer_token_agreement": float(np.mean(same))}
+
+
+def _config(settings: dict, device: int, cxl: int, model: str = MODEL) -> EngineConfig:
+    """An engine of `settings` with `device` and `cxl` blocks a layer."""
     layers = PRESETS[MODEL].num_layers
-    settings = METHODS[method]
-    return EngineConfig(model=MODEL, dtype=DTYPE, block_size=BLOCK_SIZE, torch_threads=THREADS,
+    return EngineConfig(model=model, dtype=DTYPE, block_size=BLOCK_SIZE, torch_threads=THREADS,
                         device_blocks=device * layers, cxl_blocks=cxl * layers, token_budget=2048,
                         swap_profile="off", layer_profile="off", car_window=4,
                         **{k: v for k, v in settings.items() if k != "policies"},
@@ -156,8 +200,9 @@ def _system_prompt_tiers() -> tuple[int, int]:
     return CLIENTS * request + math.ceil(1.5 * prompt), 2 * SYSTEM_PROMPTS * prompt
 
 
-def _multi_turn(method: str, talks: list[Conversation], advance: Callable[[], None]) -> Outcome:
-    engine = build_engine(_config(method, *_multi_turn_tiers(talks)))
+def _multi_turn(settings: dict, talks: list[Conversation], advance: Callable[[], None],
+                model: str = MODEL) -> Outcome:
+    engine = build_engine(_config(settings, *_multi_turn_tiers(talks), model))
     history = [[] for _ in talks]
     turn = [0] * len(talks)
     active: dict[int, object] = {}
@@ -175,6 +220,7 @@ def _multi_turn(method: str, talks: list[Conversation], advance: Callable[[], No
         for c, request in list(active.items()):
             if request.finished:
                 outcome.ttft_s.append(request.output_times[0] - request.arrival)
+                outcome.answers[request.request_id] = request.output_ids
                 history[c] = request.prompt_ids + request.output_ids
                 turn[c] += 1
                 del active[c]
@@ -184,8 +230,8 @@ def _multi_turn(method: str, talks: list[Conversation], advance: Callable[[], No
     return _close(engine, outcome)
 
 
-def _system_prompts(method: str, prompts: list[list[int]], advance: Callable[[], None]) -> Outcome:
-    engine = build_engine(_config(method, *_system_prompt_tiers()))
+def _system_prompts(settings: dict, prompts: list[list[int]], advance: Callable[[], None]) -> Outcome:
+    engine = build_engine(_config(settings, *_system_prompt_tiers()))
     queue, active, outcome = list(prompts), [], Outcome()
     while queue or active:
         while queue and len(active) < CLIENTS:
@@ -204,8 +250,9 @@ def _close(engine: Engine, outcome: Outcome) -> Outcome:
     looked_up = max(1, state.prefix_cache_lookup_blocks.get("device", 0))
     outcome.hit_device = state.prefix_cache_hit_blocks.get("device", 0) / looked_up
     outcome.hit_cxl = state.prefix_cache_hit_blocks.get("cxl", 0) / looked_up
-    node_bytes = engine.blocks.device.shape.bytes * engine.blocks.num_layers
-    outcome.reloaded_bytes = state.prefix_cache_moved_nodes.get("device", 0) * node_bytes
+    outcome.reloaded_bytes = state.prefix_cache_moved_bytes.get("device", 0)
+    outcome.reloaded_nodes = state.prefix_cache_moved_nodes.get("device", 0)
+    outcome.profile = state.sparsity_profile
     outcome.prefetched = engine.scheduler.reuse.prefetched
     view = engine.blocks.pool_view()
     assert view.free == view.total, f"blocks held after the run: free {dict(view.free)} of {dict(view.total)}"
@@ -246,7 +293,7 @@ def _fig5(lengths: tuple[int, ...], advance: Callable[[], None]) -> dict[int, di
 
 def _link_gbps() -> float:
     """The engine's cxl -> device copy rate, timed at start (what fetch(t) divides by)."""
-    engine = build_engine(_config("car", 256, 256))
+    engine = build_engine(_config(METHODS["car"], 256, 256))
     return engine.scheduler.reuse.bandwidth / 1e9
 
 
