@@ -147,3 +147,31 @@ def test_masked_slots_never_reach_the_answer(tiny_checkpoint):
         assert blocks.hit_blocks["device"] == len(nodes)
         assert_all_blocks_free(engine)
     assert answers[0] == answers[1]
+
+
+@pytest.mark.parametrize("policies,moves", [
+    # LayerKV offloads layers of requests that reuse nothing, and caches none of theirs: no node moves.
+    ({"layer_offload": "keep"}, False),
+    # Swapped-out requests carry their sparsified copies' masks to the cxl tier and back.
+    ({"preemption_strategy": "swap"}, True),
+])
+def test_sparsified_nodes_mix_with_layer_offload_and_swapping(tiny_checkpoint, monkeypatch, policies, moves):
+    from kvmesh.policies import registry
+
+    from .test_layerkv_engine import keep
+
+    monkeypatch.setitem(registry.HOOKS["layer_offload"], "keep", keep(1))
+    engine = sparse_engine(tiny_checkpoint, policies={**CAR, **policies}, sparsify_keep_ratios=[0.5] * 4,
+                           sparsify_quality_bound=100.0, device_blocks=4 * 24, cxl_blocks=4 * 96, layer_profile="off",
+                           swap_profile="off", token_budget=64)
+    talks = [turns(3, seed) for seed in range(4)]
+    history = [[] for _ in talks]
+    for turn in range(3):   # all conversations at once: the device tier cannot hold them all
+        requests = run_all(engine, [history[c] + talk[turn] for c, talk in enumerate(talks)], GREEDY)
+        for c, request in enumerate(requests):
+            assert len(request.output_ids) == GREEDY.max_tokens
+            history[c] += talks[c][turn] + request.output_ids
+    state = engine.state()
+    assert (state.prefix_cache_moved_nodes["cxl"] > 0) == moves
+    assert not moves or sum(state.preemptions.values()) > 0
+    assert_all_blocks_free(engine)
