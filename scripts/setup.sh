@@ -3,7 +3,8 @@
 #  - redis-server from Debian's packages, when it is not on PATH;
 #  - a virtualenv in .venv with torch==2.13.0 first (the CPU wheel; a looser range would pull a
 #    CUDA build of several GB), then kvmesh itself, editable, with its dev extras;
-#  - the engine's C++ paged-attention kernel, compiled into .venv.
+#  - the engine's C++ paged-attention kernel, compiled into .venv;
+#  - .venv-vllm, stock vLLM's CPU build beside kvmesh, for the vLLM backend (scripts/setup-vllm.sh).
 # pip runs again only when pyproject.toml or setup.py changed since the last install.
 # `scripts/setup.sh --peers` also installs the transfer benchmark's optional peer libraries
 # (Mooncake Transfer Engine, NIXL; the `peers` extra) and libibverbs, which Mooncake's wheel loads.
@@ -46,6 +47,10 @@ fi
   echo "setup: the C++ attention kernel did not build; the engine falls back to plain torch" >&2
 .venv/bin/python -m kvmesh.libs.rdma.shm.copy || \
   echo "setup: the shm backend's C++ copy did not build; it falls back to a Python loop" >&2
+
+# The vLLM backend's own virtualenv (.venv-vllm, vLLM's CPU build): its tests run against real vLLM,
+# and skip, saying why, where it cannot be installed.
+scripts/setup-vllm.sh || echo "setup: vLLM's CPU build did not install; the vLLM backend's tests will skip" >&2
 
 if [ "${1:-}" = "--peers" ]; then
   if ! ldconfig -p | grep -q 'libibverbs\.so\.1'; then apt_install libibverbs1; fi

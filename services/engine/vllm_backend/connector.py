@@ -1,0 +1,218 @@
+"""KVMeshConnector: vLLM's KV connector (KVConnectorBase_V1) for kvmesh's pull-mode hand-off.
+
+Load it with
+    KVTransferConfig(kv_connector="KVMeshConnector",
+                     kv_connector_module_path="kvmesh.services.engine.vllm_backend.connector",
+                     kv_role="kv_producer" | "kv_consumer",
+                     kv_connector_extra_config={"data_port": 7600, ...})   # see Settings
+
+Prefill instance (producer). A request sent with kv_transfer_params {"do_remote_decode": true}
+keeps its blocks when it finishes (request_finished delays the free) and returns in its output
+the kv_transfer_params a decode instance needs: remote_engine_id, remote_request_id,
+remote_address (this instance's data plane), remote_block_ids and num_tokens. Its worker serves every layer's KV cache tensor to
+whoever CONNECTs; a COMPLETE for a held request releases it, and so does its lease running out;
+either way get_finished reports it and vLLM frees the blocks.
+
+Decode instance (consumer). A request carrying those params reports the prompt's whole blocks but
+the last token's as available from outside (vLLM computes the rest itself, the last token at
+least, whose logits it samples from); once vLLM has given them local blocks, the worker pulls the
+remote blocks into them with one-sided reads (coalesced per layer), COMPLETEs, and only then runs
+the step that reads them. A failed pull reports the blocks as not loaded, and vLLM recomputes.
+
+One worker per instance (tensor parallelism 1): the prefill data plane listens at the configured
+port, which is how the scheduler side knows its address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvmesh.libs.rdma.work import RdmaError
+
+from kvmesh.libs.rdma.kvdirect.puller import TransferReport
+
+from .data_plane import KVPuller, KVServer
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+# A COMPLETE may reach the prefill worker before the step that tells it the request is held.
+HOLD_WAIT_S = 5.0
+RECENT_PULLS = 256
+
+
+class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """kv_connector_extra_config."""
+
+    backend: str = "tcp"             # the libs/rdma backend: tcp | shm | verbs
+    token: str = "kvmesh"            # the cluster token a data-plane connection must carry
+    data_host: str = "127.0.0.1"     # where a prefill instance's data plane listens
+    data_port: int = 0               # and at which port: required for a producer
+    lease_s: float = 30.0            # a prefill instance frees held KV no decode instance took by then
+    timeout_s: float = 10.0          # a pull (or its COMPLETE) with no progress this long fails
+
+
+@dataclass
+class Load:
+    request_id: str   # the prefill instance's
+    address: str
+    remote_blocks: list[int]
+    local_blocks: list[int]
+
+
+@dataclass
+class KVMeshConnectorMetadata(KVConnectorMetadata):
+    loads: list[Load] = field(default_factory=list)   # consumer: pull these before this step runs
+    held: list[str] = field(default_factory=list)     # producer: finished requests whose KV now waits
+
+
+class KVMeshConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.settings = msgspec.convert(self._kv_transfer_config.kv_connector_extra_config, Settings)
+        if self._kv_transfer_config.is_kv_producer and not self.settings.data_port:
+            raise ValueError("KVMeshConnector: a producer needs kv_connector_extra_config data_port (its data plane)")
+        self.block_size = vllm_config.cache_config.block_size
+        self.engine_id = self._kv_transfer_config.engine_id
+        # Scheduler side: what the next step's metadata carries.
+        self._loads: list[Load] = []
+        self._held: list[str] = []
+        self._local_tokens: dict[str, int] = {}   # tokens a request found in our own prefix cache
+        # Worker side.
+        self.kv_caches: dict[str, torch.Tensor] = {}   # vLLM's, by layer name
+        self._server: KVServer | None = None
+        self._puller: KVPuller | None = None
+        self._lock = threading.Lock()          # the data plane's thread completes what the worker thread holds
+        self._held_until: dict[str, float] = {}
+        self._completed: set[str] = set()
+        self._load_errors: set[int] = set()
+        self.pulls: deque[tuple[Load, TransferReport]] = deque(maxlen=RECENT_PULLS)   # the latest, for stats
+
+    # -- scheduler side ---------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        if not params.get("remote_address"):
+            return 0, False
+        # Whole blocks of the prompt but its last token, which this instance computes to sample from.
+        available = min(params["num_tokens"], len(request.prompt_token_ids) - 1) // self.block_size * self.block_size
+        self._local_tokens[request.request_id] = num_computed_tokens
+        return max(0, available - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        local = self._local_tokens.pop(request.request_id, 0)
+        if num_external_tokens <= 0:
+            return
+        params = request.kv_transfer_params
+        first = local // self.block_size   # blocks found in our own prefix cache come first
+        count = num_external_tokens // self.block_size
+        self._loads.append(Load(params["remote_request_id"], params["remote_address"],
+                                list(params["remote_block_ids"][first:first + count]),
+                                list(blocks.get_block_ids()[0][first:first + count])))
+        params["remote_address"] = None   # loaded once: a preempted request recomputes instead
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVMeshConnectorMetadata(loads=self._loads, held=self._held)
+        self._loads, self._held = [], []
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params or {}
+        if not (self._kv_transfer_config.is_kv_producer and params.get("do_remote_decode")) or not block_ids:
+            return False, None
+        if request.status.name == "FINISHED_ABORTED":
+            return False, None
+        self._held.append(request.request_id)
+        return True, {"remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
+                      "remote_address": f"{self.settings.data_host}:{self.settings.data_port}",
+                      "remote_block_ids": list(block_ids), "num_tokens": request.num_computed_tokens}
+
+    # -- worker side ------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.kv_caches = kv_caches
+        s = self.settings
+        if self._kv_transfer_config.is_kv_producer:
+            self._server = KVServer(kv_caches, s.backend, s.token, s.data_host, s.data_port, self._on_complete,
+                                    s.timeout_s)
+        if self._kv_transfer_config.is_kv_consumer:
+            self._puller = KVPuller(kv_caches, s.backend, s.token, s.data_host, s.timeout_s)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVMeshConnectorMetadata)
+        with self._lock:
+            deadline = time.monotonic() + self.settings.lease_s
+            self._held_until.update((request_id, deadline) for request_id in meta.held)
+        for load in meta.loads:
+            try:
+                self.pulls.append((load, self._puller.pull(load.address, load.request_id, load.remote_blocks,
+                                                           load.local_blocks)))
+            except (RdmaError, TimeoutError, OSError) as exc:
+                log.warning("pulling the KV of %s from %s failed (%s); vLLM recomputes it", load.request_id,
+                            load.address, exc)
+                self._load_errors.update(load.local_blocks)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return   # start_load_kv pulled every layer before the step
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        return   # pull mode: the KV stays in place until a decode instance reads it
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Held requests whose KV a decode instance took (COMPLETE), or whose lease ran out."""
+        now = time.monotonic()
+        with self._lock:
+            done = {r for r, until in self._held_until.items() if r in self._completed or until <= now}
+            for request_id in done:
+                del self._held_until[request_id]
+            self._completed -= done
+        return done or None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        for plane in (self._server, self._puller):
+            if plane is not None:
+                plane.close()
+
+    async def _on_complete(self, request_id: str) -> bool:
+        """On the data plane's thread: a decode instance has read `request_id`'s blocks. False if
+        this instance does not hold them (unknown, or released when its lease ran out)."""
+        waited = 0.0
+        while waited < HOLD_WAIT_S:
+            with self._lock:
+                if request_id in self._held_until:
+                    self._completed.add(request_id)
+                    return True
+            await asyncio.sleep(0.01)
+            waited += 0.01
+        return False

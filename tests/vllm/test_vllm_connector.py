@@ -1,0 +1,67 @@
+"""The kvmesh KV connector between two stock vLLM instances (vLLM's CPU build): prefill on one,
+decode on the other, the prompt's KV pulled one-sided over the tcp data plane."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from .conftest import Instance
+
+BLOCK = 32
+PROMPTS = [list(range(10, 10 + n)) for n in (100, 40, 65, 33)]   # whole blocks, and a last one partly full
+HOLD = {"do_remote_decode": True}
+
+
+def prefill(producer: Instance, prompts: list[list[int]]) -> list[dict]:
+    result = producer.generate(prompts, max_tokens=1, params=[HOLD] * len(prompts))
+    return result["kv_transfer_params"]
+
+
+def wait_for_free(instance: Instance, timeout_s: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        blocks = instance.ask("blocks")
+        if blocks["free"] == blocks["total"] or time.monotonic() > deadline:
+            return blocks
+        time.sleep(0.1)
+
+
+def test_1p1d_answers_as_one_instance_with_every_pulled_byte_in_place(pair):
+    producer, consumer = pair
+    held = prefill(producer, PROMPTS)
+    assert [p["num_tokens"] for p in held] == [len(p) for p in PROMPTS]
+    assert [len(p["remote_block_ids"]) for p in held] == [-(-len(p) // BLOCK) for p in PROMPTS]
+    blocks = producer.ask("blocks")
+    assert blocks["total"] - blocks["free"] == sum(len(p["remote_block_ids"]) for p in held)   # held for decode
+    whole = [len(p) - 1 >> 5 for p in PROMPTS]   # whole blocks before each prompt's last token: what is pulled
+    digests = [producer.ask("digest", blocks=p["remote_block_ids"][:n])["digest"] for p, n in zip(held, whole)]
+
+    decoded = consumer.generate(PROMPTS, max_tokens=8, params=held)
+    for params, n, digest in zip(held, whole, digests):   # before another run reuses the freed blocks
+        pulled = consumer.ask("pulled", request=params["remote_request_id"])
+        assert len(pulled["blocks"]) == n and pulled["bytes"] > 0
+        assert consumer.ask("digest", blocks=pulled["blocks"])["digest"] == digest
+    assert decoded["outputs"] == consumer.generate(PROMPTS, max_tokens=8)["outputs"]   # one instance, colocated
+    assert wait_for_free(producer)["free"] == blocks["total"]   # every COMPLETE freed its request's blocks
+    assert wait_for_free(consumer)["free"] == blocks["total"]
+
+
+def test_kv_no_decode_instance_takes_is_freed_when_its_lease_runs_out(pair):
+    producer, _ = pair
+    held = prefill(producer, PROMPTS[:2])
+    blocks = producer.ask("blocks")
+    assert blocks["total"] - blocks["free"] == sum(len(p["remote_block_ids"]) for p in held)
+    time.sleep(3.0)   # the producer's lease
+    assert wait_for_free(producer)["free"] == blocks["total"]
+
+
+def test_a_pull_from_a_prefill_instance_that_is_gone_is_recomputed(pair):
+    producer, consumer = pair
+    held = prefill(producer, PROMPTS[:1])
+    wrong = [{**held[0], "remote_address": "127.0.0.1:1"}]   # nobody listens there
+    decoded = consumer.generate(PROMPTS[:1], max_tokens=8, params=wrong)
+    assert decoded["outputs"] == consumer.generate(PROMPTS[:1], max_tokens=8)["outputs"]
+    assert wait_for_free(producer, timeout_s=6.0)["free"] == producer.ask("blocks")["total"]   # its lease ran out
+    assert wait_for_free(consumer)["free"] == consumer.ask("blocks")["total"]
