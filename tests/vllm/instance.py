@@ -62,7 +62,7 @@ def main() -> None:
             reply({"digest": digest.hexdigest()})
         elif command["op"] == "pulled":
             pulls = [(load, report) for load, report in get_kv_transfer_group().pulls
-                     if load.request_id == command["request"]]
+                     if load.remote_request_id == command["request"]]
             reply({"blocks": pulls[-1][0].local_blocks, "bytes": pulls[-1][1].bytes} if pulls else {})
         elif command["op"] == "exit":
             break

@@ -14,10 +14,12 @@ whoever CONNECTs; a COMPLETE for a held request releases it, and so does its lea
 either way get_finished reports it and vLLM frees the blocks.
 
 Decode instance (consumer). A request carrying those params reports the prompt's whole blocks but
-the last token's as available from outside (vLLM computes the rest itself, the last token at
-least, whose logits it samples from); once vLLM has given them local blocks, the worker pulls the
-remote blocks into them with one-sided reads (coalesced per layer), COMPLETEs, and only then runs
-the step that reads them. A failed pull reports the blocks as not loaded, and vLLM recomputes.
+the last token's as loaded from outside, asynchronously (vLLM computes the rest itself, the last
+token at least, whose logits it samples from). Once vLLM has given them local blocks, the worker
+starts pulling the remote blocks into them with one-sided reads (coalesced per layer) and a
+COMPLETE, while the steps of other requests go on; get_finished reports the request when its pull
+is done, and vLLM schedules it. A failed pull reports its blocks as not loaded, and vLLM
+recomputes them (kv_load_failure_policy="recompute").
 
 One worker per instance (tensor parallelism 1): the prefill data plane listens at the configured
 port, which is how the scheduler side knows its address.
@@ -30,6 +32,7 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -76,7 +79,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 @dataclass
 class Load:
-    request_id: str   # the prefill instance's
+    request_id: str          # ours
+    remote_request_id: str   # the prefill instance's
     address: str
     remote_blocks: list[int]
     local_blocks: list[int]
@@ -107,6 +111,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         self._lock = threading.Lock()          # the data plane's thread completes what the worker thread holds
         self._held_until: dict[str, float] = {}
         self._completed: set[str] = set()
+        self._pulling: dict[str, tuple[Load, Future[TransferReport]]] = {}
         self._load_errors: set[int] = set()
         self.pulls: deque[tuple[Load, TransferReport]] = deque(maxlen=RECENT_PULLS)   # the latest, for stats
 
@@ -119,7 +124,8 @@ class KVMeshConnector(KVConnectorBase_V1):
         # Whole blocks of the prompt but its last token, which this instance computes to sample from.
         available = min(params["num_tokens"], len(request.prompt_token_ids) - 1) // self.block_size * self.block_size
         self._local_tokens[request.request_id] = num_computed_tokens
-        return max(0, available - num_computed_tokens), False
+        external = max(0, available - num_computed_tokens)
+        return external, external > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         local = self._local_tokens.pop(request.request_id, 0)
@@ -128,7 +134,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         params = request.kv_transfer_params
         first = local // self.block_size   # blocks found in our own prefix cache come first
         count = num_external_tokens // self.block_size
-        self._loads.append(Load(params["remote_request_id"], params["remote_address"],
+        self._loads.append(Load(request.request_id, params["remote_request_id"], params["remote_address"],
                                 list(params["remote_block_ids"][first:first + count]),
                                 list(blocks.get_block_ids()[0][first:first + count])))
         params["remote_address"] = None   # loaded once: a preempted request recomputes instead
@@ -167,16 +173,11 @@ class KVMeshConnector(KVConnectorBase_V1):
             deadline = time.monotonic() + self.settings.lease_s
             self._held_until.update((request_id, deadline) for request_id in meta.held)
         for load in meta.loads:
-            try:
-                self.pulls.append((load, self._puller.pull(load.address, load.request_id, load.remote_blocks,
-                                                           load.local_blocks)))
-            except (RdmaError, TimeoutError, OSError) as exc:
-                log.warning("pulling the KV of %s from %s failed (%s); vLLM recomputes it", load.request_id,
-                            load.address, exc)
-                self._load_errors.update(load.local_blocks)
+            self._pulling[load.request_id] = load, self._puller.start_pull(
+                load.address, load.remote_request_id, load.remote_blocks, load.local_blocks)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return   # start_load_kv pulled every layer before the step
+        return   # a request runs only once its pull of every layer is over
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
@@ -186,20 +187,32 @@ class KVMeshConnector(KVConnectorBase_V1):
         return
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Held requests whose KV a decode instance took (COMPLETE), or whose lease ran out."""
+        """(held requests whose KV a decode instance took, or whose lease ran out; requests whose
+        pull is over, done or failed)."""
         now = time.monotonic()
         with self._lock:
-            done = {r for r, until in self._held_until.items() if r in self._completed or until <= now}
-            for request_id in done:
+            sent = {r for r, until in self._held_until.items() if r in self._completed or until <= now}
+            for request_id in sent:
                 del self._held_until[request_id]
-            self._completed -= done
-        return done or None, None
+            self._completed -= sent
+        received = {r for r, (_, pull) in self._pulling.items() if pull.done()}
+        for request_id in received:
+            load, pull = self._pulling.pop(request_id)
+            try:
+                self.pulls.append((load, pull.result()))
+            except (RdmaError, TimeoutError, OSError) as exc:
+                log.warning("pulling the KV of %s from %s failed (%s); vLLM recomputes it", load.remote_request_id,
+                            load.address, exc)
+                self._load_errors.update(load.local_blocks)
+        return sent or None, received or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
+        for _, pull in self._pulling.values():
+            pull.cancel()
         for plane in (self._server, self._puller):
             if plane is not None:
                 plane.close()

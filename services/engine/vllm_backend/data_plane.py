@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -36,7 +37,10 @@ class LoopThread:
         self._thread.start()
 
     def run(self, coroutine: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+        return self.submit(coroutine).result(timeout)
+
+    def submit(self, coroutine: Coroutine[Any, Any, Any]) -> Future:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -71,11 +75,12 @@ class KVPuller:
         self.thread.run(self.puller.endpoint.start())
         self.timeout = timeout
 
-    def pull(self, address: str, request_id: str, remote_blocks: list[int], local_blocks: list[int]) -> TransferReport:
-        """Read `remote_blocks` of every layer at `address` into our `local_blocks`, then COMPLETE
-        (the prefill instance frees them); raises if the reads or the COMPLETE fail."""
+    def start_pull(self, address: str, request_id: str, remote_blocks: list[int],
+                   local_blocks: list[int]) -> Future[TransferReport]:
+        """Start reading `remote_blocks` of every layer at `address` into our `local_blocks`, then
+        COMPLETE (the prefill instance frees them); the future fails if the reads or the COMPLETE do."""
         reads = [BlockReads(name, name, remote_blocks, local_blocks) for name in self.names]
-        return self.thread.run(self.puller.pull(address, request_id, reads), timeout=self.timeout * 2)
+        return self.thread.submit(asyncio.wait_for(self.puller.pull(address, request_id, reads), self.timeout * 2))
 
     def close(self) -> None:
         self.thread.run(self.puller.close())
