@@ -7,19 +7,19 @@ import time
 
 import pytest
 
-from .conftest import Instance
+from kvmesh.bench.vllm_process import VllmProcess
 
 BLOCK = 32
 PROMPTS = [list(range(10, 10 + n)) for n in (100, 40, 65, 33)]   # whole blocks, and a last one partly full
 HOLD = {"do_remote_decode": True}
 
 
-def prefill(producer: Instance, prompts: list[list[int]]) -> list[dict]:
+def prefill(producer: VllmProcess, prompts: list[list[int]]) -> list[dict]:
     result = producer.generate(prompts, max_tokens=1, params=[HOLD] * len(prompts))
     return result["kv_transfer_params"]
 
 
-def wait_for_free(instance: Instance, timeout_s: float = 10.0) -> dict:
+def wait_for_free(instance: VllmProcess, timeout_s: float = 10.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         blocks = instance.ask("blocks")

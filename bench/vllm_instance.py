@@ -1,0 +1,156 @@
+"""One stock vLLM instance (vLLM's CPU build, run from .venv-vllm) behind a KV connector, driven by
+JSON lines on stdin: what the vLLM backend's tests and `kvmesh bench vllm` start, a stand-in for a
+vLLM server whose scheduler and connector they can also look into.
+
+    python -m kvmesh.bench.vllm_instance MODEL --role kv_producer --cpu 0 [--connector kvmesh|example|none]
+                                               [--data-port N] [--settings JSON]
+
+Between commands the engine steps while it has work, as a server's loop does. Answers are JSON
+lines prefixed with "@@ " on stdout (other output is vLLM's):
+  {"op": "generate", "prompts": [[ids]], "max_tokens": N, "params": [kv_transfer_params | null]}
+      -> {"outputs": [[ids]], "kv_transfer_params": [...]}              (all at once, then answers)
+  {"op": "add", "id": ID, "prompt": [ids], "max_tokens": N, "params": kv_transfer_params | null}
+      -> later, when it ends: {"done": ID, "token_times": [wall-clock s], "kv_transfer_params": ...}
+  {"op": "blocks"} -> {"free": N, "total": N}: vLLM's own block pool
+  {"op": "digest", "blocks": [ids]} -> {"digest": hex}: sha256 of those blocks in every layer
+  {"op": "pulled", "request": remote request id} -> {"blocks": [local ids], "bytes": N}: its latest pull
+  {"op": "exit"}
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import select
+import sys
+import time
+
+BLOCK_SIZE = 32
+CONNECTORS = {
+    "kvmesh": dict(kv_connector="KVMeshConnector",
+                   kv_connector_module_path="kvmesh.services.engine.vllm_backend.connector"),
+    "example": dict(kv_connector="ExampleConnector"),   # vLLM's own: KV through files in shared storage
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--role", default="kv_both", choices=["kv_producer", "kv_consumer", "kv_both"])
+    parser.add_argument("--cpu", default="0", help="the core (or range) vLLM's threads are bound to")
+    parser.add_argument("--connector", default="kvmesh", choices=[*CONNECTORS, "none"])
+    parser.add_argument("--data-port", type=int, default=0)
+    parser.add_argument("--settings", default="{}", help="JSON: more kv_connector_extra_config")
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    args = parser.parse_args()
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
+                      VLLM_CPU_OMP_THREADS_BIND=args.cpu)
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    transfer = None
+    if args.connector != "none":
+        transfer = KVTransferConfig(**CONNECTORS[args.connector], kv_role=args.role, engine_id=args.role,
+                                    kv_load_failure_policy="recompute",
+                                    kv_connector_extra_config={"data_port": args.data_port, "timeout_s": 3.0,
+                                                               **json.loads(args.settings)}
+                                    if args.connector == "kvmesh" else json.loads(args.settings))
+    llm = LLM(args.model, dtype="float32", block_size=BLOCK_SIZE, enforce_eager=True, max_model_len=2048,
+              max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, kv_transfer_config=transfer)
+    Driver(llm).serve()
+
+
+class Driver:
+    def __init__(self, llm):
+        self.llm = llm
+        self.engine = llm.llm_engine
+        self.scheduler = self.engine.engine_core.engine_core.scheduler
+        self.token_times: dict[str, list[float]] = {}   # of requests added with "add"
+
+    def serve(self) -> None:
+        reply({"ready": True})
+        for line in self._commands():
+            command = json.loads(line)
+            if command["op"] == "exit":
+                break
+            answer = getattr(self, "_" + command["op"])(command)
+            if answer is not None:
+                reply(answer)
+
+    def _generate(self, command: dict) -> dict:
+        params = [sampling(command["max_tokens"], p) for p in command["params"]]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in command["prompts"]], params, use_tqdm=False)
+        return {"outputs": [list(o.outputs[0].token_ids) for o in outputs],
+                "kv_transfer_params": [o.kv_transfer_params for o in outputs]}
+
+    def _add(self, command: dict) -> None:
+        self.engine.add_request(command["id"], {"prompt_token_ids": command["prompt"]},
+                                sampling(command["max_tokens"], command.get("params")))
+        self.token_times[command["id"]] = []
+
+    def _blocks(self, command: dict) -> dict:
+        pool = self.scheduler.kv_cache_manager.block_pool
+        return {"free": pool.get_num_free_blocks(), "total": pool.num_gpu_blocks - 1}
+
+    def _digest(self, command: dict) -> dict:
+        import torch
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        caches = get_kv_transfer_group().kv_caches
+        digest = hashlib.sha256()
+        for name in sorted(caches):
+            digest.update(caches[name][command["blocks"]].contiguous().view(torch.uint8).numpy().tobytes())
+        return {"digest": digest.hexdigest()}
+
+    def _pulled(self, command: dict) -> dict:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        pulls = [(load, report) for load, report in get_kv_transfer_group().pulls
+                 if load.remote_request_id == command["request"]]
+        return {"blocks": pulls[-1][0].local_blocks, "bytes": pulls[-1][1].bytes} if pulls else {}
+
+    def _commands(self):
+        """stdin's lines; between them the engine steps while it has work, as a server's loop does (a
+        finished request's KV is held, and released, over later steps)."""
+        while True:
+            if self.scheduler.has_requests():
+                self._step()
+                # Only held KV left: wait a little between steps, so the data plane's thread gets the GIL.
+                idle = not self.scheduler.get_num_unfinished_requests()
+                ready, _, _ = select.select([sys.stdin], [], [], 0.005 if idle else 0)
+            else:
+                ready, _, _ = select.select([sys.stdin], [], [], 0.05)
+            if ready:
+                line = sys.stdin.readline()
+                if not line:
+                    return
+                yield line
+
+    def _step(self) -> None:
+        outputs = self.engine.step()
+        now = time.time()
+        for output in outputs:
+            times = self.token_times.get(output.request_id)
+            if times is None:
+                continue
+            times += [now] * (len(output.outputs[0].token_ids) - len(times))
+            if output.finished:
+                del self.token_times[output.request_id]
+                reply({"done": output.request_id, "token_times": times, "kv_transfer_params": output.kv_transfer_params})
+
+
+def sampling(max_tokens: int, kv_transfer_params: dict | None):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                          extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None)
+
+
+def reply(answer: dict) -> None:
+    print("@@ " + json.dumps(answer), flush=True)
+
+
+if __name__ == "__main__":
+    main()

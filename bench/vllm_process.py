@@ -1,0 +1,64 @@
+"""A vLLM instance as a child process (bench/vllm_instance.py, run by .venv-vllm's python, which
+scripts/setup-vllm.sh makes), for the vLLM backend's tests and `kvmesh bench vllm`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+
+
+def vllm_missing() -> str | None:
+    """None when .venv-vllm runs vLLM, else why not."""
+    if not PYTHON.exists():
+        return f"no {PYTHON.relative_to(ROOT)}: scripts/setup-vllm.sh could not install vLLM's CPU build here"
+    found = subprocess.run([PYTHON, "-c", "import vllm"], capture_output=True, text=True)
+    return None if found.returncode == 0 else f"vLLM does not import in .venv-vllm: {found.stderr[-300:]}"
+
+
+class VllmProcess:
+    """One vLLM instance answering vllm_instance.py's commands; `ready()` waits for it to start."""
+
+    def __init__(self, model: Path, role: str, cpu: str, log: Path, connector: str = "kvmesh",
+                 data_port: int = 0, **settings: object):
+        self.role, self.log, self.data_port = role, log, data_port
+        self.process = subprocess.Popen(
+            [PYTHON, "-m", "kvmesh.bench.vllm_instance", str(model), "--role", role, "--cpu", cpu,
+             "--connector", connector, "--data-port", str(data_port), "--settings", json.dumps(settings)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"), text=True, cwd=ROOT)
+
+    def ready(self) -> None:
+        self.answer()
+
+    def send(self, op: str, **fields: object) -> None:
+        self.process.stdin.write(json.dumps({"op": op, **fields}) + "\n")
+        self.process.stdin.flush()
+
+    def ask(self, op: str, **fields: object) -> dict:
+        self.send(op, **fields)
+        return self.answer()
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, params: list[dict | None] | None = None) -> dict:
+        return self.ask("generate", prompts=prompts, max_tokens=max_tokens, params=params or [None] * len(prompts))
+
+    def answer(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith("@@ "):
+                return json.loads(line[3:])
+        tail = self.log.read_text()[-2000:]
+        raise RuntimeError(f"the vLLM {self.role} instance exited (code {self.process.wait()}):\n{tail}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.send("exit")
+            except OSError:
+                pass
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
