@@ -10,10 +10,12 @@ lines prefixed with "@@ " on stdout (other output is vLLM's):
   {"op": "generate", "prompts": [[ids]], "max_tokens": N, "params": [kv_transfer_params | null]}
       -> {"outputs": [[ids]], "kv_transfer_params": [...]}              (all at once, then answers)
   {"op": "add", "id": ID, "prompt": [ids], "max_tokens": N, "params": kv_transfer_params | null}
-      -> later, when it ends: {"done": ID, "token_times": [wall-clock s], "kv_transfer_params": ...}
+      -> later, when it ends: {"done": ID, "added": wall-clock s, "token_times": [...], "cached_tokens": N
+                               (prompt tokens not computed here), "kv_transfer_params": ...}
   {"op": "blocks"} -> {"free": N, "total": N}: vLLM's own block pool
   {"op": "digest", "blocks": [ids]} -> {"digest": hex}: sha256 of those blocks in every layer
   {"op": "pulled", "request": remote request id} -> {"blocks": [local ids], "bytes": N}: its latest pull
+  {"op": "pulls"} -> {"bytes": [...], "reads_seconds": [...], "seconds": [...]}: the latest pulls' reports
   {"op": "exit"}
 """
 
@@ -60,6 +62,9 @@ def main() -> None:
     llm = LLM(args.model, dtype="float32", block_size=BLOCK_SIZE, enforce_eager=True, max_model_len=2048,
               max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, kv_transfer_config=transfer)
     Driver(llm).serve()
+    llm.llm_engine.engine_core.shutdown()   # the connector's too: its data plane closes
+    sys.stdout.flush()
+    os._exit(0)   # whatever threads vLLM or the data plane left behind end with the process
 
 
 class Driver:
@@ -68,6 +73,7 @@ class Driver:
         self.engine = llm.llm_engine
         self.scheduler = self.engine.engine_core.engine_core.scheduler
         self.token_times: dict[str, list[float]] = {}   # of requests added with "add"
+        self.added: dict[str, float] = {}                # and when each was
 
     def serve(self) -> None:
         reply({"ready": True})
@@ -89,6 +95,7 @@ class Driver:
         self.engine.add_request(command["id"], {"prompt_token_ids": command["prompt"]},
                                 sampling(command["max_tokens"], command.get("params")))
         self.token_times[command["id"]] = []
+        self.added[command["id"]] = time.time()
 
     def _blocks(self, command: dict) -> dict:
         pool = self.scheduler.kv_cache_manager.block_pool
@@ -111,22 +118,32 @@ class Driver:
                  if load.remote_request_id == command["request"]]
         return {"blocks": pulls[-1][0].local_blocks, "bytes": pulls[-1][1].bytes} if pulls else {}
 
+    def _pulls(self, command: dict) -> dict:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        reports = [report for _, report in get_kv_transfer_group().pulls]
+        return {"bytes": [r.bytes for r in reports], "reads_seconds": [r.reads_seconds for r in reports],
+                "seconds": [r.seconds for r in reports]}
+
     def _commands(self):
         """stdin's lines; between them the engine steps while it has work, as a server's loop does (a
-        finished request's KV is held, and released, over later steps)."""
+        finished request's KV is held, and released, over later steps). Read unbuffered: select()
+        knows nothing of lines a buffered reader has already taken in."""
+        stdin, pending = sys.stdin.fileno(), b""
         while True:
             if self.scheduler.has_requests():
                 self._step()
                 # Only held KV left: wait a little between steps, so the data plane's thread gets the GIL.
                 idle = not self.scheduler.get_num_unfinished_requests()
-                ready, _, _ = select.select([sys.stdin], [], [], 0.005 if idle else 0)
+                ready, _, _ = select.select([stdin], [], [], 0.005 if idle else 0)
             else:
-                ready, _, _ = select.select([sys.stdin], [], [], 0.05)
+                ready, _, _ = select.select([stdin], [], [], 0.05)
             if ready:
-                line = sys.stdin.readline()
-                if not line:
+                chunk = os.read(stdin, 1 << 16)
+                if not chunk:
                     return
-                yield line
+                *lines, pending = (pending + chunk).split(b"\n")
+                yield from lines
 
     def _step(self) -> None:
         outputs = self.engine.step()
@@ -138,7 +155,8 @@ class Driver:
             times += [now] * (len(output.outputs[0].token_ids) - len(times))
             if output.finished:
                 del self.token_times[output.request_id]
-                reply({"done": output.request_id, "token_times": times, "kv_transfer_params": output.kv_transfer_params})
+                reply({"done": output.request_id, "added": self.added.pop(output.request_id), "token_times": times,
+                       "cached_tokens": output.num_cached_tokens, "kv_transfer_params": output.kv_transfer_params})
 
 
 def sampling(max_tokens: int, kv_transfer_params: dict | None):

@@ -49,12 +49,17 @@ def test_1p1d_answers_as_one_instance_with_every_pulled_byte_in_place(pair):
 
 
 def test_kv_no_decode_instance_takes_is_freed_when_its_lease_runs_out(pair):
-    producer, _ = pair
+    producer, consumer = pair
     held = prefill(producer, PROMPTS[:2])
     blocks = producer.ask("blocks")
     assert blocks["total"] - blocks["free"] == sum(len(p["remote_block_ids"]) for p in held)
     time.sleep(3.0)   # the producer's lease
     assert wait_for_free(producer)["free"] == blocks["total"]
+    # A decode instance that comes too late reads blocks that may hold something else by now: the
+    # producer refuses its COMPLETE, and the decode instance recomputes instead.
+    late = consumer.generate(PROMPTS[:2], max_tokens=8, params=held)
+    assert late["outputs"] == consumer.generate(PROMPTS[:2], max_tokens=8)["outputs"]
+    assert wait_for_free(consumer)["free"] == consumer.ask("blocks")["total"]
 
 
 def test_a_pull_from_a_prefill_instance_that_is_gone_is_recomputed(pair):

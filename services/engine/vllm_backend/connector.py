@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,9 +61,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# A COMPLETE may reach the prefill worker before the step that tells it the request is held.
-HOLD_WAIT_S = 5.0
 RECENT_PULLS = 256
+PULL_YIELD_S = 0.001
 
 
 class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -110,7 +109,11 @@ class KVMeshConnector(KVConnectorBase_V1):
         self._puller: KVPuller | None = None
         self._lock = threading.Lock()          # the data plane's thread completes what the worker thread holds
         self._held_until: dict[str, float] = {}
-        self._completed: set[str] = set()
+        # COMPLETEs by request, and leases that ran out, with when: a COMPLETE often arrives before
+        # the step that tells this worker its request is held (the decode instance learnt of it
+        # from the output of the step before), so neither waits for the other.
+        self._completed: dict[str, float] = {}
+        self._expired: dict[str, float] = {}
         self._pulling: dict[str, tuple[Load, Future[TransferReport]]] = {}
         self._load_errors: set[int] = set()
         self.pulls: deque[tuple[Load, TransferReport]] = deque(maxlen=RECENT_PULLS)   # the latest, for stats
@@ -194,7 +197,16 @@ class KVMeshConnector(KVConnectorBase_V1):
             sent = {r for r, until in self._held_until.items() if r in self._completed or until <= now}
             for request_id in sent:
                 del self._held_until[request_id]
-            self._completed -= sent
+                if self._completed.pop(request_id, None) is None:
+                    self._expired[request_id] = now
+            # Forget COMPLETEs of requests never held here, and expiries no COMPLETE asked about.
+            for seen in (self._completed, self._expired):
+                for request_id in [r for r, at in seen.items() if at < now - self.settings.lease_s]:
+                    del seen[request_id]
+        if self._pulling:
+            # vLLM's loop steps without pause while requests wait for their KV, and the data plane's
+            # thread needs the GIL to make progress: give it up to PULL_YIELD_S of this step.
+            wait([pull for _, pull in self._pulling.values()], PULL_YIELD_S, FIRST_COMPLETED)
         received = {r for r, (_, pull) in self._pulling.items() if pull.done()}
         for request_id in received:
             load, pull = self._pulling.pop(request_id)
@@ -217,15 +229,12 @@ class KVMeshConnector(KVConnectorBase_V1):
             if plane is not None:
                 plane.close()
 
-    async def _on_complete(self, request_id: str) -> bool:
-        """On the data plane's thread: a decode instance has read `request_id`'s blocks. False if
-        this instance does not hold them (unknown, or released when its lease ran out)."""
-        waited = 0.0
-        while waited < HOLD_WAIT_S:
-            with self._lock:
-                if request_id in self._held_until:
-                    self._completed.add(request_id)
-                    return True
-            await asyncio.sleep(0.01)
-            waited += 0.01
-        return False
+    def _on_complete(self, request_id: str) -> bool:
+        """On the data plane's thread: a decode instance has read `request_id`'s blocks. True when
+        they were still ours while it read (held, or about to be: vLLM frees nothing before
+        get_finished reports it); False when the lease had run out and they were freed."""
+        with self._lock:
+            if request_id in self._expired:
+                return False
+            self._completed[request_id] = time.monotonic()
+            return True
