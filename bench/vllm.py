@@ -128,7 +128,9 @@ def _run(setup: str, model: Path, workdir: Path, requests: list[WorkRequest], ra
     if setup == "colocated":
         instances = [VllmProcess(model, "kv_both", "0", logs / "colocated.log", connector="none")]
     else:
-        settings = ({"shared_storage_path": str(workdir / "kv-files")} if setup == "example" else {})
+        # A fresh storage path each run: the prefill instance would otherwise load the KV an earlier
+        # run saved for the same prompts, and skip its prefill.
+        settings = ({"shared_storage_path": str(workdir / f"kv-files-{rate:g}")} if setup == "example" else {})
         port = free_port() if setup == "kvmesh" else 0
         instances = [VllmProcess(model, "kv_producer", "0", logs / f"{setup}-prefill.log", setup, port, **settings),
                      VllmProcess(model, "kv_consumer", "1", logs / f"{setup}-decode.log", setup, **settings)]
