@@ -12,9 +12,10 @@ the ratios (`relaxed`) until it holds.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 NEGLIGIBLE = 0.01  # a score under this share of its row's maximum counts as zero (CaR Fig. 4)
+MAX_RELAXATIONS = 4  # profiled ratios halve what they drop at most this often before staying dense
 
 
 def keep_ratios(sparsity: Sequence[float], floor: float) -> list[float]:
@@ -29,6 +30,20 @@ def keep_ratios(sparsity: Sequence[float], floor: float) -> list[float]:
 def relaxed(ratios: Sequence[float]) -> list[float]:
     """The ratios with half of what each drops kept again: one step back towards dense KV."""
     return [1.0 - (1.0 - r) / 2 for r in ratios]
+
+
+def within_bound(ratios: Sequence[float], cost_of: Callable[[list[float]], float],
+                 bound: float) -> tuple[list[float], float, int]:
+    """The profiled `ratios`, relaxed until `cost_of` them is at most `bound` (at most
+    MAX_RELAXATIONS times; past that, every layer keeps everything, at no cost): (ratios, their
+    cost, relaxations)."""
+    ratios = list(ratios)
+    for relaxations in range(MAX_RELAXATIONS + 1):
+        cost = cost_of(ratios)
+        if cost <= bound:
+            return ratios, cost, relaxations
+        ratios = relaxed(ratios)
+    return [1.0] * len(ratios), 0.0, MAX_RELAXATIONS
 
 
 def keep_tokens(ratios: Sequence[float], block_size: int) -> list[int]:

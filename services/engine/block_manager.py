@@ -561,10 +561,11 @@ def copy_blocks(source: KVPool, source_blocks: list[int], target: KVPool, target
 def _copy_present(source: KVPool, source_blocks: list[int], target_blocks: list[int], *, target: KVPool) -> None:
     """Copy the K and V rows of the slots that hold KV, in one gather and scatter."""
     block_size = source.shape.block_size
-    present = source.valid[torch.tensor(source_blocks, device=source.valid.device)]   # [n, block_size]
+    blocks = torch.tensor(source_blocks, device=source.valid.device)
+    present = source.valid[blocks]   # [n, block_size]
     offsets = torch.arange(block_size, device=present.device)
     # In a pool viewed as rows of [Hkv, D], a slot's K row is 2 * block_size * block + offset; V is block_size on.
-    src = (torch.tensor(source_blocks, device=present.device)[:, None] * (2 * block_size) + offsets)[present]
+    src = (blocks[:, None] * (2 * block_size) + offsets)[present]
     dst = (torch.tensor(target_blocks, device=present.device)[:, None] * (2 * block_size) + offsets)[present]
     src, dst = src.to(source.tensor.device), dst.to(target.tensor.device)
     rows, target_rows = source.tensor.view(-1, *source.tensor.shape[3:]), target.tensor.view(-1, *target.tensor.shape[3:])

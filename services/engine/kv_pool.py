@@ -72,8 +72,10 @@ class KVPool:
     def drop_tokens(self, blocks: list[int], keep: list[list[int]]) -> None:
         """Mark every slot of each of `blocks` but its `keep` as holding no KV."""
         size = self.shape.block_size
-        self.valid[torch.tensor(blocks, device=self.valid.device)] = torch.tensor(
-            [[slot in set(kept) for slot in range(size)] for kept in keep], device=self.valid.device)
+        mask = torch.zeros(len(blocks), size, dtype=torch.bool)
+        for row, kept in enumerate(keep):
+            mask[row, kept] = True
+        self.valid[torch.tensor(blocks, device=self.valid.device)] = mask.to(self.valid.device)
         self.sparse.update((block, len(kept)) for block, kept in zip(blocks, keep) if len(kept) < size)
 
     def take_masks(self, source: KVPool, source_blocks: list[int], blocks: list[int]) -> None:

@@ -11,7 +11,7 @@ and what they cost in quality, measured once on this engine's own model before t
   the sparse one. The cost is the mean absolute change of the log-likelihood of each continuation
   token, in nats.
 - Ratios given in the configuration are refused if their cost passes the bound; profiled ones are
-  relaxed (policies.cache.sparsify.relaxed) until it holds, or left dense.
+  relaxed until it holds, or left dense (policies.cache.sparsify.within_bound).
 
 Nothing here touches the pools: the profile keeps its own KV per prompt.
 """
@@ -26,7 +26,7 @@ import msgspec
 import torch
 
 from kvmesh.libs.controlplane import ConfigError
-from kvmesh.policies.cache.sparsify import NEGLIGIBLE, keep_ratios, keep_tokens, kept_slots, relaxed
+from kvmesh.policies.cache.sparsify import MAX_RELAXATIONS, NEGLIGIBLE, keep_ratios, keep_tokens, kept_slots, within_bound
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,6 @@ PROMPT_TOKENS = 128     # each profiling prompt
 PROMPTS = 4             # prompts whose attention sets the sparsity
 HELD_OUT = 4            # prompts whose continuations measure the quality cost
 CONTINUATION = 32       # tokens of each held-out prompt after its cached prefix
-MAX_RELAXATIONS = 4     # profiled ratios halve what they drop at most this often before staying dense
 
 
 class SparsityProfile(msgspec.Struct, kw_only=True):
@@ -63,16 +62,11 @@ def profile_sparsity(model: torch.nn.Module, tokenizer, block_size: int, floor: 
                               f"log-likelihoods by {cost:.4f} nats on average, over sparsify_quality_bound {bound}")
         return SparsityProfile(sparsity=sparsity, keep_ratios=ratios, keep_tokens=keep_tokens(ratios, block_size),
                                quality_cost=cost, quality_bound=bound, relaxations=0, configured=True)
-    ratios = keep_ratios(sparsity, floor)
-    for relaxations in range(MAX_RELAXATIONS + 1):
-        cost = quality_cost(model, held_out, keep_tokens(ratios, block_size), block_size)
-        if cost <= bound:
-            break
-        ratios = relaxed(ratios)
-    else:
-        log.warning("sparsification: no keep ratios within %.4f nats after %d relaxations; nodes stay dense",
-                    bound, MAX_RELAXATIONS)
-        ratios, cost = [1.0] * layers, 0.0
+    ratios, cost, relaxations = within_bound(
+        keep_ratios(sparsity, floor), lambda r: quality_cost(model, held_out, keep_tokens(r, block_size), block_size),
+        bound)
+    if relaxations == MAX_RELAXATIONS and min(ratios) == 1.0:   # within_bound gave up
+        log.warning("sparsification: no keep ratios within %.4f nats; nodes stay dense", bound)
     return SparsityProfile(sparsity=sparsity, keep_ratios=ratios, keep_tokens=keep_tokens(ratios, block_size),
                            quality_cost=cost, quality_bound=bound, relaxations=relaxations, configured=False)
 

@@ -6,7 +6,6 @@ nothing dropped the answers are bit-identical to the engine without sparsificati
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvmesh.libs.controlplane import ConfigError
 from kvmesh.policies.cache.sparsify import kept_slots

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvmesh.policies.cache.sparsify import keep_ratios, keep_tokens, kept_slots, relaxed
+from kvmesh.policies.cache.sparsify import MAX_RELAXATIONS, keep_ratios, keep_tokens, kept_slots, relaxed, within_bound
 
 
 def test_each_layer_keeps_what_is_not_sparse_but_never_less_than_the_floor():
@@ -52,3 +52,15 @@ def test_ratios_outside_zero_to_one_are_refused():
         keep_tokens([0.0], block_size=16)
     with pytest.raises(ValueError, match="floor"):
         keep_ratios([0.5], floor=0)
+
+
+def test_profiled_ratios_are_relaxed_until_their_cost_is_within_the_bound():
+    cost_of = lambda ratios: 1.0 - min(ratios)   # noqa: E731  (dropping costs what is dropped)
+    assert within_bound([0.25, 0.5], cost_of, bound=0.2) == (pytest.approx([0.8125, 0.875]), pytest.approx(0.1875), 2)
+    assert within_bound([0.5], cost_of, bound=0.5) == ([0.5], 0.5, 0)
+
+
+def test_ratios_that_never_come_within_the_bound_leave_every_token():
+    tried = []
+    assert within_bound([0.25, 0.5], lambda r: tried.append(r) or 1.0, bound=0.1) == ([1.0, 1.0], 0.0, MAX_RELAXATIONS)
+    assert len(tried) == MAX_RELAXATIONS + 1

@@ -27,7 +27,6 @@ port, which is how the scheduler side knows its address.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -43,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.request import RequestStatus
 
 from kvmesh.libs.rdma.work import RdmaError
 
@@ -151,7 +151,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         params = request.kv_transfer_params or {}
         if not (self._kv_transfer_config.is_kv_producer and params.get("do_remote_decode")) or not block_ids:
             return False, None
-        if request.status.name == "FINISHED_ABORTED":
+        if request.status == RequestStatus.FINISHED_ABORTED:
             return False, None
         self._held.append(request.request_id)
         return True, {"remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
