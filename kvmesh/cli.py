@@ -33,6 +33,15 @@ def main(argv: list[str] | None = None) -> int:
     scale.add_argument("--decode", type=int, help="decode engines wanted")
     scale.add_argument("--colocated", type=int, help="colocated engines wanted")
 
+    swap = commands.add_parser("swap", help="replace a policy service or the engines' policies while the local "
+                                           "cluster serves")
+    swap.add_argument("target", choices=("predictor", "scheduler", "engines"),
+                      help="the service admission calls, or every engine's own policies")
+    swap.add_argument("values", nargs="+", metavar="URL|builtin|off|HOOK=NAME",
+                      help="predictor/scheduler: the new service's URL, `builtin` (the cluster's own) or `off` "
+                           "(predictor: no predictions); engines: policies as HOOK=NAME")
+    swap.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
+
     status = commands.add_parser("status", help="show what the local cluster runs")
     status.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
     status.add_argument("--json", action="store_true", help="machine-readable output")
@@ -85,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "scale":
         from kvmesh.infra.local.topology import scale as run_scale
         return run_scale(args.run_dir, args.prefill, args.decode, args.colocated)
+    if args.command == "swap":
+        from kvmesh.infra.local.swap import swap as run_swap
+        return run_swap(args.run_dir, args.target, args.values)
     if args.command == "status":
         from kvmesh.infra.local.status import print_status
         return print_status(args.run_dir, args.json)

@@ -7,6 +7,8 @@ Later services find earlier ones through `KVMESH_<NAME>_URL`, which the launcher
 The engines follow a topology (topology.py: 1 prefill + 1 decode by default, or one colocated
 engine); each is `kvmesh serve engine` with its own id, role and port, and `kvmesh scale` (SIGHUP
 with a new topology in the run directory) starts or stops engines while the cluster serves.
+`kvmesh swap` (swap.py) replaces a policy service or the engines' policies; what it records in the
+run directory reaches every admission and engine started after it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kvmesh.libs.controlplane import ServiceConfig, load_config
 
 from .processes import Child, StartError, port_in_use, redis_child, service_child
 from .state import ChildState, ClusterState, api_key, cluster_token, pid_alive, read_state, state_path, write_state
+from .swap import swapped_env, swaps_path
 from .topology import Topology, read_wanted, wanted_path, write_wanted
 
 # Started in this order, the engines between the scheduler and admission; a service whose code is
@@ -56,6 +59,7 @@ def up(run_dir: Path, config: str | None = None, redis_url: str | None = None,
         signal.signal(sig, lambda *_: stopping.set())
     signal.signal(signal.SIGHUP, lambda *_: rescale.set())
     write_wanted(run_dir, topology)
+    swaps_path(run_dir).unlink(missing_ok=True)  # a new cluster starts with its own policy services
     try:
         if redis_url is None:
             redis = redis_child(run_dir)
@@ -76,6 +80,7 @@ def up(run_dir: Path, config: str | None = None, redis_url: str | None = None,
             child.stop()
         state_path(run_dir).unlink(missing_ok=True)
         wanted_path(run_dir).unlink(missing_ok=True)
+        swaps_path(run_dir).unlink(missing_ok=True)
         console.print("kvmesh: stopped")
 
 
@@ -89,8 +94,14 @@ class _Cluster:
     def start(self, child: Child) -> None:
         console.print(f"kvmesh: starting {child.name} ...")
         self.children.append(child)
-        child.start()
+        self.run(child)
         child.wait_ready(timeout=120)
+
+    def run(self, child: Child) -> None:
+        """Start (or restart) the child's process, told of the policy swaps made so far."""
+        policies = self._config("engine").policies if child.name.startswith("engine-") else {}
+        child.env.update(swapped_env(self.run_dir, child.name, policies))
+        child.start()
 
     def start_service(self, name: str, extra: dict[str, str] | None = None) -> None:
         service_config = self._config(name)
@@ -173,7 +184,7 @@ def _supervise(cluster: _Cluster, stopping: threading.Event, rescale: threading.
         for child in children:
             if child.name in due and now >= due[child.name]:
                 del due[child.name]
-                child.start()
+                cluster.run(child)
                 child.restarts += 1
                 started[child.name] = now
                 cluster.save(token_file)

@@ -48,6 +48,11 @@ class ServiceClient:
                 connector=aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=30))
         return self._session
 
+    @property
+    def longest_call_s(self) -> float:
+        """The longest one call() can take: every attempt timing out, with the longest backoffs between."""
+        return self.timeout.total * (1 + self.retries) + self.backoff * (2 ** self.retries - 1)
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()

@@ -5,7 +5,8 @@ Per request, in order: API key (401), the key's rate limit (429 + Retry-After), 
 model (404), tokenization with the model's own tokenizer and the context limit (400), a place in the
 bounded queue (429 + Retry-After), then the journey through the cluster (lifecycle.py). Every error
 of a public route is OpenAI's shape (openai_api.py); a client that goes away aborts the request on
-every engine that holds it.
+every engine that holds it. `GET`/`PUT /v1/upstreams` swap the scheduler or the length predictor
+for another service speaking the same API while requests flow (upstreams.py).
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ from .lifecycle import Generation, Lifecycle
 from .limits import BoundedQueue, QueueFull, RateLimiter
 from .openai_api import (ChatCompletionRequest, CompletionRequest, Model, ModelList, OpenAIError, bad_request,
                          chat_checks, completion_checks, decode_body, messages_of, prompt_of, sampling_of)
-from .predictor_client import PredictorClient, predicted_lengths
+from .predictor_client import predicted_lengths
 from .responses import Answer, json_response, stream, whole
-from .scheduler_client import SchedulerClient
 from .slo import Slo, SloClass, SloMetrics, Timing, slo_defaults, slo_of
 from .tokenizers import Models, ModelTokenizer
+from .upstreams import UpstreamChange, Upstreams, UpstreamSettings
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +105,11 @@ def build_service(config: Config) -> Service:
         log.warning("no API key is configured (KVMESH_API_KEY, api_keys, api_key_file): every request is refused")
     limiter = RateLimiter(config.requests_per_s, config.burst)
     queue = BoundedQueue(config.max_running, config.max_queued)
-    scheduler = SchedulerClient(config.scheduler_url, config.token, config.route_timeout_s)
-    predictor = PredictorClient(config.predictor_url, config.token, config.predict_timeout_s) \
-        if config.predictor_url else None
+    upstreams = Upstreams(config.scheduler_url, config.predictor_url, config.token, config.route_timeout_s,
+                          config.predict_timeout_s, service.metrics)
     engines = EngineClients(config.token, config.connect_timeout_s, abort_timeout_s=config.route_timeout_s)
-    models = Models(scheduler, engines, config.models_refresh_s)
-    lifecycle = Lifecycle(scheduler, engines, config.max_retries, config.stall_timeout_s, config.transfer_mode)
+    models = Models(upstreams, engines, config.models_refresh_s)
+    lifecycle = Lifecycle(upstreams, engines, config.max_retries, config.stall_timeout_s, config.transfer_mode)
     slo_metrics = SloMetrics(service.metrics, queue)
     defaults = slo_defaults(config.slo_classes, config.default_ttft_ms, config.default_tbt_ms)
 
@@ -117,13 +117,11 @@ def build_service(config: Config) -> Service:
     async def clients(app: web.Application) -> AsyncIterator[None]:
         yield
         await engines.close()
-        await scheduler.close()
-        if predictor is not None:
-            await predictor.close()
+        await upstreams.close()
 
     @service.readiness
     async def scheduler_answers() -> None:
-        await scheduler.cluster()
+        await upstreams.scheduler.cluster()
 
     def authenticate(request: web.Request) -> str:
         if not keys:
@@ -192,8 +190,8 @@ def build_service(config: Config) -> Service:
 
         async def run() -> web.StreamResponse:
             generation, prediction = prepared.generation, None
-            if predictor is not None:  # before the queue: the predictor's arrival rate is the arrivals'
-                prediction = await predictor.predict(generation.prompt_ids, generation.max_tokens, generation.model,
+            if upstreams.predictor is not None:  # before the queue: the predictor's arrival rate is the arrivals'
+                prediction = await upstreams.predictor.predict(generation.prompt_ids, generation.max_tokens, generation.model,
                                                      prepared.prompt_text)
                 if prediction is not None:
                     generation = dataclasses.replace(generation, **predicted_lengths(prediction, generation.max_tokens))
@@ -208,9 +206,12 @@ def build_service(config: Config) -> Service:
                         if tracing.enabled():
                             tracing.annotate(_outcome(reply, timing))
                     slo_metrics.record(prepared.slo, timing, reply.served, reply.finish_reason)
-                    if prediction is not None and reply.finish_reason in ("stop", "length"):
-                        predictor.observe(generation.model, len(generation.prompt_ids), len(timing.token_times),
-                                          prediction, prepared.prompt_text)
+                    # the actual length goes to the predictor in force now, which may not be the one
+                    # that predicted it if the predictor was swapped meanwhile (each learns from any)
+                    if prediction is not None and reply.finish_reason in ("stop", "length") \
+                            and upstreams.predictor is not None:
+                        upstreams.predictor.observe(generation.model, len(generation.prompt_ids),
+                                                    len(timing.token_times), prediction, prepared.prompt_text)
                     return response
             except QueueFull as exc:
                 raise OpenAIError(429, str(exc), type="requests", code="queue_full",
@@ -220,6 +221,17 @@ def build_service(config: Config) -> Service:
             tracing.annotate(_request_attributes(prepared))
         with logs.request_context(prepared.generation.request_id):  # the run task copies it
             return await _while_connected(request, run())
+
+    @service.route("GET", "/v1/upstreams", response=UpstreamSettings)
+    async def get_upstreams(request: web.Request) -> UpstreamSettings:
+        """The scheduler and the length predictor admission calls now."""
+        return upstreams.settings()
+
+    @service.route("PUT", "/v1/upstreams", body=UpstreamChange, response=UpstreamSettings)
+    async def set_upstreams(request: web.Request, body: UpstreamChange) -> UpstreamSettings:
+        """Swap the scheduler or the length predictor for another service speaking the same API, while
+        requests flow; one that is not ready or lacks an operation admission calls is refused."""
+        return await upstreams.swap(body)
 
     @service.route("POST", "/v1/completions", internal=False, span_name="admission")
     @public

@@ -27,7 +27,8 @@ from kvmesh.observability import tracing
 
 from .engine_client import EngineClients, EngineFrame, EngineRef, EngineTimings, GenerateBody
 from .openai_api import KvmeshInfo, OpenAIError, Sampling
-from .scheduler_client import Route, SchedulerClient
+from .scheduler_client import Route
+from .upstreams import Upstreams
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +91,9 @@ class Journey:
 
 
 class Lifecycle:
-    def __init__(self, scheduler: SchedulerClient, engines: EngineClients, max_retries: int, stall_timeout_s: float,
+    def __init__(self, upstreams: Upstreams, engines: EngineClients, max_retries: int, stall_timeout_s: float,
                  transfer_mode: str = "pull"):
-        self.scheduler = scheduler
+        self.upstreams = upstreams  # the scheduler in force at each call: it may be swapped between two
         self.engines = engines
         self.max_retries = max_retries
         self.stall_timeout_s = stall_timeout_s
@@ -131,7 +132,7 @@ class Lifecycle:
     async def _route(self, generation: Generation, excluded: list[str]) -> Route:
         try:
             with tracing.span("route", kind=SpanKind.CLIENT):
-                route = await self.scheduler.route(generation.model, generation.prompt_ids, excluded)
+                route = await self.upstreams.scheduler.route(generation.model, generation.prompt_ids, excluded)
                 tracing.annotate({"kvmesh.policy": route.policy, "kvmesh.mode": route.mode, **_engines(route)})
             tracing.annotate(_engines(route))  # on the request's span: where it ran in the end
             return route

@@ -63,6 +63,10 @@ class PredictorClient:
                               "kvmesh.padding": answer.padding, "kvmesh.confidence": answer.confidence})
             return answer
 
+    @property
+    def longest_call_s(self) -> float:
+        return self._client.longest_call_s
+
     def observe(self, tenant: str, prompt_len: int, actual: int, prediction: PredictedLength,
                 text: str | None = None) -> None:
         """The request's actual output length, in the background (the answer has gone already), with

@@ -41,6 +41,10 @@ class SchedulerClient:
     def __init__(self, url: str, token: str | None, timeout_s: float):
         self._client = ServiceClient(url, token=token, timeout=timeout_s)
 
+    @property
+    def longest_call_s(self) -> float:
+        return self._client.longest_call_s
+
     async def route(self, model: str, prompt_token_ids: list[int], exclude: list[str]) -> Route:
         """Where to run the request; 503 `no_engine` when nothing (not excluded) serves the model."""
         body = {"model": model, "prompt_token_ids": prompt_token_ids, "exclude": exclude}

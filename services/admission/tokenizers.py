@@ -18,7 +18,8 @@ from kvmesh.libs.controlplane import KvmeshError
 
 from .engine_client import EngineClients, TokenizerSpec
 from .openai_api import OpenAIError
-from .scheduler_client import ClusterEngine, SchedulerClient
+from .scheduler_client import ClusterEngine
+from .upstreams import Upstreams
 
 # Used when a model's tokenizer has no chat template of its own: each turn as "role: content" on its
 # own line, after the BOS token when the tokenizer has one, then "assistant:" for the reply.
@@ -61,8 +62,8 @@ class Models:
     """What the cluster serves (the scheduler's view, re-read at most every `refresh_s`), and the
     tokenizer of each model (fetched on first use, then kept)."""
 
-    def __init__(self, scheduler: SchedulerClient, engines: EngineClients, refresh_s: float):
-        self.scheduler = scheduler
+    def __init__(self, upstreams: Upstreams, engines: EngineClients, refresh_s: float):
+        self.upstreams = upstreams
         self.engines = engines
         self.refresh_s = refresh_s
         self._engines: list[ClusterEngine] = []
@@ -72,7 +73,7 @@ class Models:
     async def live(self, fresh: bool = False) -> list[ClusterEngine]:
         if fresh or time.monotonic() - self._read_at > self.refresh_s:
             try:
-                self._engines = (await self.scheduler.cluster()).engines
+                self._engines = (await self.upstreams.scheduler.cluster()).engines
             except KvmeshError as exc:
                 raise OpenAIError(503, f"the scheduler cannot list the cluster: {exc.message}", type="server_error",
                                   code="no_engine") from None

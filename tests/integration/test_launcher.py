@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import openai
 import pytest
 
 from kvmesh.infra.local.processes import free_port, http_ok
@@ -20,6 +21,8 @@ from kvmesh.infra.local.status import Status
 from kvmesh.libs.controlplane import ServiceClient
 from kvmesh.libs.kvmeta.client import KvmetaClient
 from kvmesh.services.engine.engine import Frame
+
+from .test_policy_swap import counter, ratio_predictor
 
 
 def kvmesh(*args: str, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
@@ -155,6 +158,41 @@ def test_a_crashed_service_is_restarted(colocated):
     new = wait_for(lambda: next((c for c in status(run_dir).children if c.name == "kvmeta" and c.pid != old.pid
                                  and c.ready), None))
     assert new.restarts == 1 and http_ok(new.url + "/ready")
+
+
+async def test_swap_replaces_policies_and_a_restarted_service_keeps_them(colocated, tmp_path: Path):
+    """`kvmesh swap`: admission's predictor becomes a third-party service, the engines' preemption order
+    another; each survives a crash and restart of the service it changed; bad swaps change nothing."""
+    launcher, run_dir = colocated
+    token = (run_dir / "token").read_text().strip()
+    children = {c.name: c for c in status(run_dir).children}
+    replacement = ratio_predictor(tmp_path, token)
+    replacement.wait_ready()
+    swap = lambda *args: kvmesh("swap", *args, "--run-dir", str(run_dir))  # noqa: E731
+    try:
+        done = swap("predictor", replacement.url)
+        assert done.returncode == 0 and f"admission now calls predictor at {replacement.url}" in done.stdout
+        assert swap("engines", "preemption_order=srtf").returncode == 0
+        refused = [swap("scheduler", "off"), swap("engines", "preemption_order"), swap("engines", "nonsense=x"),
+                   swap("predictor", "http://127.0.0.1:9")]
+        assert [r.returncode for r in refused] == [2, 2, 2, 2] and "is not a ready service" in refused[-1].stdout
+
+        for name in ("admission", "engine-c0"):
+            os.kill(children[name].pid, signal.SIGKILL)
+        wait_for(lambda: all(c.ready and c.pid != children[c.name].pid for c in status(run_dir).children
+                             if c.name in ("admission", "engine-c0")), timeout=90)
+        async with ServiceClient(children["admission"].url, token=token) as admission:
+            assert (await admission.call("GET", "/v1/upstreams", into=dict))["predictor_url"] == replacement.url
+        async with ServiceClient(children["engine-c0"].url, token=token) as engine:
+            assert (await engine.call("GET", "/v1/state", into=dict))["policies"]["preemption_order"] == "srtf"
+        key = (run_dir / "api_key").read_text().strip()
+        async with openai.AsyncOpenAI(base_url=children["admission"].url + "/v1", api_key=key, max_retries=0) as client:
+            await client.completions.create(model="tiny", prompt="who predicts me", max_tokens=2)
+        assert counter(replacement.url, "ratio_predictor_predictions_total") == 1
+    finally:
+        assert swap("predictor", "builtin").returncode == 0
+        assert swap("engines", "preemption_order=latest_arrival_first").returncode == 0
+        replacement.stop()
 
 
 def test_sigterm_stops_everything_cleanly(cluster):
