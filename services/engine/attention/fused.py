@@ -109,4 +109,6 @@ def _packed(weight: Tensor) -> Tensor:
 
 @functools.cache
 def _onednn_packing() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    """oneDNN's bf16 linear needs AVX512 (BW, VL, DQ) or AVX-NE-CONVERT; other CPUs take torch's path."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
