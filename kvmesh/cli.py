@@ -158,7 +158,12 @@ def _serve(name: str, config_path: str | None) -> int:
     logs.configure(instance, config.log_level, config.log_format)
     tracing.setup(name, instance, config)
     try:
-        run(module.build_service(config))
+        service = module.build_service(config)
+    except ConfigError as exc:  # what the config names cannot be had here (a device, an interface, a file)
+        print(f"kvmesh serve {name}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        run(service)
     except OSError as exc:
         print(f"kvmesh serve {name}: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
         return 1

@@ -97,7 +97,10 @@ OVERLAY_SETTINGS: dict[str, dict[str, dict[str, Any]]] = {
     # GPU nodes with RDMA NICs: a real checkpoint from the models volume, KV over verbs.
     "gpu-rdma": {"engine": {"model": "/models/current", "device": "cuda", "dtype": "bfloat16",
                             "device_bytes": 40 * 2**30, "cxl_bytes": 128 * 2**30, "max_num_seqs": 256,
-                            "token_budget": 8192, "dataplane": "verbs"}},
+                            "token_budget": 8192, "dataplane": "verbs",
+                            # the VF Multus gives the pod (engine-gpu-rdma.yaml names it net1): the data plane
+                            # listens on its address and opens its RDMA device, GID from its IPv4 address
+                            "data_interface": "net1", "rdma_device": "auto"}},
 }
 
 

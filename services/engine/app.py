@@ -20,6 +20,7 @@ from .api import (Aborted, AbortRequest, CacheEntry, CacheQuery, CacheTable, Gen
                   TokenizerSpec)
 from .cache_publisher import CachePublisher
 from .engine import EngineLoop, EngineState, Frame
+from .data_link import DataLink
 from .factory import EngineConfig, build_engine, max_model_len
 from .handoff import KVHandle, KVReserve
 from .handoff_service import KVHandoff
@@ -63,7 +64,7 @@ def build_service(config: EngineConfig) -> Service:
                 kvmeta = await stack.enter_async_context(KvmetaClient(config.kvmeta_url, config.token))
                 handoff.kvmeta = kvmeta
                 publisher = await stack.enter_async_context(CachePublisher(kvmeta, config.engine_id, loop))
-                await stack.enter_async_context(WorkerPresence(kvmeta, _worker_info(config, engine),
+                await stack.enter_async_context(WorkerPresence(kvmeta, _worker_info(config, engine, handoff.link),
                                                                ttl_ms=config.heartbeat_ttl_ms,
                                                                load=lambda: _load(loop.state),
                                                                on_register=publisher.republish))
@@ -187,13 +188,13 @@ def build_service(config: EngineConfig) -> Service:
     return service
 
 
-def _worker_info(config: EngineConfig, engine) -> WorkerInfo:
+def _worker_info(config: EngineConfig, engine, link: DataLink | None) -> WorkerInfo:
     spec = engine.runner.model.config
     blocks = engine.blocks
     return WorkerInfo(
         id=config.engine_id, role=config.role, control_url=config.advertise_url or f"http://{config.host}:{config.port}",
         model=config.model, data_address=engine.data_address,
-        pairing=[GpuNic(gpu=0, nic=config.dataplane, address=engine.data_address)] if engine.data_address else [],
+        pairing=[GpuNic(gpu=link.gpu, nic=link.nic, address=engine.data_address)] if link and engine.data_address else [],
         geometry=BlockGeometry(block_size=blocks.block_size, num_layers=spec.num_layers,
                                num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=config.dtype),
         capacity=Capacity(device_blocks=blocks.device.num_blocks,

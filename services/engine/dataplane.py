@@ -31,13 +31,15 @@ POOL = "device"  # where pulled or pushed KV lands
 
 class KVDataPlane:
     def __init__(self, backend: str, token: str, host: str, port: int, role: str, pools: dict[str, torch.Tensor],
-                 release: Callable[[str], Awaitable[bool]], timeout: float = 10.0):
+                 release: Callable[[str], Awaitable[bool]], timeout: float = 10.0, options: dict | None = None):
+        """`options` go to the backend's endpoints (verbs: device, gid_index, ib_port)."""
         self.backend, self.role, self.timeout = backend, role, timeout
-        self.server = KVDirectServer(open_endpoint(backend, token, host, port), release, timeout=timeout)
+        self.server = KVDirectServer(open_endpoint(backend, token, host, port, **(options or {})), release,
+                                     timeout=timeout)
         for tier, tensor in pools.items():
             self.server.expose(tier, tensor)
         # Our own connections to peers leave from an endpoint of their own (an ephemeral port).
-        self.puller = KVDirectPuller(open_endpoint(backend, token, host, 0), timeout=timeout)
+        self.puller = KVDirectPuller(open_endpoint(backend, token, host, 0, **(options or {})), timeout=timeout)
         self.puller.expose(POOL, pools[POOL])
         self.address = ""
 

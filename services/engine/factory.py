@@ -95,6 +95,12 @@ class EngineConfig(ServiceConfig, kw_only=True):
     torch_threads: int = 0             # 0: torch's default
     dataplane: str = "tcp"             # KV hand-off between engines: tcp | shm | verbs | none
     data_host: str = "127.0.0.1"       # where this engine's data-plane endpoint listens
+    data_interface: str | None = None  # listen on this interface's IPv4 address instead (a secondary network's)
+    # verbs: an RDMA device name, or auto: the one on data_interface's PCI function, else the nearest the
+    # GPU on the PCIe tree, else the first (libs/rdma/topology.py)
+    rdma_device: str = "auto"
+    rdma_port: Annotated[int, msgspec.Meta(ge=1)] = 1
+    rdma_gid_index: Annotated[int, msgspec.Meta(ge=0)] | None = None  # None: the RoCE v2 GID of an IPv4 address
     data_port: int = 0                 # 0: any free port
     kv_lease_ms: int = 30_000          # prefill role: how long held KV waits for its decode engine
     kv_timeout_ms: int = 5_000         # a pull (or its COMPLETE) with no progress this long fails

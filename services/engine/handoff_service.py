@@ -18,6 +18,7 @@ from kvmesh.libs.rdma.work import RdmaError
 from kvmesh.observability import tracing
 
 from .api import GenerateRequest
+from .data_link import DataLink, data_link
 from .dataplane import KVDataPlane, KVPush
 from .engine import Engine, EngineLoop
 from .factory import EngineConfig, shm_pool_paths
@@ -32,11 +33,12 @@ class KVHandoff:
         self.config, self.engine, self.loop = config, engine, loop
         self.kvmeta: KvmetaClient | None = None
         self.dataplane = None
+        self.link: DataLink | None = None
         if config.dataplane != "none" and config.role in ("prefill", "decode", "both"):
-            self.dataplane = KVDataPlane(config.dataplane, config.token or "", config.data_host, config.data_port,
+            self.link = data_link(config)
+            self.dataplane = KVDataPlane(config.dataplane, config.token or "", self.link.host, config.data_port,
                                          config.role, {t: p.tensor for t, p in engine.blocks.pools.items()},
-                                         self._release,
-                                         timeout=config.kv_timeout_ms / 1e3)
+                                         self._release, timeout=config.kv_timeout_ms / 1e3, options=self.link.options)
         self._main: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
         self._traces: dict[str, Context] = {}  # prefill role: request id -> its trace, while its KV is held

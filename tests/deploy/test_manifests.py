@@ -290,9 +290,12 @@ def test_gpu_rdma_engines_get_a_gpu_a_paired_rdma_function_and_the_verbs_data_pl
         limits = item.container["resources"]["limits"]
         assert limits["nvidia.com/gpu"] == "1" and limits[resource] == "1"
         assert "IPC_LOCK" in item.container["securityContext"]["capabilities"]["add"]
-        assert item.pod["metadata"]["annotations"]["k8s.v1.cni.cncf.io/networks"] == "kvmesh-rdma"
+        assert item.pod["metadata"]["annotations"]["k8s.v1.cni.cncf.io/networks"] == "kvmesh-rdma@net1"
         config, _ = _loaded(documents, item, tmp_path)
         assert (config.dataplane, config.device) == ("verbs", "cuda")
+        # the data plane on the VF's interface, which is also what keeps it out of the sidecar
+        assert (config.data_interface, config.rdma_device) == ("net1", "auto")
+        assert item.pod["metadata"]["annotations"]["traffic.sidecar.istio.io/excludeInterfaces"] == config.data_interface
         assert config.model.startswith("/models/")
         assert any(m["mountPath"] == "/models" for m in item.container["volumeMounts"])
 
