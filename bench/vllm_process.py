@@ -7,8 +7,8 @@ import json
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+from kvmesh.infra.local.processes import ROOT
+from kvmesh.infra.local.processes import VLLM_VENV_PYTHON as PYTHON
 
 
 def vllm_missing() -> str | None:

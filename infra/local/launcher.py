@@ -7,6 +7,7 @@ Later services find earlier ones through `KVMESH_<NAME>_URL`, which the launcher
 The engines follow a topology (topology.py: 1 prefill + 1 decode by default, or one colocated
 engine); each is `kvmesh serve engine` with its own id, role and port, and `kvmesh scale` (SIGHUP
 with a new topology in the run directory) starts or stops engines while the cluster serves.
+`--backend vllm` runs the engines on stock vLLM (docs/vllm.md), each with a Python that has vLLM.
 `kvmesh swap` (swap.py) replaces a policy service or the engines' policies; what it records in the
 run directory reaches every admission and engine started after it.
 """
@@ -17,6 +18,7 @@ import importlib
 import importlib.util
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -26,7 +28,7 @@ from rich.table import Table
 
 from kvmesh.libs.controlplane import ServiceConfig, load_config
 
-from .processes import Child, StartError, port_in_use, redis_child, service_child
+from .processes import Child, StartError, port_in_use, redis_child, service_child, vllm_python
 from .state import ChildState, ClusterState, api_key, cluster_token, pid_alive, read_state, state_path, write_state
 from .swap import swapped_env, swaps_path
 from .topology import Topology, read_wanted, wanted_path, write_wanted
@@ -43,7 +45,7 @@ console = Console(highlight=False)
 
 
 def up(run_dir: Path, config: str | None = None, redis_url: str | None = None,
-       topology: Topology = Topology()) -> int:
+       topology: Topology = Topology(), backend: str = "native", model: str | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     previous = read_state(run_dir)
     if previous is not None and pid_alive(previous.launcher_pid):
@@ -53,7 +55,9 @@ def up(run_dir: Path, config: str | None = None, redis_url: str | None = None,
     token, token_file = cluster_token(run_dir, shared.token)
     key, key_file = api_key(run_dir, os.environ.get("KVMESH_API_KEY"))
     env = {"KVMESH_TOKEN": token, "KVMESH_CLUSTER": shared.cluster}
-    cluster = _Cluster(run_dir, config, env)
+    if model is not None:
+        env["KVMESH_ENGINE_MODEL"] = model
+    cluster = _Cluster(run_dir, config, env, backend)
     stopping, rescale = threading.Event(), threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
@@ -87,9 +91,11 @@ def up(run_dir: Path, config: str | None = None, redis_url: str | None = None,
 class _Cluster:
     """The children of one `kvmesh up`, and how to start one more or stop one."""
 
-    def __init__(self, run_dir: Path, config: str | None, env: dict[str, str]):
+    def __init__(self, run_dir: Path, config: str | None, env: dict[str, str], backend: str = "native"):
         self.run_dir, self.config, self.env = run_dir, config, env
         self.children: list[Child] = []
+        self.python = vllm_python() if backend == "vllm" else sys.executable  # before anything starts
+        self.backend = backend
 
     def start(self, child: Child) -> None:
         console.print(f"kvmesh: starting {child.name} ...")
@@ -127,7 +133,8 @@ class _Cluster:
         base = self._config("engine")
         threads = base.torch_threads or max(1, (os.cpu_count() or 1) // max(1, len(wanted)))
         taken = {int(c.url.rsplit(":", 1)[1]) for c in self.children if c.url.startswith("http")}
-        for spec in wanted.values():
+        cores = sorted(os.sched_getaffinity(0))
+        for index, spec in enumerate(wanted.values()):
             if spec.name in running:
                 continue
             port = base.port
@@ -136,8 +143,10 @@ class _Cluster:
             taken.add(port)
             env = {**self.env, "KVMESH_ENGINE_ENGINE_ID": spec.name, "KVMESH_ENGINE_ROLE": spec.role,
                    "KVMESH_ENGINE_PORT": str(port), "KVMESH_ENGINE_TORCH_THREADS": str(threads)}
+            if self.backend == "vllm":
+                env.update(_vllm_engine_env(base, cores[index % len(cores)], threads))
             self.start(service_child("engine", self.run_dir, f"http://{base.host}:{port}", env, self.config,
-                                     name=spec.name))
+                                     name=spec.name, python=self.python))
 
     def save(self, token_file: Path) -> None:
         write_state(self.run_dir, ClusterState(
@@ -148,6 +157,17 @@ class _Cluster:
     def _config(self, name: str) -> ServiceConfig:
         return load_config(importlib.import_module(f"kvmesh.services.{name}.app").Config, name, self.config,
                            env={**os.environ, **self.env})
+
+
+def _vllm_engine_env(base: ServiceConfig, core: int, threads: int) -> dict[str, str]:
+    """An engine on stock vLLM: that backend, blocks vLLM's CPU build takes (a multiple of 32 tokens),
+    and on the CPU its OMP threads bound to a core of its own, so engines side by side do not fight."""
+    env = {"KVMESH_ENGINE_BACKEND": "vllm"}
+    if base.device == "cpu":
+        env.update(VLLM_CPU_OMP_THREADS_BIND=str(core), OMP_NUM_THREADS=str(threads))
+        if base.block_size % 32:
+            env["KVMESH_ENGINE_BLOCK_SIZE"] = "32"
+    return env
 
 
 def _exists(service: str) -> bool:

@@ -7,6 +7,7 @@ benchmarks, so all three start things the same way.
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import os
 import random
 import shutil
@@ -24,6 +25,10 @@ from pathlib import Path
 class StartError(RuntimeError):
     pass
 
+
+ROOT = Path(__file__).resolve().parents[2]
+# The virtualenv scripts/setup-vllm.sh makes for vLLM's CPU build, beside kvmesh's own (docs/vllm.md).
+VLLM_VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 PICKED_PORTS_FROM = 20000  # free_port picks from here up to the ephemeral range
 
@@ -129,11 +134,22 @@ def redis_child(run_dir: Path, host: str = "127.0.0.1", port: int | None = None)
 
 
 def service_child(service: str, run_dir: Path, url: str, env: dict[str, str], config: str | None = None,
-                  name: str | None = None) -> Child:
-    """`kvmesh serve SERVICE` as a child; `name` tells instances of one service apart (default: the service)."""
-    argv = [sys.executable, "-m", "kvmesh", "serve", service] + (["--config", config] if config else [])
+                  name: str | None = None, python: str = sys.executable) -> Child:
+    """`kvmesh serve SERVICE` as a child; `name` tells instances of one service apart (default: the service);
+    `python` runs it (an engine on the vLLM backend needs one with vLLM)."""
+    argv = [python, "-m", "kvmesh", "serve", service] + (["--config", config] if config else [])
     name = name or service
     return Child(name, argv, run_dir / "logs" / f"{name}.log", env=env, url=url)
+
+
+def vllm_python() -> str:
+    """A Python that runs vLLM: this one when it has vLLM (`pip install kvmesh[vllm]`), else .venv-vllm."""
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    if VLLM_VENV_PYTHON.exists():
+        return str(VLLM_VENV_PYTHON)
+    raise StartError("the vLLM backend needs vLLM: `pip install kvmesh[vllm]` (GPU), or scripts/setup-vllm.sh "
+                     "(vLLM's CPU build, into .venv-vllm)")
 
 
 def is_ready(url: str) -> bool:

@@ -33,6 +33,9 @@ NDJSON = "application/x-ndjson"
 
 
 def build_service(config: EngineConfig) -> Service:
+    if config.backend == "vllm":
+        from .vllm_backend.service import build_service as build_vllm_service
+        return build_vllm_service(config)
     service = Service("engine", config)
     engine = build_engine(config)
     context_limit = max_model_len(config, engine)

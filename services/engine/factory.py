@@ -38,6 +38,9 @@ SWAP_BLIND_STRATEGIES = ("recompute", "swap")  # built-in preemption strategies 
 
 class EngineConfig(ServiceConfig, kw_only=True):
     port: int = 8200
+    # native: kvmesh's own torch engine, every paper mechanism; vllm: stock vLLM behind the same API,
+    # with kvmesh's KV connector (docs/vllm.md; needs a Python with vLLM)
+    backend: Literal["native", "vllm"] = "native"
     engine_id: str = "engine-0"
     role: str = "both"                 # prefill | decode | both
     model: str = "tiny"                # a preset name, or a Hugging Face checkpoint directory

@@ -4,6 +4,7 @@ preset), the scheduler and admission, each a process of its own."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,18 +25,20 @@ class Cluster:
     engines: dict[str, Child] = field(default_factory=dict)  # by engine id
 
 
-def launch(name: str, run_dir: Path, **env: str) -> Child:
-    """Start a kvmesh service (not yet waited on)."""
+def launch(name: str, run_dir: Path, python: str = sys.executable, **env: str) -> Child:
+    """Start a kvmesh service (not yet waited on), run by `python`."""
     port = free_port()
     child = service_child(name, run_dir, f"http://127.0.0.1:{port}",
-                          {f"KVMESH_{name.upper()}_PORT": str(port), "KVMESH_TOKEN": TOKEN, **env})
+                          {f"KVMESH_{name.upper()}_PORT": str(port), "KVMESH_TOKEN": TOKEN, **env}, python=python)
     child.start()
     return child
 
 
-def launch_engine(run_dir: Path, kvmeta_url: str, engine_id: str, role: str, **env: str) -> Child:
-    return launch("engine", run_dir / engine_id, KVMESH_ENGINE_MODEL=MODEL, KVMESH_ENGINE_ENGINE_ID=engine_id,
-                  KVMESH_ENGINE_ROLE=role, KVMESH_ENGINE_KVMETA_URL=kvmeta_url, KVMESH_ENGINE_TORCH_THREADS="1", **env)
+def launch_engine(run_dir: Path, kvmeta_url: str, engine_id: str, role: str, python: str = sys.executable,
+                  **env: str) -> Child:
+    return launch("engine", run_dir / engine_id, python, **{
+        "KVMESH_ENGINE_MODEL": MODEL, "KVMESH_ENGINE_ENGINE_ID": engine_id, "KVMESH_ENGINE_ROLE": role,
+        "KVMESH_ENGINE_KVMETA_URL": kvmeta_url, "KVMESH_ENGINE_TORCH_THREADS": "1", **env})
 
 
 def start_cluster(stack: ExitStack, run_dir: Path, redis_url: str, cluster: str, roles: dict[str, str],
@@ -69,16 +72,16 @@ def idle(state: dict) -> bool:
             and not state.get("pulling") and not state.get("held_kv"))
 
 
-async def engine_state(engine_url: str) -> dict:
-    async with ServiceClient(engine_url, token=TOKEN) as client:
+async def engine_state(engine_url: str, token: str = TOKEN) -> dict:
+    async with ServiceClient(engine_url, token=token) as client:
         return await client.call("GET", "/v1/state", into=dict)
 
 
-async def wait_until_idle(engine_url: str, timeout: float = 5.0) -> dict:
+async def wait_until_idle(engine_url: str, timeout: float = 5.0, token: str = TOKEN) -> dict:
     """The engine's state once nothing runs, waits, pulls or is held and every block is free (or at the timeout)."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
-        state = await engine_state(engine_url)
+        state = await engine_state(engine_url, token)
         if idle(state) or asyncio.get_running_loop().time() > deadline:
             return state
         await asyncio.sleep(0.05)

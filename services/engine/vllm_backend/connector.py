@@ -74,6 +74,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     data_port: int = 0               # and at which port: required for a producer
     lease_s: float = 30.0            # a prefill instance frees held KV no decode instance took by then
     timeout_s: float = 10.0          # a pull (or its COMPLETE) with no progress this long fails
+    endpoint: dict[str, Any] = {}    # the backend's own options (verbs: device, gid_index, ib_port)
 
 
 @dataclass
@@ -165,9 +166,9 @@ class KVMeshConnector(KVConnectorBase_V1):
         s = self.settings
         if self._kv_transfer_config.is_kv_producer:
             self._server = KVServer(kv_caches, s.backend, s.token, s.data_host, s.data_port, self._on_complete,
-                                    s.timeout_s)
+                                    s.timeout_s, s.endpoint)
         if self._kv_transfer_config.is_kv_consumer:
-            self._puller = KVPuller(kv_caches, s.backend, s.token, s.data_host, s.timeout_s)
+            self._puller = KVPuller(kv_caches, s.backend, s.token, s.data_host, s.timeout_s, s.endpoint)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -217,6 +218,17 @@ class KVMeshConnector(KVConnectorBase_V1):
                             load.address, exc)
                 self._load_errors.update(load.local_blocks)
         return sent or None, received or None
+
+    @property
+    def held(self) -> int:
+        """Producer: finished requests whose KV waits for a decode instance."""
+        with self._lock:
+            return len(self._held_until)
+
+    @property
+    def pulling(self) -> int:
+        """Consumer: requests whose pull is under way."""
+        return len(self._pulling)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -51,9 +51,10 @@ class KVServer:
     """A prefill instance's KV cache, served: `address` is where decode instances connect."""
 
     def __init__(self, caches: dict[str, torch.Tensor], backend: str, token: str, host: str, port: int,
-                 on_complete: Callable[[str], Awaitable[bool]], timeout: float):
+                 on_complete: Callable[[str], Awaitable[bool]], timeout: float, options: dict | None = None):
         self.thread = LoopThread("kvmesh-kv-server")
-        self.server = KVDirectServer(open_endpoint(backend, token, host, port), on_complete, timeout=timeout)
+        self.server = KVDirectServer(open_endpoint(backend, token, host, port, **(options or {})), on_complete,
+                                     timeout=timeout)
         for name, tensor in caches.items():
             self.server.expose(name, tensor, block_dims(tensor))
         self.address = self.thread.run(self.server.start())
@@ -66,10 +67,11 @@ class KVServer:
 class KVPuller:
     """A decode instance's KV cache, where pulled blocks land."""
 
-    def __init__(self, caches: dict[str, torch.Tensor], backend: str, token: str, host: str, timeout: float):
+    def __init__(self, caches: dict[str, torch.Tensor], backend: str, token: str, host: str, timeout: float,
+                 options: dict | None = None):
         self.thread = LoopThread("kvmesh-kv-puller")
         self.names = list(caches)
-        self.puller = KVDirectPuller(open_endpoint(backend, token, host, 0), timeout=timeout)
+        self.puller = KVDirectPuller(open_endpoint(backend, token, host, 0, **(options or {})), timeout=timeout)
         for name, tensor in caches.items():
             self.puller.expose(name, tensor, block_dims(tensor))
         self.thread.run(self.puller.endpoint.start())

@@ -1,0 +1,383 @@
+"""The engine service on stock vLLM (`backend = "vllm"`, docs/vllm.md): the native engine's HTTP API
+(`POST /v1/generate` with `kv_transfer` / `kv_source`, `/v1/abort`, `/v1/state`, `/v1/tokenizer`),
+its registration and heartbeats in kvmeta, so that admission and the scheduler cannot tell the
+backends apart. Prefill engines run vLLM with KVMeshConnector as producer, decode engines as
+consumer; the connector's kv_transfer_params travel as kvmesh's KVHandle.
+
+What only the native engine has is refused with a 400 or a config error that says so: push mode,
+`PUT /v1/policy` (vLLM's scheduler schedules), the cxl tier and LayerKV, CaR's cache table.
+Run it with a Python that has vLLM: `.venv-vllm/bin/python -m kvmesh serve engine` on CPU here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+from aiohttp import web
+
+from kvmesh.infra.local.processes import free_port
+from kvmesh.libs.controlplane import BadRequest, ConfigError, Service
+from kvmesh.libs.kvmeta.client import KvmetaClient, WorkerPresence
+from kvmesh.libs.kvmeta.messages import BlockGeometry, Capacity, GpuNic, Load, WorkerInfo
+
+from ..api import Aborted, AbortRequest, GenerateRequest, PolicyNames, TokenizerSpec
+from ..data_link import data_link
+from ..engine import Frame, Timings, Usage
+from ..factory import EngineConfig
+from ..handoff import KVHandle
+from ..models import PRESETS, save_preset_checkpoint
+from ..sampling import SamplingParams
+from .engine_thread import VllmThread
+
+NDJSON = "application/x-ndjson"
+CONNECTOR = dict(kv_connector="KVMeshConnector", kv_connector_module_path="kvmesh.services.engine.vllm_backend.connector")
+CPU_BLOCK_MULTIPLE = 32   # vLLM's CPU attention wants blocks of a multiple of 32 tokens
+
+
+class VllmEngineState(msgspec.Struct, kw_only=True):
+    """`GET /v1/state` on the vLLM backend: the native engine's queue and block counts (vLLM's own pool)."""
+
+    backend: str
+    free_blocks: dict[str, int]
+    total_blocks: dict[str, int]
+    waiting: int
+    running: int
+    swapped: int
+    pulling: int    # decode role: requests whose KV is being pulled
+    held_kv: int    # prefill role: finished requests whose KV waits for a decode engine
+    policies: dict[str, str]
+
+
+@dataclass
+class Tracked:
+    """A request on this engine, from its arrival to its last frame."""
+
+    prompt_tokens: int
+    arrival: float
+    hands_off: bool                     # prefill role: its KV goes to a decode engine
+    first_token: float | None = None
+    completion_tokens: int = 0
+    logprobs: bool = False
+
+
+@dataclass
+class Geometry:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+
+@dataclass
+class Counters:
+    state: VllmEngineState | None = None
+    tracked: dict[str, Tracked] = field(default_factory=dict)
+
+
+def build_service(config: EngineConfig) -> Service:
+    _refuse_native_only(config)
+    service = Service("engine", config)
+    model_dir, scratch = _checkpoint(config)
+    link = data_link(config) if config.role in ("prefill", "decode") and config.dataplane != "none" else None
+    data_port = config.data_port or (free_port(link.host) if link and config.role == "prefill" else 0)
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    geometry = _geometry(AutoConfig.from_pretrained(model_dir))
+    counters = Counters()
+    streams: dict[str, asyncio.Queue[Frame]] = {}
+    main_loop: asyncio.AbstractEventLoop | None = None
+
+    def build_engine():
+        _vllm_environment(config)
+        from vllm.config import KVTransferConfig
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        transfer = None
+        if link is not None:
+            settings = {"backend": config.dataplane, "token": config.token, "data_host": link.host,
+                        "data_port": data_port, "lease_s": config.kv_lease_ms / 1e3,
+                        "timeout_s": config.kv_timeout_ms / 1e3, "endpoint": link.options}
+            transfer = KVTransferConfig(**CONNECTOR, engine_id=config.engine_id, kv_load_failure_policy="recompute",
+                                        kv_role="kv_producer" if config.role == "prefill" else "kv_consumer",
+                                        kv_connector_extra_config=settings)
+        args = EngineArgs(model=str(model_dir), dtype=config.dtype, seed=config.seed, block_size=config.block_size,
+                          max_model_len=config.max_model_len or None, max_num_seqs=config.max_num_seqs,
+                          max_num_batched_tokens=max(config.token_budget, config.max_model_len or 0) or None,
+                          enable_prefix_caching=config.prefix_caching, enforce_eager=True,
+                          kv_cache_memory_bytes=config.device_bytes, disable_log_stats=True,
+                          kv_transfer_config=transfer)
+        return LLMEngine.from_engine_args(args)
+
+    def on_outputs(outputs: list) -> None:  # on the engine's thread
+        frames = [_frame(output, counters.tracked, config, geometry, block_size) for output in outputs]
+        main_loop.call_soon_threadsafe(dispatch, frames)
+
+    def dispatch(frames: list[Frame]) -> None:
+        for frame in frames:
+            stream = streams.get(frame.request_id)
+            if stream is not None:
+                stream.put_nowait(frame)
+
+    engine = VllmThread(build_engine, on_outputs, observe=lambda e: _observe(e, counters))
+    engine.start()
+    block_size = engine.engine.vllm_config.cache_config.block_size
+    context_limit = engine.engine.model_config.max_model_len
+    total_blocks = counters.state.total_blocks["device"]
+    tokenizer_spec = _tokenizer_spec(config, model_dir, tokenizer, context_limit)
+
+    @service.lifespan
+    async def run_engine(app: web.Application) -> AsyncIterator[None]:
+        nonlocal main_loop
+        main_loop = asyncio.get_running_loop()
+        async with contextlib.AsyncExitStack() as stack:
+            stack.push_async_callback(asyncio.to_thread, engine.stop)
+            if scratch is not None:
+                stack.callback(shutil.rmtree, scratch, True)
+            if config.kvmeta_url:
+                kvmeta = await stack.enter_async_context(KvmetaClient(config.kvmeta_url, config.token))
+                data_address = f"{link.host}:{data_port}" if link and config.role == "prefill" else ""
+                info = WorkerInfo(
+                    id=config.engine_id, role=config.role, model=config.model, data_address=data_address,
+                    control_url=config.advertise_url or f"http://{config.host}:{config.port}",
+                    pairing=[GpuNic(gpu=link.gpu, nic=link.nic, address=data_address)] if data_address else [],
+                    geometry=BlockGeometry(block_size=block_size, num_layers=geometry.num_layers,
+                                           num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
+                                           dtype=config.dtype),
+                    capacity=Capacity(device_blocks=total_blocks))
+                await stack.enter_async_context(WorkerPresence(kvmeta, info, ttl_ms=config.heartbeat_ttl_ms,
+                                                               load=lambda: _load(counters.state)))
+            yield
+
+    @service.on_shutdown
+    async def end_streams() -> None:
+        """Abort what is running, so every open stream ends with finish_reason `abort`."""
+        dispatch(await asyncio.wrap_future(engine.call(lambda e: [f for r in list(streams)
+                                                                  for f in _abort(e, r, counters.tracked)])))
+
+    @service.route("POST", "/v1/generate", body=GenerateRequest)
+    async def generate(request: web.Request, body: GenerateRequest) -> web.StreamResponse:
+        """Generate from a prompt; streams one frame per step's new tokens (msgpack, or JSON lines)."""
+        arrival = time.time()
+        ids, sampling = body.validated(tokenizer, geometry.vocab_size, context_limit)
+        body.targets()
+        params = _transfer_params(config, body, ids, geometry.num_layers, block_size)
+        request_id = body.request_id or uuid.uuid4().hex
+        if request_id in streams:
+            raise BadRequest(f"request {request_id} is already running on this engine")
+        frames: asyncio.Queue[Frame] = asyncio.Queue()
+        streams[request_id] = frames
+
+        def add(e) -> None:
+            counters.tracked[request_id] = Tracked(len(ids), arrival, body.kv_transfer is not None,
+                                                   logprobs=sampling.logprobs)
+            e.add_request(request_id, {"prompt_token_ids": ids}, _vllm_sampling(sampling, params), arrival_time=arrival)
+        try:
+            await asyncio.wrap_future(engine.call(add))
+        except Exception as exc:  # vLLM's own checks (say, a prompt its scheduler can never fit)
+            streams.pop(request_id, None)
+            counters.tracked.pop(request_id, None)
+            raise BadRequest(f"vLLM refused the request: {exc}") from None
+        as_json = any(media in request.headers.get("Accept", "") for media in ("application/json", NDJSON))
+        response = web.StreamResponse(headers={"Content-Type": NDJSON if as_json else "application/msgpack"})
+        finished = False
+        try:
+            await response.prepare(request)
+            while not finished:
+                frame = await frames.get()
+                finished = frame.finish_reason is not None
+                await response.write(msgspec.json.encode(frame) + b"\n" if as_json else msgspec.msgpack.encode(frame))
+            await response.write_eof()
+        except ConnectionResetError:
+            pass  # the client went away mid-stream: nothing to answer
+        finally:
+            streams.pop(request_id, None)
+            if not finished:  # the client went away: free the request's blocks now
+                engine.call(lambda e: _abort(e, request_id, counters.tracked))
+        return response
+
+    @service.route("POST", "/v1/abort", body=AbortRequest, response=Aborted)
+    async def abort(request: web.Request, body: AbortRequest) -> Aborted:
+        """Stop a request and free its blocks; its stream ends with finish_reason `abort`."""
+        frames = await asyncio.wrap_future(engine.call(lambda e: _abort(e, body.request_id, counters.tracked)))
+        dispatch(frames)
+        return Aborted(aborted=bool(frames))
+
+    @service.route("GET", "/v1/state", response=VllmEngineState)
+    async def state(request: web.Request) -> VllmEngineState:
+        """Free blocks of vLLM's pool, queue lengths, KV held for or pulled from other engines."""
+        return counters.state
+
+    @service.route("PUT", "/v1/policy", body=PolicyNames, response=PolicyNames)
+    async def set_policy(request: web.Request, body: PolicyNames) -> PolicyNames:
+        """Engine-level policies: vLLM's own scheduler schedules on this backend."""
+        raise BadRequest("engine-level policies are the native engine's: on the vLLM backend, vLLM's scheduler "
+                         "schedules (docs/vllm.md)")
+
+    @service.route("GET", "/v1/tokenizer", response=TokenizerSpec)
+    async def tokenizer_route(request: web.Request) -> TokenizerSpec:
+        """The model's tokenizer, chat template and context limit (admission tokenizes with it)."""
+        return tokenizer_spec
+
+    return service
+
+
+def _refuse_native_only(config: EngineConfig) -> None:
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"backend vllm: {sys.executable} has no vLLM; run the engine with a Python that has it "
+                          "(.venv-vllm/bin/python here, from scripts/setup-vllm.sh; kvmesh[vllm] on GPUs)")
+    native = [name for name, on in (("policies", bool(config.policies)), ("prefix_cache_cxl", config.prefix_cache_cxl),
+                                    ("layer_staging_blocks", bool(config.layer_staging_blocks)),
+                                    ("cxl_path", bool(config.cxl_path))) if on]
+    if native:
+        raise ConfigError(f"backend vllm: {', '.join(native)} are the native engine's (docs/vllm.md)")
+    if config.dataplane == "shm":
+        raise ConfigError("backend vllm: the shm data plane needs the KV cache in a shared file, which vLLM's "
+                          "allocator does not make; use tcp or verbs")
+    if config.device == "cpu" and config.block_size % CPU_BLOCK_MULTIPLE:
+        raise ConfigError(f"backend vllm: vLLM on the CPU needs block_size a multiple of {CPU_BLOCK_MULTIPLE}, "
+                          f"got {config.block_size}")
+
+
+def _vllm_environment(config: EngineConfig) -> None:
+    """What vLLM reads from the environment, set before it is imported: its core in this process (the
+    service steps it), no downloads, and the KV cache sized by device_bytes, not VLLM_CPU_KVCACHE_SPACE."""
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1")
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    if config.torch_threads:
+        os.environ.setdefault("OMP_NUM_THREADS", str(config.torch_threads))
+
+
+def _checkpoint(config: EngineConfig) -> tuple[Path, Path | None]:
+    """The checkpoint directory vLLM loads, and a scratch directory to remove at exit: a preset's
+    weights (random, from `seed`, the same on every engine) are written to one first."""
+    if config.model not in PRESETS:
+        return Path(config.model), None
+    scratch = Path(tempfile.mkdtemp(prefix=f"kvmesh-{config.model}-"))
+    return save_preset_checkpoint(config.model, scratch, seed=config.seed), scratch
+
+
+def _geometry(hf_config) -> Geometry:
+    heads = hf_config.num_attention_heads
+    return Geometry(num_layers=hf_config.num_hidden_layers,
+                    num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+                    head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+                    vocab_size=hf_config.vocab_size)
+
+
+def _transfer_params(config: EngineConfig, body: GenerateRequest, ids: list[int], num_layers: int,
+                     block_size: int) -> dict | None:
+    """The connector's kv_transfer_params for a hand-off, or a 400 when this engine cannot do it."""
+    if body.kv_transfer is not None:
+        if config.role != "prefill" or config.dataplane == "none":
+            raise BadRequest(f"kv_transfer: this engine ({config.role}, data plane {config.dataplane}) does not "
+                             "hand off KV")
+        if body.kv_transfer.mode != "pull":
+            raise BadRequest("kv_transfer: the vLLM backend hands KV off in pull mode only")
+        return {"do_remote_decode": True}
+    if body.kv_source is not None:
+        if config.role != "decode" or config.dataplane == "none":
+            raise BadRequest(f"kv_source: this engine ({config.role}, data plane {config.dataplane}) does not pull KV")
+        handle = body.kv_source
+        handle.check(num_layers, block_size, len(ids) - 1)
+        if handle.tiers is not None and set(handle.tiers) != {"device"}:
+            raise BadRequest("kv_source: the vLLM backend pulls from a prefill engine's device tier only")
+        return {"remote_engine_id": handle.engine, "remote_request_id": handle.request_id,
+                "remote_address": handle.data_address, "remote_block_ids": list(handle.layers[0]),
+                "num_tokens": handle.num_tokens}
+    return None
+
+
+def _vllm_sampling(sampling: SamplingParams, kv_transfer_params: dict | None):
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return VllmSamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
+                              top_p=sampling.top_p, seed=sampling.seed, stop=list(sampling.stop),
+                              stop_token_ids=list(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
+                              logprobs=0 if sampling.logprobs else None, output_kind=RequestOutputKind.DELTA,
+                              extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None)
+
+
+def _frame(output, tracked: dict[str, Tracked], config: EngineConfig, geometry: Geometry, block_size: int) -> Frame:
+    """A step's output for one request (vLLM's delta) as the native engine's frame."""
+    now = time.time()
+    request = tracked[output.request_id]
+    completion = output.outputs[0]
+    tokens = list(completion.token_ids)
+    if tokens and request.first_token is None:
+        request.first_token = now
+    request.completion_tokens += len(tokens)
+    logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens)] \
+        if request.logprobs and completion.logprobs else None
+    frame = Frame(request_id=output.request_id, token_ids=tokens, text=completion.text, times=[now] * len(tokens),
+                  logprobs=logprobs)
+    if output.finished:
+        del tracked[output.request_id]
+        frame.finish_reason = completion.finish_reason or "stop"
+        frame.usage = Usage(prompt_tokens=request.prompt_tokens, completion_tokens=request.completion_tokens,
+                            cached_tokens=output.num_cached_tokens or 0)
+        frame.timings = Timings(arrival=request.arrival, first_token=request.first_token, finished=now)
+        params = output.kv_transfer_params
+        if request.hands_off and params and params.get("remote_block_ids"):
+            frame.kv_handle = KVHandle(engine=config.engine_id, data_address=params["remote_address"],
+                                       request_id=params["remote_request_id"], num_tokens=params["num_tokens"],
+                                       block_size=block_size, layers=[list(params["remote_block_ids"])] * geometry.num_layers)
+    return frame
+
+
+def _abort(engine, request_id: str, tracked: dict[str, Tracked]) -> list[Frame]:
+    """On the engine's thread: stop the request; its last frame, or none when it is not running here."""
+    request = tracked.pop(request_id, None)
+    if request is None:
+        return []
+    engine.abort_request([request_id])
+    return [Frame(request_id=request_id, token_ids=[], text="", times=[], finish_reason="abort",
+                  usage=Usage(prompt_tokens=request.prompt_tokens, completion_tokens=request.completion_tokens,
+                              cached_tokens=0))]
+
+
+def _observe(engine, counters: Counters) -> None:
+    """On the engine's thread, between steps: the state `GET /v1/state` and the heartbeats report."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    scheduler = engine.engine_core.engine_core.scheduler
+    pool = scheduler.kv_cache_manager.block_pool
+    connector = get_kv_transfer_group() if has_kv_transfer_group() else None
+    counters.state = VllmEngineState(
+        backend="vllm", free_blocks={"device": pool.get_num_free_blocks()},
+        total_blocks={"device": pool.num_gpu_blocks - 1},   # less vLLM's null block
+        waiting=len(scheduler.waiting), running=len(scheduler.running), swapped=0,
+        pulling=connector.pulling if connector is not None else 0,
+        held_kv=connector.held if connector is not None else 0, policies={})
+
+
+def _load(state: VllmEngineState) -> Load:
+    return Load(free_blocks=state.free_blocks, waiting=state.waiting, running=state.running, swapped=0)
+
+
+def _tokenizer_spec(config: EngineConfig, model_dir: Path, tokenizer, context_limit: int) -> TokenizerSpec:
+    from transformers import GenerationConfig
+
+    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    with contextlib.suppress(OSError):
+        configured = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        eos |= set(configured if isinstance(configured, list) else [configured] if configured is not None else [])
+    special = {name: value for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+               if isinstance(value := getattr(tokenizer, name, None), str)}
+    return TokenizerSpec(model=config.model, tokenizer_json=tokenizer.backend_tokenizer.to_str(),
+                         chat_template=getattr(tokenizer, "chat_template", None), special_tokens=special,
+                         eos_token_ids=sorted(eos), max_model_len=context_limit)

@@ -1,0 +1,103 @@
+"""The engine service on stock vLLM (`backend = "vllm"`): a 1P1D cluster whose engines are vLLM
+instances (one core each) behind kvmesh's own kvmeta, scheduler and admission, driven by the openai
+client as users drive it. Greedy answers equal the prefill engine's own colocated answer, the decode
+engine pulled the prompt's KV (cached tokens), the native engine's API refuses what vLLM cannot do,
+and every block comes back."""
+
+from __future__ import annotations
+
+import os
+from contextlib import ExitStack
+
+import openai
+import pytest
+
+from kvmesh.infra.local.processes import VLLM_VENV_PYTHON
+from kvmesh.libs.controlplane import RemoteError, ServiceClient
+
+from ..conftest import TOKEN, cluster_name, start_kvmeta
+from ..integration.admission_fixtures import launch, launch_engine, ready, wait_until_idle
+
+KEY = "sk-vllm-backend"
+PROMPT = "the vLLM backend answers through kvmesh's admission, " * 3
+
+
+@pytest.fixture(scope="module")
+def vllm_cluster(vllm_model, tmp_path_factory: pytest.TempPathFactory, redis_url: str,
+                 request: pytest.FixtureRequest):
+    run_dir = tmp_path_factory.mktemp("vllm-cluster")
+    cores = sorted(os.sched_getaffinity(0))
+    with ExitStack() as stack:
+        kvmeta = start_kvmeta(run_dir, redis_url, cluster_name(request))
+        stack.callback(kvmeta.child.stop)
+        engines = {}
+        for (engine_id, role), core in zip({"vllm-p0": "prefill", "vllm-d0": "decode"}.items(), (cores[0], cores[-1])):
+            engines[engine_id] = launch_engine(run_dir, kvmeta.url, engine_id, role, str(VLLM_VENV_PYTHON),
+                                               KVMESH_ENGINE_BACKEND="vllm", KVMESH_ENGINE_MODEL=str(vllm_model),
+                                               KVMESH_ENGINE_BLOCK_SIZE="32", KVMESH_ENGINE_DEVICE_BYTES=str(64 << 20),
+                                               KVMESH_ENGINE_MAX_MODEL_LEN="1024", KVMESH_ENGINE_KV_LEASE_MS="5000",
+                                               VLLM_CPU_OMP_THREADS_BIND=str(core), OMP_NUM_THREADS="1")
+            stack.callback(engines[engine_id].stop)
+        for engine in engines.values():
+            engine.wait_ready(timeout=180)
+        scheduler = ready(stack, launch("scheduler", run_dir, KVMESH_KVMETA_URL=kvmeta.url))
+        admission = ready(stack, launch("admission", run_dir, KVMESH_SCHEDULER_URL=scheduler.url, KVMESH_API_KEY=KEY))
+        yield admission, engines
+
+
+async def colocated(engine_url: str, prompt: str, max_tokens: int) -> str:
+    """The prefill engine answering by itself, no hand-off: what one vLLM instance says."""
+    async with ServiceClient(engine_url, token=TOKEN) as client:
+        frames = [f async for f in client.frames("/v1/generate", {"prompt": prompt, "max_tokens": max_tokens,
+                                                                  "temperature": 0.0, "ignore_eos": True}, dict)]
+    return "".join(f["text"] for f in frames)
+
+
+async def test_openai_clients_through_admission_get_what_one_vllm_instance_says(vllm_cluster):
+    admission, engines = vllm_cluster
+    async with openai.AsyncOpenAI(base_url=admission.url + "/v1", api_key=KEY, max_retries=0) as client:
+        reply = await client.completions.create(model=model_name(engines), prompt=PROMPT, max_tokens=12,
+                                                temperature=0.0, extra_body={"ignore_eos": True})
+        streamed = [chunk async for chunk in await client.completions.create(
+            model=model_name(engines), prompt=PROMPT, max_tokens=12, temperature=0.0, stream=True,
+            extra_body={"ignore_eos": True})]
+        chat = await client.chat.completions.create(model=model_name(engines), max_tokens=4,
+                                                    messages=[{"role": "user", "content": "hello"}])
+    expected = await colocated(engines["vllm-p0"].url, PROMPT, 12)
+    assert reply.choices[0].text == expected == "".join(c.choices[0].text for c in streamed if c.choices)
+    assert reply.usage.completion_tokens == 12 and chat.usage.completion_tokens == 4
+    # the decode engine computed only what it did not pull: the prompt's whole blocks came from the prefill engine
+    whole_blocks = (reply.usage.prompt_tokens // 32) * 32
+    assert reply.usage.prompt_tokens_details.cached_tokens == whole_blocks > 0
+    for engine in engines.values():
+        state = await wait_until_idle(engine.url, timeout=10)
+        assert state["backend"] == "vllm" and state["free_blocks"] == state["total_blocks"], state
+
+
+def model_name(engines) -> str:
+    """The model id admission lists: the engines' `model` setting."""
+    return engines["vllm-p0"].env["KVMESH_ENGINE_MODEL"]
+
+
+@pytest.mark.parametrize("engine_id, body, message", [
+    ("vllm-p0", {"prompt": "x", "max_tokens": 1, "kv_transfer": {"mode": "push"}}, "pull mode only"),
+    ("vllm-d0", {"prompt": "x", "max_tokens": 1, "kv_transfer": {}}, "does not hand off KV"),
+    ("vllm-p0", {"prompt_token_ids": [1, 2, 3], "kv_source": {
+        "engine": "e", "data_address": "127.0.0.1:1", "request_id": "r", "num_tokens": 2, "block_size": 32,
+        "layers": [[0]]}}, "does not pull KV"),
+    ("vllm-d0", {"prompt_token_ids": [1, 2, 3], "kv_source": {
+        "engine": "e", "data_address": "127.0.0.1:1", "request_id": "r", "num_tokens": 2, "block_size": 16,
+        "layers": [[0]]}}, "do not fit this engine"),
+    ("vllm-d0", {"prompt_token_ids": [1, 10**9]}, "outside the vocabulary"),
+    ("vllm-d0", {"prompt": "x", "max_tokens": 5000}, "context limit of 1024"),
+])
+async def test_what_the_vllm_backend_cannot_do_is_a_400(vllm_cluster, engine_id, body, message):
+    _, engines = vllm_cluster
+    async with ServiceClient(engines[engine_id].url, token=TOKEN, retries=0) as client:
+        with pytest.raises(RemoteError) as refused:
+            [f async for f in client.frames("/v1/generate", body, dict)]
+        assert refused.value.status == 400 and message in refused.value.message
+        with pytest.raises(RemoteError, match="vLLM's scheduler schedules"):
+            await client.call("PUT", "/v1/policy", {"policies": {"preemption_order": "srtf"}})
+        state = await client.call("GET", "/v1/state", into=dict)
+    assert state["free_blocks"] == state["total_blocks"]

@@ -1,0 +1,31 @@
+"""`kvmesh up --backend vllm`: the local cluster with its engines on stock vLLM, as a user starts it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+
+from ..integration.admission_fixtures import wait_until_idle
+from ..integration.test_launcher import SERVICES, launch, ready, status, stop, wait_for
+
+
+async def test_up_runs_the_1p1d_cluster_on_vllm_and_serves_openai_clients(vllm_model: Path, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    launcher = launch(run_dir, "--backend", "vllm", "--model", str(vllm_model))
+    try:
+        wait_for(lambda: ready(run_dir, SERVICES), timeout=240)
+        children = {c.name: c for c in status(run_dir).children}
+        key = (run_dir / "api_key").read_text().strip()
+        async with openai.AsyncOpenAI(base_url=children["admission"].url + "/v1", api_key=key,
+                                      max_retries=0) as client:
+            reply = await client.completions.create(model=str(vllm_model), prompt="hello " * 40, max_tokens=6,
+                                                    temperature=0.0)
+        assert reply.usage.completion_tokens == 6 and reply.usage.prompt_tokens_details.cached_tokens >= 32
+        token = (run_dir / "token").read_text().strip()
+        for name in ("engine-p0", "engine-d0"):
+            state = await wait_until_idle(children[name].url, timeout=10, token=token)
+            assert state["backend"] == "vllm" and state["free_blocks"] == state["total_blocks"]
+    finally:
+        stop(launcher)
+    assert launcher.returncode == 0
