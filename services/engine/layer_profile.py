@@ -51,7 +51,7 @@ def profile_layerkv(runner: ModelRunner, blocks: BlockManager, token_budget: int
                     repeats: int) -> LayerProfile:
     device = runner.device
     dtype = next(runner.model.parameters()).dtype
-    flops = _flops(device, dtype, repeats)
+    flops = measure_flops(device, dtype, repeats)
     spec = runner.model.config
     params = sum(p.numel() for p in runner.model.parameters())
     prefill_s = []
@@ -62,7 +62,7 @@ def profile_layerkv(runner: ModelRunner, blocks: BlockManager, token_budget: int
         finally:
             blocks.release(request)
     theory = PrefillCost(alpha=1.0, num_params=params, hidden_size=spec.hidden_size, flops_per_s=flops)
-    alpha = _through_origin([prefill_time_s(n, theory) for n in lengths], prefill_s)
+    alpha = fit_through_origin([prefill_time_s(n, theory) for n in lengths], prefill_s)
     prefill = dataclasses.replace(theory, alpha=alpha) if alpha else None
 
     sizes, copy_s = (_copy_sizes(blocks, max(lengths)) if "cxl" in blocks.pools else []), []  # nowhere to offload to
@@ -77,13 +77,14 @@ def profile_layerkv(runner: ModelRunner, blocks: BlockManager, token_budget: int
                            num_kv_heads=shape.num_kv_heads, bytes_per_element=torch.finfo(shape.dtype).bits // 8,
                            bandwidth_bytes_per_s=bandwidth)
         # A copy of n blocks moves n * block_size tokens of one layer: Eq. 4 with one layer offloaded.
-        beta = _through_origin([offload_time_s(n * shape.block_size, 1, unit) for n in sizes], copy_s)
+        beta = fit_through_origin([offload_time_s(n * shape.block_size, 1, unit) for n in sizes], copy_s)
         offload = dataclasses.replace(unit, beta=beta) if beta else None
     return LayerProfile(flops_per_s=flops, lengths=list(lengths), prefill_s=prefill_s, copy_blocks=sizes,
                         copy_s=copy_s, bandwidth_bytes_per_s=bandwidth, prefill_cost=prefill, offload_cost=offload)
 
 
-def _flops(device: torch.device, dtype: torch.dtype, repeats: int) -> float:
+def measure_flops(device: torch.device, dtype: torch.dtype, repeats: int) -> float:
+    """The device's FLOPS in `dtype`, from a square matmul (the median of `repeats`)."""
     a = torch.randn(MATMUL, MATMUL, device=device, dtype=dtype)
     b = torch.randn(MATMUL, MATMUL, device=device, dtype=dtype)
     torch.matmul(a, b)  # warm up
@@ -111,7 +112,7 @@ def _time_copy(blocks: BlockManager, n: int, repeats: int) -> float:
                 pool.release(block)
 
 
-def _through_origin(theory: Sequence[float], measured: Sequence[float]) -> float | None:
+def fit_through_origin(theory: Sequence[float], measured: Sequence[float]) -> float | None:
     """The k minimising sum (measured - k * theory)^2; None if it is not positive."""
     x, y = np.asarray(theory, dtype=float), np.asarray(measured, dtype=float)
     denominator = float(x @ x)

@@ -6,6 +6,7 @@ and every block comes back."""
 
 from __future__ import annotations
 
+import json
 import os
 from contextlib import ExitStack
 
@@ -19,6 +20,7 @@ from ..conftest import TOKEN, cluster_name, start_kvmeta
 from ..integration.admission_fixtures import launch, launch_engine, ready, wait_until_idle
 
 KEY = "sk-vllm-backend"
+DECODE_POLICIES = {"preemption_order": "cacheopt", "prefill_admission": "layerkv"}  # KVMeshScheduler's
 PROMPT = "the vLLM backend answers through kvmesh's admission, " * 3
 
 
@@ -36,7 +38,9 @@ def vllm_cluster(vllm_model, tmp_path_factory: pytest.TempPathFactory, redis_url
                                                KVMESH_ENGINE_BACKEND="vllm", KVMESH_ENGINE_MODEL=str(vllm_model),
                                                KVMESH_ENGINE_BLOCK_SIZE="32", KVMESH_ENGINE_DEVICE_BYTES=str(64 << 20),
                                                KVMESH_ENGINE_MAX_MODEL_LEN="1024", KVMESH_ENGINE_KV_LEASE_MS="5000",
-                                               VLLM_CPU_OMP_THREADS_BIND=str(core), OMP_NUM_THREADS="1")
+                                               VLLM_CPU_OMP_THREADS_BIND=str(core), OMP_NUM_THREADS="1",
+                                               **({"KVMESH_ENGINE_POLICIES": json.dumps(DECODE_POLICIES)}
+                                                  if role == "decode" else {}))
             stack.callback(engines[engine_id].stop)
         for engine in engines.values():
             engine.wait_ready(timeout=180)
@@ -97,7 +101,25 @@ async def test_what_the_vllm_backend_cannot_do_is_a_400(vllm_cluster, engine_id,
         with pytest.raises(RemoteError) as refused:
             [f async for f in client.frames("/v1/generate", body, dict)]
         assert refused.value.status == 400 and message in refused.value.message
-        with pytest.raises(RemoteError, match="vLLM's scheduler schedules"):
-            await client.call("PUT", "/v1/policy", {"policies": {"preemption_order": "srtf"}})
         state = await client.call("GET", "/v1/state", into=dict)
     assert state["free_blocks"] == state["total_blocks"]
+
+
+async def test_kvmesh_scheduler_runs_the_configured_policies_and_switches_them(vllm_cluster):
+    _, engines = vllm_cluster
+    async with ServiceClient(engines["vllm-d0"].url, token=TOKEN, retries=0) as decode, \
+            ServiceClient(engines["vllm-p0"].url, token=TOKEN, retries=0) as prefill:
+        state = await decode.call("GET", "/v1/state", into=dict)
+        assert state["policies"] == DECODE_POLICIES
+        cost = state["prefill_cost"]   # LayerKV's Eq. 3, profiled on this vLLM engine at start
+        assert cost["alpha"] > 0 and cost["flops_per_s"] > 0 and cost["num_params"] > 0 and cost["hidden_size"] > 0
+        assert (await prefill.call("GET", "/v1/state", into=dict))["prefill_cost"] is None   # fcfs: not profiled
+        switched = await decode.call("PUT", "/v1/policy", {"policies": {"preemption_order": "srtf"}}, into=dict)
+        assert switched["policies"] == {**DECODE_POLICIES, "preemption_order": "srtf"}
+        for wrong, message in (({"kv_allocation": "cacheopt"}, "no policy hook kv_allocation on the vLLM backend"),
+                               ({"preemption_order": "nonsense"}, "nonsense")):
+            with pytest.raises(RemoteError) as refused:
+                await decode.call("PUT", "/v1/policy", {"policies": wrong})
+            assert refused.value.status == 400 and message in refused.value.message
+        back = await decode.call("PUT", "/v1/policy", {"policies": DECODE_POLICIES}, into=dict)
+        assert back["policies"] == DECODE_POLICIES

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -25,12 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
+import torch
 from aiohttp import web
 
 from kvmesh.infra.local.processes import free_port
 from kvmesh.libs.controlplane import BadRequest, ConfigError, Service
 from kvmesh.libs.kvmeta.client import KvmetaClient, WorkerPresence
 from kvmesh.libs.kvmeta.messages import BlockGeometry, Capacity, GpuNic, Load, WorkerInfo
+from kvmesh.policies.scheduling import PrefillCost
 
 from ..api import Aborted, AbortRequest, GenerateRequest, PolicyNames, TokenizerSpec
 from ..data_link import data_link
@@ -40,9 +43,12 @@ from ..handoff import KVHandle
 from ..models import PRESETS, save_preset_checkpoint
 from ..sampling import SamplingParams
 from .engine_thread import VllmThread
+from .policy_hooks import HOOKS, TARGETS
+from .prefill_profile import profile_prefill_cost
 
 NDJSON = "application/x-ndjson"
 CONNECTOR = dict(kv_connector="KVMeshConnector", kv_connector_module_path="kvmesh.services.engine.vllm_backend.connector")
+SCHEDULER = "kvmesh.services.engine.vllm_backend.scheduler.KVMeshScheduler"
 CPU_BLOCK_MULTIPLE = 32   # vLLM's CPU attention wants blocks of a multiple of 32 tokens
 
 
@@ -57,7 +63,9 @@ class VllmEngineState(msgspec.Struct, kw_only=True):
     swapped: int
     pulling: int    # decode role: requests whose KV is being pulled
     held_kv: int    # prefill role: finished requests whose KV waits for a decode engine
-    policies: dict[str, str]
+    policies: dict[str, str]               # KVMeshScheduler's, by hook
+    prefill_cost: PrefillCost | None       # LayerKV Eq. 3's fit on this engine; None: not profiled
+    prefills_held_back: int                # all time: waiting requests the admission policy kept out of a step
 
 
 @dataclass
@@ -78,6 +86,7 @@ class Geometry:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    hidden_size: int
 
 
 @dataclass
@@ -119,8 +128,15 @@ def build_service(config: EngineConfig) -> Service:
                           max_num_batched_tokens=max(config.token_budget, config.max_model_len or 0) or None,
                           enable_prefix_caching=config.prefix_caching, enforce_eager=True,
                           kv_cache_memory_bytes=config.device_bytes, disable_log_stats=True,
-                          kv_transfer_config=transfer)
-        return LLMEngine.from_engine_args(args)
+                          kv_transfer_config=transfer, scheduler_cls=SCHEDULER,
+                          additional_config={"kvmesh": dict(config.policies)})
+        built = LLMEngine.from_engine_args(args)
+        if config.layer_profile == "on" or (config.layer_profile == "auto"
+                                            and config.policies.get("prefill_admission") == "layerkv"):
+            _scheduler(built).prefill_cost = profile_prefill_cost(
+                built, model_dir, geometry.hidden_size, geometry.vocab_size, getattr(torch, config.dtype),
+                min(built.model_config.max_model_len // 2, 512), repeats=2)
+        return built
 
     def on_outputs(outputs: list) -> None:  # on the engine's thread
         frames = [_frame(output, counters.tracked, config, geometry, block_size) for output in outputs]
@@ -173,7 +189,7 @@ def build_service(config: EngineConfig) -> Service:
         """Generate from a prompt; streams one frame per step's new tokens (msgpack, or JSON lines)."""
         arrival = time.time()
         ids, sampling = body.validated(tokenizer, geometry.vocab_size, context_limit)
-        body.targets()
+        targets = {name: value for name, value in dataclasses.asdict(body.targets()).items() if value is not None}
         params = _transfer_params(config, body, ids, geometry.num_layers, block_size)
         request_id = body.request_id or uuid.uuid4().hex
         if request_id in streams:
@@ -184,7 +200,8 @@ def build_service(config: EngineConfig) -> Service:
         def add(e) -> None:
             counters.tracked[request_id] = Tracked(len(ids), arrival, body.kv_transfer is not None,
                                                    logprobs=sampling.logprobs)
-            e.add_request(request_id, {"prompt_token_ids": ids}, _vllm_sampling(sampling, params), arrival_time=arrival)
+            e.add_request(request_id, {"prompt_token_ids": ids}, _vllm_sampling(sampling, params, targets),
+                          arrival_time=arrival)
         try:
             await asyncio.wrap_future(engine.call(add))
         except Exception as exc:  # vLLM's own checks (say, a prompt its scheduler can never fit)
@@ -223,9 +240,15 @@ def build_service(config: EngineConfig) -> Service:
 
     @service.route("PUT", "/v1/policy", body=PolicyNames, response=PolicyNames)
     async def set_policy(request: web.Request, body: PolicyNames) -> PolicyNames:
-        """Engine-level policies: vLLM's own scheduler schedules on this backend."""
-        raise BadRequest("engine-level policies are the native engine's: on the vLLM backend, vLLM's scheduler "
-                         "schedules (docs/vllm.md)")
+        """Switch KVMeshScheduler's policies by name (preemption_order, prefill_admission), between two steps."""
+        def switch(e) -> dict[str, str]:
+            scheduler = _scheduler(e)
+            scheduler.set_policies(body.policies)
+            return dict(scheduler.policy_names)
+        try:
+            return PolicyNames(policies=await asyncio.wrap_future(engine.call(switch)))
+        except KeyError as exc:
+            raise BadRequest(str(exc.args[0])) from None
 
     @service.route("GET", "/v1/tokenizer", response=TokenizerSpec)
     async def tokenizer_route(request: web.Request) -> TokenizerSpec:
@@ -239,7 +262,11 @@ def _refuse_native_only(config: EngineConfig) -> None:
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(f"backend vllm: {sys.executable} has no vLLM; run the engine with a Python that has it "
                           "(.venv-vllm/bin/python here, from scripts/setup-vllm.sh; kvmesh[vllm] on GPUs)")
-    native = [name for name, on in (("policies", bool(config.policies)), ("prefix_cache_cxl", config.prefix_cache_cxl),
+    others = sorted(set(config.policies) - set(HOOKS))
+    if others:
+        raise ConfigError(f"backend vllm: policies {', '.join(others)} are the native engine's; vLLM's takes "
+                          f"{', '.join(HOOKS)} (docs/vllm.md)")
+    native = [name for name, on in (("prefix_cache_cxl", config.prefix_cache_cxl),
                                     ("layer_staging_blocks", bool(config.layer_staging_blocks)),
                                     ("cxl_path", bool(config.cxl_path))) if on]
     if native:
@@ -275,7 +302,7 @@ def _geometry(hf_config) -> Geometry:
     return Geometry(num_layers=hf_config.num_hidden_layers,
                     num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
                     head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
-                    vocab_size=hf_config.vocab_size)
+                    vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size)
 
 
 def _transfer_params(config: EngineConfig, body: GenerateRequest, ids: list[int], num_layers: int,
@@ -301,7 +328,9 @@ def _transfer_params(config: EngineConfig, body: GenerateRequest, ids: list[int]
     return None
 
 
-def _vllm_sampling(sampling: SamplingParams, kv_transfer_params: dict | None):
+def _vllm_sampling(sampling: SamplingParams, kv_transfer_params: dict | None, targets: dict):
+    """vLLM's sampling parameters; the hand-off's kv_transfer_params and the request's SLOs and predicted
+    lengths (for KVMeshScheduler) ride in extra_args."""
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -309,7 +338,8 @@ def _vllm_sampling(sampling: SamplingParams, kv_transfer_params: dict | None):
                               top_p=sampling.top_p, seed=sampling.seed, stop=list(sampling.stop),
                               stop_token_ids=list(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
                               logprobs=0 if sampling.logprobs else None, output_kind=RequestOutputKind.DELTA,
-                              extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None)
+                              extra_args={**({"kv_transfer_params": kv_transfer_params} if kv_transfer_params
+                                                 else {}), TARGETS: targets})
 
 
 def _frame(output, tracked: dict[str, Tracked], config: EngineConfig, geometry: Geometry, block_size: int) -> Frame:
@@ -354,7 +384,7 @@ def _observe(engine, counters: Counters) -> None:
     """On the engine's thread, between steps: the state `GET /v1/state` and the heartbeats report."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-    scheduler = engine.engine_core.engine_core.scheduler
+    scheduler = _scheduler(engine)
     pool = scheduler.kv_cache_manager.block_pool
     connector = get_kv_transfer_group() if has_kv_transfer_group() else None
     counters.state = VllmEngineState(
@@ -362,7 +392,13 @@ def _observe(engine, counters: Counters) -> None:
         total_blocks={"device": pool.num_gpu_blocks - 1},   # less vLLM's null block
         waiting=len(scheduler.waiting), running=len(scheduler.running), swapped=0,
         pulling=connector.pulling if connector is not None else 0,
-        held_kv=connector.held if connector is not None else 0, policies={})
+        held_kv=connector.held if connector is not None else 0, policies=dict(scheduler.policy_names),
+        prefill_cost=scheduler.prefill_cost, prefills_held_back=scheduler.held_back)
+
+
+def _scheduler(engine):
+    """The engine's KVMeshScheduler (its core runs in this process)."""
+    return engine.engine_core.engine_core.scheduler
 
 
 def _load(state: VllmEngineState) -> Load:
