@@ -58,6 +58,8 @@ class WorkerInfo(Struct, kw_only=True, frozen=True):
     data_address: Annotated[str, Meta(max_length=256)] = ""
     model: Annotated[str, Meta(max_length=256)]
     geometry: BlockGeometry
+    # whose engine lays the blocks out: KV moves only between engines of one backend and geometry
+    backend: Annotated[str, Meta(max_length=32)] = "native"
     pairing: Annotated[list[GpuNic], Meta(max_length=64)] = field(default_factory=list)
     capacity: Capacity
 

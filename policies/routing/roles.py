@@ -1,6 +1,7 @@
 """The rule every routing policy shares: a prefill engine and a decode engine, each picked from the
-live, not excluded engines of its role that serve the model; one `both` engine only when the model
-has no such pair. `both` engines never join a pair."""
+live, not excluded engines of its role that serve the model, of one KV layout (the same backend and
+block geometry: KV bytes mean the same on both sides only then); one `both` engine only when the
+model has no such pair. `both` engines never join a pair."""
 
 from __future__ import annotations
 
@@ -21,10 +22,13 @@ def choose(query: RouteQuery, engines: Sequence[EngineView], pick_prefill: Pick,
            pick_decode: Pick) -> RouteDecision | None:
     """A pair when the model has prefill and decode engines, else one colocated engine (picked like a
     prefill engine: it prefills too), else None."""
-    prefill, decode = candidates(query, engines, "prefill"), candidates(query, engines, "decode")
-    if prefill and decode:
+    decode = candidates(query, engines, "decode")
+    layouts = {e.kv_layout for e in decode}
+    prefill = [e for e in candidates(query, engines, "prefill") if e.kv_layout in layouts]
+    if prefill:
         chosen = pick_prefill(prefill, "prefill")
-        return RouteDecision(prefill=chosen.id, decode=pick_decode(decode, "decode").id,
+        partners = [e for e in decode if e.kv_layout == chosen.kv_layout]
+        return RouteDecision(prefill=chosen.id, decode=pick_decode(partners, "decode").id,
                              cached_blocks=chosen.cached_blocks)
     both = candidates(query, engines, "both")
     if both:

@@ -32,6 +32,7 @@ class EngineView:
     block_size: int
     cached_blocks: int = 0    # leading blocks of this prompt the engine holds (kvmeta's cache table)
     cached_device_blocks: int | None = None  # of those, in its device tier (CaR); None: all of them
+    kv_layout: tuple = ()     # backend and block geometry: a prefill engine hands KV only to a decode engine of the same
 
     @property
     def cached_cxl_blocks(self) -> int:

@@ -84,6 +84,7 @@ class LiveCluster:
         """What routing sees of each member; `cached`: its leading blocks of the prompt, and of those
         how many are in its device tier."""
         return [EngineView(id=m.info.id, role=m.info.role, model=m.info.model, block_size=m.info.geometry.block_size,
+                           kv_layout=(m.info.backend, m.info.geometry),
                            load=EngineLoad(free_device_blocks=m.free_device_blocks(),
                                            total_device_blocks=m.info.capacity.device_blocks,
                                            waiting=m.load.waiting + m.routed, running=m.load.running),

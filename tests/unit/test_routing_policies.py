@@ -14,9 +14,10 @@ ALL = [round_robin, least_loaded, prefix_aware]
 
 
 def engine(engine_id: str, role: str = "prefill", *, free: int = 100, total: int = 100, waiting: int = 0,
-           running: int = 0, cached: int = 0, model: str = "tiny", on_device: int | None = None) -> EngineView:
+           running: int = 0, cached: int = 0, model: str = "tiny", on_device: int | None = None,
+           layout: tuple = ("native", 16)) -> EngineView:
     return EngineView(id=engine_id, role=role, model=model, block_size=16, cached_blocks=cached,
-                      cached_device_blocks=on_device,
+                      cached_device_blocks=on_device, kv_layout=layout,
                       load=EngineLoad(free_device_blocks=free, total_device_blocks=total, waiting=waiting,
                                       running=running))
 
@@ -124,6 +125,20 @@ def test_colocated_engine_only_when_there_is_no_pair_for_the_model(policy):
     assert decision.mode == "disaggregated" and (decision.prefill, decision.decode) == ("p0", "d0")
     decision, _ = route(policy, [engine("p0"), both, engine("d0", "decode")], exclude={"d0"})
     assert decision.engine == "b0"
+
+
+@pytest.mark.parametrize("policy", ALL, ids=lambda p: p.__name__)
+def test_kv_goes_only_between_engines_of_one_layout(policy):
+    vllm = ("vllm", 32)
+    engines = [engine("p0", cached=8, free=1000), engine("p1", layout=vllm), engine("d0", "decode", free=1000),
+               engine("d1", "decode", layout=vllm, free=1), engine("d2", "decode", layout=vllm)]
+    decision, _ = route(policy, engines, exclude={"d0"})   # p0's only partner is gone: p1 with a vLLM decode engine
+    assert decision.prefill == "p1" and decision.decode in {"d1", "d2"}
+    decision, _ = route(policy, engines, exclude={"p1"})   # p0 pairs with d0, never with a vLLM engine
+    assert (decision.prefill, decision.decode) == ("p0", "d0")
+    both = engine("b0", "both")
+    decision, _ = route(policy, [engine("p0"), engine("d1", "decode", layout=vllm), both])
+    assert decision.engine == "b0"   # no pair of one layout: colocated
 
 
 @pytest.mark.parametrize("policy", ALL, ids=lambda p: p.__name__)

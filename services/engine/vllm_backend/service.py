@@ -173,7 +173,7 @@ def build_service(config: EngineConfig) -> Service:
                     geometry=BlockGeometry(block_size=block_size, num_layers=geometry.num_layers,
                                            num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
                                            dtype=config.dtype),
-                    capacity=Capacity(device_blocks=total_blocks))
+                    capacity=Capacity(device_blocks=total_blocks), backend="vllm")
                 await stack.enter_async_context(WorkerPresence(kvmeta, info, ttl_ms=config.heartbeat_ttl_ms,
                                                                load=lambda: _load(counters.state)))
             yield
