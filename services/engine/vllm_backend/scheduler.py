@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -34,6 +35,7 @@ from kvmesh.policies.views import PoolView, RequestView, blocks_for
 from ..request import Targets
 from .policy_hooks import HOOKS, TARGETS
 
+RECENT = 64  # preempted request ids kept for /v1/state
 TARGET_FIELDS = tuple(f.name for f in dataclasses.fields(Targets))
 
 
@@ -46,6 +48,8 @@ class KVMeshScheduler(Scheduler):
         self.prefill_cost: PrefillCost | None = None   # set by the engine service once profiled
         self.first_token_at: dict[str, float] = {}
         self.held_back = 0   # all time: waiting requests kept out of a step by the admission policy
+        self.preemptions = 0  # all time
+        self.recent_preemptions: deque[str] = deque(maxlen=RECENT)   # the latest victims, first first
 
     def set_policies(self, names: dict[str, str]) -> None:
         """Switch policies by hook; KeyError, and nothing switched, for a hook or name it does not know."""
@@ -67,10 +71,14 @@ class KVMeshScheduler(Scheduler):
             self.running.sort(key=lambda r: -rank[r.request_id])   # vLLM preempts from the end
         held = self._hold_back(pool, now)
         try:
-            return super().schedule(*args, **kwargs)
+            output = super().schedule(*args, **kwargs)
         finally:
             if held:
                 self._put_back(held)
+        victims = output.preempted_req_ids or ()
+        self.preemptions += len(victims)
+        self.recent_preemptions.extend(sorted(victims))
+        return output
 
     def update_from_output(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)

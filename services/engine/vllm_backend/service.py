@@ -66,6 +66,8 @@ class VllmEngineState(msgspec.Struct, kw_only=True):
     policies: dict[str, str]               # KVMeshScheduler's, by hook
     prefill_cost: PrefillCost | None       # LayerKV Eq. 3's fit on this engine; None: not profiled
     prefills_held_back: int                # all time: waiting requests the admission policy kept out of a step
+    preemptions: int                       # all time (vLLM recomputes a preempted request)
+    recent_preemptions: list[str]          # the latest victims, oldest first: vLLM's ids (ours, "-" and its suffix)
 
 
 @dataclass
@@ -393,7 +395,8 @@ def _observe(engine, counters: Counters) -> None:
         waiting=len(scheduler.waiting), running=len(scheduler.running), swapped=0,
         pulling=connector.pulling if connector is not None else 0,
         held_kv=connector.held if connector is not None else 0, policies=dict(scheduler.policy_names),
-        prefill_cost=scheduler.prefill_cost, prefills_held_back=scheduler.held_back)
+        prefill_cost=scheduler.prefill_cost, prefills_held_back=scheduler.held_back,
+        preemptions=scheduler.preemptions, recent_preemptions=list(scheduler.recent_preemptions))
 
 
 def _scheduler(engine):
