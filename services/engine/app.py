@@ -24,7 +24,7 @@ from .data_link import DataLink
 from .factory import EngineConfig, build_engine, max_model_len
 from .handoff import KVHandle, KVReserve
 from .handoff_service import KVHandoff
-from .metrics import EngineCollector
+from .metrics import NativeEngineCollector
 from .phases import trace_phases
 
 Config = EngineConfig
@@ -53,7 +53,7 @@ def build_service(config: EngineConfig) -> Service:
 
     loop = EngineLoop(engine, lambda frames: main_loop.call_soon_threadsafe(dispatch, frames))
     handoff = KVHandoff(config, engine, loop)
-    service.metrics.register(EngineCollector(loop, config.engine_id, config.role))
+    service.metrics.register(NativeEngineCollector(lambda: loop.state, config.engine_id, config.role))
 
     @service.lifespan
     async def run_engine(app: web.Application) -> AsyncIterator[None]:

@@ -18,6 +18,7 @@ from kvmesh.libs.controlplane import RemoteError, ServiceClient
 
 from ..conftest import TOKEN, cluster_name, start_kvmeta
 from ..integration.admission_fixtures import launch, launch_engine, ready, wait_until_idle
+from ..integration.test_policy_swap import counter
 
 KEY = "sk-vllm-backend"
 DECODE_POLICIES = {"preemption_order": "cacheopt", "prefill_admission": "layerkv"}  # KVMeshScheduler's
@@ -76,6 +77,11 @@ async def test_openai_clients_through_admission_get_what_one_vllm_instance_says(
     for engine in engines.values():
         state = await wait_until_idle(engine.url, timeout=10)
         assert state["backend"] == "vllm" and state["free_blocks"] == state["total_blocks"], state
+    # the engines' series, as the native engine's, for the same dashboards
+    decode = await wait_until_idle(engines["vllm-d0"].url)
+    assert counter(engines["vllm-d0"].url, "kvmesh_engine_kv_transfer_bytes_total") == decode["kv_transfer"]["bytes"] > 0
+    assert counter(engines["vllm-d0"].url, "kvmesh_engine_generated_tokens_total") == decode["generated_tokens"] >= 12
+    assert counter(engines["vllm-p0"].url, "kvmesh_engine_kv_total_blocks") > 0
 
 
 def model_name(engines) -> str:

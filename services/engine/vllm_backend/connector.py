@@ -48,6 +48,7 @@ from kvmesh.libs.rdma.work import RdmaError
 
 from kvmesh.libs.rdma.kvdirect.puller import TransferReport
 
+from ..engine import TransferTotals
 from .data_plane import KVPuller, KVServer
 
 if TYPE_CHECKING:
@@ -118,6 +119,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         self._pulling: dict[str, tuple[Load, Future[TransferReport]]] = {}
         self._load_errors: set[int] = set()
         self.pulls: deque[tuple[Load, TransferReport]] = deque(maxlen=RECENT_PULLS)   # the latest, for stats
+        self.transferred = TransferTotals()   # all pulls, all time
 
     # -- scheduler side ---------------------------------------------------------------------------
 
@@ -212,7 +214,9 @@ class KVMeshConnector(KVConnectorBase_V1):
         for request_id in received:
             load, pull = self._pulling.pop(request_id)
             try:
-                self.pulls.append((load, pull.result()))
+                report = pull.result()
+                self.pulls.append((load, report))
+                self.transferred.add(report)
             except (RdmaError, TimeoutError, OSError) as exc:
                 log.warning("pulling the KV of %s from %s failed (%s); vLLM recomputes it", load.remote_request_id,
                             load.address, exc)

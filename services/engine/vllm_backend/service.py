@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import importlib.util
 import os
@@ -37,9 +38,10 @@ from kvmesh.policies.scheduling import PrefillCost
 
 from ..api import Aborted, AbortRequest, GenerateRequest, PolicyNames, TokenizerSpec
 from ..data_link import data_link
-from ..engine import Frame, Timings, Usage
+from ..engine import Frame, Timings, TransferTotals, Usage
 from ..factory import EngineConfig
 from ..handoff import KVHandle
+from ..metrics import EngineCollector
 from ..models import PRESETS, save_preset_checkpoint
 from ..sampling import SamplingParams
 from .engine_thread import VllmThread
@@ -66,8 +68,12 @@ class VllmEngineState(msgspec.Struct, kw_only=True):
     policies: dict[str, str]               # KVMeshScheduler's, by hook
     prefill_cost: PrefillCost | None       # LayerKV Eq. 3's fit on this engine; None: not profiled
     prefills_held_back: int                # all time: waiting requests the admission policy kept out of a step
-    preemptions: int                       # all time (vLLM recomputes a preempted request)
+    preemptions: dict[str, int]            # all time, by strategy: vLLM only recomputes
     recent_preemptions: list[str]          # the latest victims, oldest first: vLLM's ids (ours, "-" and its suffix)
+    generated_tokens: int                  # all time
+    computed_prompt_tokens: int            # of finished requests' prompts, tokens computed here
+    prefix_cache_hit_tokens: int           # and those not: vLLM's cached tokens (its prefix cache, and KV pulled)
+    kv_transfer: TransferTotals            # decode role: the KV pulls, all time
 
 
 @dataclass
@@ -93,7 +99,12 @@ class Geometry:
 
 @dataclass
 class Counters:
+    """Kept on the engine's thread; `state` is replaced whole after each step, read by HTTP and scrapes."""
+
     state: VllmEngineState | None = None
+    generated_tokens: int = 0
+    computed_prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
     tracked: dict[str, Tracked] = field(default_factory=dict)
 
 
@@ -141,7 +152,7 @@ def build_service(config: EngineConfig) -> Service:
         return built
 
     def on_outputs(outputs: list) -> None:  # on the engine's thread
-        frames = [_frame(output, counters.tracked, config, geometry, block_size) for output in outputs]
+        frames = [_frame(output, counters, config, geometry, block_size) for output in outputs]
         main_loop.call_soon_threadsafe(dispatch, frames)
 
     def dispatch(frames: list[Frame]) -> None:
@@ -151,6 +162,7 @@ def build_service(config: EngineConfig) -> Service:
                 stream.put_nowait(frame)
 
     engine = VllmThread(build_engine, on_outputs, observe=lambda e: _observe(e, counters))
+    service.metrics.register(EngineCollector(lambda: counters.state, config.engine_id, config.role))
     engine.start()
     block_size = engine.engine.vllm_config.cache_config.block_size
     context_limit = engine.engine.model_config.max_model_len
@@ -344,24 +356,29 @@ def _vllm_sampling(sampling: SamplingParams, kv_transfer_params: dict | None, ta
                                                  else {}), TARGETS: targets})
 
 
-def _frame(output, tracked: dict[str, Tracked], config: EngineConfig, geometry: Geometry, block_size: int) -> Frame:
+def _frame(output, counters: Counters, config: EngineConfig, geometry: Geometry, block_size: int) -> Frame:
     """A step's output for one request (vLLM's delta) as the native engine's frame."""
     now = time.time()
+    tracked = counters.tracked
     request = tracked[output.request_id]
     completion = output.outputs[0]
     tokens = list(completion.token_ids)
     if tokens and request.first_token is None:
         request.first_token = now
     request.completion_tokens += len(tokens)
+    counters.generated_tokens += len(tokens)
     logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens)] \
         if request.logprobs and completion.logprobs else None
     frame = Frame(request_id=output.request_id, token_ids=tokens, text=completion.text, times=[now] * len(tokens),
                   logprobs=logprobs)
     if output.finished:
         del tracked[output.request_id]
+        cached = output.num_cached_tokens or 0
+        counters.cached_prompt_tokens += cached
+        counters.computed_prompt_tokens += request.prompt_tokens - cached
         frame.finish_reason = completion.finish_reason or "stop"
         frame.usage = Usage(prompt_tokens=request.prompt_tokens, completion_tokens=request.completion_tokens,
-                            cached_tokens=output.num_cached_tokens or 0)
+                            cached_tokens=cached)
         frame.timings = Timings(arrival=request.arrival, first_token=request.first_token, finished=now)
         params = output.kv_transfer_params
         if request.hands_off and params and params.get("remote_block_ids"):
@@ -396,7 +413,10 @@ def _observe(engine, counters: Counters) -> None:
         pulling=connector.pulling if connector is not None else 0,
         held_kv=connector.held if connector is not None else 0, policies=dict(scheduler.policy_names),
         prefill_cost=scheduler.prefill_cost, prefills_held_back=scheduler.held_back,
-        preemptions=scheduler.preemptions, recent_preemptions=list(scheduler.recent_preemptions))
+        preemptions={"recompute": scheduler.preemptions}, recent_preemptions=list(scheduler.recent_preemptions),
+        generated_tokens=counters.generated_tokens, computed_prompt_tokens=counters.computed_prompt_tokens,
+        prefix_cache_hit_tokens=counters.cached_prompt_tokens,
+        kv_transfer=copy.copy(connector.transferred) if connector is not None else TransferTotals())
 
 
 def _scheduler(engine):
