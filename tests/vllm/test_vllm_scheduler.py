@@ -1,7 +1,11 @@
-"""KVMeshScheduler's preemption order inside vLLM: a vLLM engine service whose block pool holds 11
-usable blocks, two requests that each grow to 7, so one must give its blocks up. vLLM's own order (the
-latest arrival) preempts the second; SRTF (CacheOpt's baseline, by predicted remaining tokens)
-preempts the first, predicted to run longer. Both finish in full, and every block comes back."""
+"""KVMeshScheduler inside vLLM, on a vLLM engine service whose block pool holds 11 usable blocks.
+
+Preemption order: two requests that each grow to 7 blocks, so one must give its blocks up. vLLM's
+own order (the latest arrival) preempts the second; SRTF (CacheOpt's baseline, by predicted
+remaining tokens) preempts the first, predicted to run longer.
+Prefill admission: a request decodes behind a TPOT SLO it cannot meet; under LayerKV's admission
+(Algorithm 1: its allowance is negative) a second request's prefill waits until it finishes, under
+FCFS it starts at once. Every request finishes in full, and every block comes back."""
 
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ def squeezed(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory):
                     KVMESH_ENGINE_BACKEND="vllm", KVMESH_ENGINE_MODEL=str(vllm_model), KVMESH_ENGINE_BLOCK_SIZE="32",
                     KVMESH_ENGINE_DEVICE_BYTES=str(POOL_BLOCKS * BLOCK_BYTES), KVMESH_ENGINE_MAX_MODEL_LEN="256",
                     KVMESH_ENGINE_PREFIX_CACHING="false", KVMESH_ENGINE_DATAPLANE="none",
+                    KVMESH_ENGINE_LAYER_PROFILE="on",   # LayerKV's prefill cost, for the admission test
                     VLLM_CPU_OMP_THREADS_BIND=str(sorted(os.sched_getaffinity(0))[0]), OMP_NUM_THREADS="1")
     try:
         engine.wait_ready(timeout=180)
@@ -41,7 +46,7 @@ async def run_two(url: str, order: str) -> tuple[list[str], list[int]]:
     second 20), and return the requests preempted meanwhile and how many tokens each got."""
     async with ServiceClient(url, token=TOKEN, retries=0) as client:
         await client.call("PUT", "/v1/policy", {"policies": {"preemption_order": order}})
-        before = (await client.call("GET", "/v1/state", into=dict))["preemptions"]
+        before = (await client.call("GET", "/v1/state", into=dict))["preemptions"]["recompute"]
         started = asyncio.Event()
 
         async def generate(request_id: str, predicted: int, first: bool) -> int:
@@ -58,7 +63,8 @@ async def run_two(url: str, order: str) -> tuple[list[str], list[int]]:
         await started.wait()
         counts = await asyncio.gather(first, generate(f"{order}-second", 20, False))
         state = await client.call("GET", "/v1/state", into=dict)
-    preempted = state["recent_preemptions"][len(state["recent_preemptions"]) - (state["preemptions"] - before):]
+    recent, count = state["recent_preemptions"], state["preemptions"]["recompute"] - before
+    preempted = recent[len(recent) - count:]
     return [vllm_id.rpartition("-")[0] for vllm_id in preempted], list(counts)   # vLLM suffixes our ids
 
 
@@ -69,5 +75,43 @@ async def test_vllm_preempts_in_the_order_the_policy_gives(squeezed):
     assert counts == [200, 200] and preempted and set(preempted) == {"latest_arrival_first-second"}
     preempted, counts = await run_two(squeezed, "srtf")
     assert counts == [200, 200] and preempted and set(preempted) == {"srtf-first"}
+    state = await wait_until_idle(squeezed)
+    assert state["free_blocks"] == state["total_blocks"]
+
+
+async def decode_then_prefill(url: str, admission: str) -> tuple[dict, dict, int]:
+    """Under `admission`: a request decoding behind a 1 ms TPOT SLO, and a second one sent once the first
+    has 5 tokens; their last frames' timings, and how many prefills the policy held back meanwhile."""
+    async with ServiceClient(url, token=TOKEN, retries=0) as client:
+        await client.call("PUT", "/v1/policy", {"policies": {"prefill_admission": admission,
+                                                             "preemption_order": "latest_arrival_first"}})
+        before = (await client.call("GET", "/v1/state", into=dict))["prefills_held_back"]
+        decoding = asyncio.Event()
+
+        async def generate(body: dict, tokens_to_signal: int = 0) -> dict:
+            tokens, last = 0, None
+            async for frame in client.frames("/v1/generate", {"prompt_token_ids": PROMPT, "temperature": 0.0,
+                                                              "ignore_eos": True, **body}, dict):
+                tokens, last = tokens + len(frame["token_ids"]), frame
+                if tokens_to_signal and tokens >= tokens_to_signal:
+                    decoding.set()
+            assert tokens == body["max_tokens"]
+            return last["timings"]
+
+        slow = asyncio.create_task(generate({"max_tokens": 100, "tbt_slo_ms": 1.0, "predicted_output_low": 100}, 5))
+        await decoding.wait()
+        second = await generate({"max_tokens": 4})
+        first = await slow
+        held = (await client.call("GET", "/v1/state", into=dict))["prefills_held_back"] - before
+    return first, second, held
+
+
+async def test_layerkv_admission_holds_prefills_while_a_decode_is_behind_its_slo(squeezed):
+    state = await wait_until_idle(squeezed)
+    assert state["prefill_cost"] is not None
+    first, second, held = await decode_then_prefill(squeezed, "fcfs")
+    assert second["first_token"] < first["finished"] and held == 0
+    first, second, held = await decode_then_prefill(squeezed, "layerkv")
+    assert second["first_token"] >= first["finished"] and held > 0
     state = await wait_until_idle(squeezed)
     assert state["free_blocks"] == state["total_blocks"]
