@@ -8,7 +8,6 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator
 
-import msgspec
 from aiohttp import web
 
 from kvmesh.libs.controlplane import BadRequest, Service
@@ -20,6 +19,7 @@ from .api import (Aborted, AbortRequest, CacheEntry, CacheQuery, CacheTable, Gen
                   TokenizerSpec)
 from .cache_publisher import CachePublisher
 from .engine import EngineLoop, EngineState, Frame
+from .frame_stream import write_frames
 from .data_link import DataLink
 from .factory import EngineConfig, build_engine, max_model_len
 from .handoff import KVHandle, KVReserve
@@ -28,8 +28,6 @@ from .metrics import NativeEngineCollector
 from .phases import trace_phases
 
 Config = EngineConfig
-
-NDJSON = "application/x-ndjson"
 
 
 def build_service(config: EngineConfig) -> Service:
@@ -113,25 +111,15 @@ def build_service(config: EngineConfig) -> Service:
                 engine.add(request_id, ids, sampling, hold_kv=body.kv_transfer is not None and push is None,
                            push=push, kv_source=body.kv_source, arrival=arrival, targets=targets)
             loop.submit(add)
-        as_json = any(media in request.headers.get("Accept", "") for media in ("application/json", NDJSON))
-        response = web.StreamResponse(headers={"Content-Type": NDJSON if as_json else "application/msgpack"})
-        finished = False
+        response, last = web.StreamResponse(), None
         try:
-            await response.prepare(request)
-            while not finished:
-                frame = await frames.get()
-                finished = frame.finish_reason is not None
-                if finished:
-                    trace_phases(frame, config.engine_id, config.role)
-                await response.write(msgspec.json.encode(frame) + b"\n" if as_json else msgspec.msgpack.encode(frame))
-            await response.write_eof()
-        except ConnectionResetError:  # the client went away mid-stream: nothing to answer
-            tracing.fail_current("the client went away mid-stream", abort=True)
+            last = await write_frames(request, frames, response,
+                                      on_last=lambda frame: trace_phases(frame, config.engine_id, config.role))
         finally:
             streams.pop(request_id, None)
-            if not (finished and frame.kv_handle is not None):
+            if last is None or last.kv_handle is None:
                 handoff.untraced(request_id)
-            if not finished:  # the client went away: free the request's blocks now
+            if last is None:  # the client went away: free the request's blocks now
                 loop.submit(lambda: engine.abort(request_id))
         return response
 

@@ -40,6 +40,7 @@ from ..api import Aborted, AbortRequest, GenerateRequest, PolicyNames, Tokenizer
 from ..data_link import data_link
 from ..engine import Frame, Timings, TransferTotals, Usage
 from ..factory import EngineConfig
+from ..frame_stream import write_frames
 from ..handoff import KVHandle
 from ..metrics import EngineCollector
 from ..models import PRESETS, save_preset_checkpoint
@@ -48,7 +49,6 @@ from .engine_thread import VllmThread
 from .policy_hooks import HOOKS, TARGETS
 from .prefill_profile import profile_prefill_cost
 
-NDJSON = "application/x-ndjson"
 CONNECTOR = dict(kv_connector="KVMeshConnector", kv_connector_module_path="kvmesh.services.engine.vllm_backend.connector")
 SCHEDULER = "kvmesh.services.engine.vllm_backend.scheduler.KVMeshScheduler"
 CPU_BLOCK_MULTIPLE = 32   # vLLM's CPU attention wants blocks of a multiple of 32 tokens
@@ -222,21 +222,12 @@ def build_service(config: EngineConfig) -> Service:
             streams.pop(request_id, None)
             counters.tracked.pop(request_id, None)
             raise BadRequest(f"vLLM refused the request: {exc}") from None
-        as_json = any(media in request.headers.get("Accept", "") for media in ("application/json", NDJSON))
-        response = web.StreamResponse(headers={"Content-Type": NDJSON if as_json else "application/msgpack"})
-        finished = False
+        response, last = web.StreamResponse(), None
         try:
-            await response.prepare(request)
-            while not finished:
-                frame = await frames.get()
-                finished = frame.finish_reason is not None
-                await response.write(msgspec.json.encode(frame) + b"\n" if as_json else msgspec.msgpack.encode(frame))
-            await response.write_eof()
-        except ConnectionResetError:
-            pass  # the client went away mid-stream: nothing to answer
+            last = await write_frames(request, frames, response)
         finally:
             streams.pop(request_id, None)
-            if not finished:  # the client went away: free the request's blocks now
+            if last is None:  # the client went away: free the request's blocks now
                 engine.call(lambda e: _abort(e, request_id, counters.tracked))
         return response
 
