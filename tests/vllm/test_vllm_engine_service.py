@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import os
 from contextlib import ExitStack
+from pathlib import Path
 
 import openai
 import pytest
 
-from kvmesh.infra.local.processes import VLLM_VENV_PYTHON
+from kvmesh.infra.local.processes import VLLM_VENV_PYTHON, Child
 from kvmesh.libs.controlplane import RemoteError, ServiceClient
 
 from ..conftest import TOKEN, cluster_name, start_kvmeta
@@ -40,6 +41,7 @@ def vllm_cluster(vllm_model, tmp_path_factory: pytest.TempPathFactory, redis_url
                                                KVMESH_ENGINE_BLOCK_SIZE="32", KVMESH_ENGINE_DEVICE_BYTES=str(64 << 20),
                                                KVMESH_ENGINE_MAX_MODEL_LEN="1024", KVMESH_ENGINE_KV_LEASE_MS="5000",
                                                VLLM_CPU_OMP_THREADS_BIND=str(core), OMP_NUM_THREADS="1",
+                                               KVMESH_TRACE_FILE=str(run_dir / f"{engine_id}.spans.jsonl"),
                                                **({"KVMESH_ENGINE_POLICIES": json.dumps(DECODE_POLICIES)}
                                                   if role == "decode" else {}))
             stack.callback(engines[engine_id].stop)
@@ -48,6 +50,13 @@ def vllm_cluster(vllm_model, tmp_path_factory: pytest.TempPathFactory, redis_url
         scheduler = ready(stack, launch("scheduler", run_dir, KVMESH_KVMETA_URL=kvmeta.url))
         admission = ready(stack, launch("admission", run_dir, KVMESH_SCHEDULER_URL=scheduler.url, KVMESH_API_KEY=KEY))
         yield admission, engines
+
+
+def spans(engine: Child, name: str) -> list[dict]:
+    """The engine's spans of that name (its trace file, beside its run directory)."""
+    path = Path(engine.env["KVMESH_TRACE_FILE"])
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [span for span in map(json.loads, lines) if span["name"] == name]
 
 
 async def colocated(engine_url: str, prompt: str, max_tokens: int) -> str:
@@ -82,6 +91,10 @@ async def test_openai_clients_through_admission_get_what_one_vllm_instance_says(
     assert counter(engines["vllm-d0"].url, "kvmesh_engine_kv_transfer_bytes_total") == decode["kv_transfer"]["bytes"] > 0
     assert counter(engines["vllm-d0"].url, "kvmesh_engine_generated_tokens_total") == decode["generated_tokens"] >= 12
     assert counter(engines["vllm-p0"].url, "kvmesh_engine_kv_total_blocks") > 0
+    # and the phases of each request in its trace, as the native engine records them
+    pulls = spans(engines["vllm-d0"], "kv.transfer")
+    assert pulls and all(s["attributes"]["kvmesh.bytes"] > 0 for s in pulls)
+    assert spans(engines["vllm-p0"], "prefill.compute") and spans(engines["vllm-d0"], "decode.compute")
 
 
 def model_name(engines) -> str:

@@ -85,6 +85,7 @@ class Load:
     address: str
     remote_blocks: list[int]
     local_blocks: list[int]
+    started: float = 0.0     # worker side: when its pull began (unix seconds)
 
 
 @dataclass
@@ -179,6 +180,7 @@ class KVMeshConnector(KVConnectorBase_V1):
             deadline = time.monotonic() + self.settings.lease_s
             self._held_until.update((request_id, deadline) for request_id in meta.held)
         for load in meta.loads:
+            load.started = time.time()
             self._pulling[load.request_id] = load, self._puller.start_pull(
                 load.address, load.remote_request_id, load.remote_blocks, load.local_blocks)
 
@@ -222,6 +224,10 @@ class KVMeshConnector(KVConnectorBase_V1):
                             load.address, exc)
                 self._load_errors.update(load.local_blocks)
         return sent or None, received or None
+
+    def pull_of(self, request_id: str) -> tuple[Load, TransferReport] | None:
+        """The latest finished pull of a request (vLLM's id), if one is still remembered."""
+        return next(((load, report) for load, report in reversed(self.pulls) if load.request_id == request_id), None)
 
     @property
     def held(self) -> int:

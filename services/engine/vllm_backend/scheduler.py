@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -36,6 +36,7 @@ from ..request import Targets
 from .policy_hooks import HOOKS, TARGETS
 
 RECENT = 64  # preempted request ids kept for /v1/state
+SCHEDULED_KEPT = 4096
 TARGET_FIELDS = tuple(f.name for f in dataclasses.fields(Targets))
 
 
@@ -50,6 +51,9 @@ class KVMeshScheduler(Scheduler):
         self.held_back = 0   # all time: waiting requests kept out of a step by the admission policy
         self.preemptions = 0  # all time
         self.recent_preemptions: deque[str] = deque(maxlen=RECENT)   # the latest victims, first first
+        # when each request was first scheduled (unix seconds), for its trace: read once it finishes,
+        # the oldest forgotten past SCHEDULED_KEPT (requests aborted before they finished)
+        self.scheduled_at: OrderedDict[str, float] = OrderedDict()
 
     def set_policies(self, names: dict[str, str]) -> None:
         """Switch policies by hook; KeyError, and nothing switched, for a hook or name it does not know."""
@@ -75,6 +79,10 @@ class KVMeshScheduler(Scheduler):
         finally:
             if held:
                 self._put_back(held)
+        for new in output.scheduled_new_reqs:
+            self.scheduled_at.setdefault(new.req_id, now)
+        while len(self.scheduled_at) > SCHEDULED_KEPT:
+            self.scheduled_at.popitem(last=False)
         victims = output.preempted_req_ids or ()
         self.preemptions += len(victims)
         self.recent_preemptions.extend(sorted(victims))

@@ -41,9 +41,10 @@ from ..data_link import data_link
 from ..engine import Frame, Timings, TransferTotals, Usage
 from ..factory import EngineConfig
 from ..frame_stream import write_frames
-from ..handoff import KVHandle
+from ..handoff import KVHandle, TransferStats
 from ..metrics import EngineCollector
 from ..models import PRESETS, save_preset_checkpoint
+from ..phases import trace_phases
 from ..sampling import SamplingParams
 from .engine_thread import VllmThread
 from .policy_hooks import HOOKS, TARGETS
@@ -86,6 +87,7 @@ class Tracked:
     first_token: float | None = None
     completion_tokens: int = 0
     logprobs: bool = False
+    vllm_id: str = ""                   # vLLM's id for it: ours with a suffix of its own
 
 
 @dataclass
@@ -152,7 +154,7 @@ def build_service(config: EngineConfig) -> Service:
         return built
 
     def on_outputs(outputs: list) -> None:  # on the engine's thread
-        frames = [_frame(output, counters, config, geometry, block_size) for output in outputs]
+        frames = [_frame(output, counters, config, geometry, block_size, engine.engine) for output in outputs]
         main_loop.call_soon_threadsafe(dispatch, frames)
 
     def dispatch(frames: list[Frame]) -> None:
@@ -212,10 +214,10 @@ def build_service(config: EngineConfig) -> Service:
         streams[request_id] = frames
 
         def add(e) -> None:
-            counters.tracked[request_id] = Tracked(len(ids), arrival, body.kv_transfer is not None,
-                                                   logprobs=sampling.logprobs)
-            e.add_request(request_id, {"prompt_token_ids": ids}, _vllm_sampling(sampling, params, targets),
-                          arrival_time=arrival)
+            tracked = Tracked(len(ids), arrival, body.kv_transfer is not None, logprobs=sampling.logprobs)
+            counters.tracked[request_id] = tracked
+            tracked.vllm_id = e.add_request(request_id, {"prompt_token_ids": ids},
+                                            _vllm_sampling(sampling, params, targets), arrival_time=arrival)
         try:
             await asyncio.wrap_future(engine.call(add))
         except Exception as exc:  # vLLM's own checks (say, a prompt its scheduler can never fit)
@@ -224,7 +226,8 @@ def build_service(config: EngineConfig) -> Service:
             raise BadRequest(f"vLLM refused the request: {exc}") from None
         response, last = web.StreamResponse(), None
         try:
-            last = await write_frames(request, frames, response)
+            last = await write_frames(request, frames, response,
+                                      on_last=lambda frame: trace_phases(frame, config.engine_id, config.role))
         finally:
             streams.pop(request_id, None)
             if last is None:  # the client went away: free the request's blocks now
@@ -347,8 +350,9 @@ def _vllm_sampling(sampling: SamplingParams, kv_transfer_params: dict | None, ta
                                                  else {}), TARGETS: targets})
 
 
-def _frame(output, counters: Counters, config: EngineConfig, geometry: Geometry, block_size: int) -> Frame:
-    """A step's output for one request (vLLM's delta) as the native engine's frame."""
+def _frame(output, counters: Counters, config: EngineConfig, geometry: Geometry, block_size: int, engine) -> Frame:
+    """A step's output for one request (vLLM's delta) as the native engine's frame; the last carries
+    the timings the native engine's do (when it was scheduled, its pull), for its trace."""
     now = time.time()
     tracked = counters.tracked
     request = tracked[output.request_id]
@@ -370,13 +374,27 @@ def _frame(output, counters: Counters, config: EngineConfig, geometry: Geometry,
         frame.finish_reason = completion.finish_reason or "stop"
         frame.usage = Usage(prompt_tokens=request.prompt_tokens, completion_tokens=request.completion_tokens,
                             cached_tokens=cached)
-        frame.timings = Timings(arrival=request.arrival, first_token=request.first_token, finished=now)
+        frame.timings = _timings(engine, request, now, config.dataplane)
         params = output.kv_transfer_params
         if request.hands_off and params and params.get("remote_block_ids"):
             frame.kv_handle = KVHandle(engine=config.engine_id, data_address=params["remote_address"],
                                        request_id=params["remote_request_id"], num_tokens=params["num_tokens"],
                                        block_size=block_size, layers=[list(params["remote_block_ids"])] * geometry.num_layers)
     return frame
+
+
+def _timings(engine, request: Tracked, finished: float, backend: str) -> Timings:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    timings = Timings(arrival=request.arrival, first_token=request.first_token, finished=finished,
+                      scheduled=_scheduler(engine).scheduled_at.pop(request.vllm_id, None))
+    pulled = get_kv_transfer_group().pull_of(request.vllm_id) if has_kv_transfer_group() else None
+    if pulled is not None:
+        load, report = pulled
+        timings.pull_start, timings.pull_end = load.started, load.started + report.seconds
+        timings.transfer = TransferStats(bytes=report.bytes, pieces=report.pieces, reads_posted=report.reads_posted,
+                                         seconds=report.seconds, backend=backend, peer=load.address)
+    return timings
 
 
 def _abort(engine, request_id: str, tracked: dict[str, Tracked]) -> list[Frame]:
