@@ -111,7 +111,7 @@ def run(quick: bool) -> BenchResult:
     spec = PRESETS[MODEL]
     return BenchResult(
         bench="vllm", quick=quick, ratios=ratios, targets=targets, meets=meets,
-        ceilings={"memcpy_gbps": _memcpy_gbps()},
+        ceilings={"memcpy_gbps": memcpy_gbps()},
         config={"model": MODEL, "dtype": "float32", "block_size": BLOCK_SIZE, "requests": n, "rates": list(rates),
                 "workload": "arxiv", "kv_bytes_per_token": 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4,
                 "cores": "prefill 0, decode 1; colocated 0", "data_plane": "tcp"},
@@ -147,7 +147,7 @@ def _drive(instances: list[VllmProcess], requests: list[WorkRequest], rate: floa
     """Send `requests` at Poisson arrivals of `rate`; P/D: each prefill's end sends its decode."""
     answers: queue.Queue = queue.Queue()
     for index, instance in enumerate(instances):
-        threading.Thread(target=_read, args=(instance, index, answers), daemon=True).start()
+        threading.Thread(target=read_answers, args=(instance, index, answers), daemon=True).start()
     gaps = np.random.default_rng(7).exponential(1 / rate, len(requests))
     start = time.time() + 0.5
     arrivals = list(start + np.cumsum(gaps))
@@ -191,7 +191,7 @@ def _drive(instances: list[VllmProcess], requests: list[WorkRequest], rate: floa
     return run
 
 
-def _read(instance: VllmProcess, index: int, answers: queue.Queue) -> None:
+def read_answers(instance: VllmProcess, index: int, answers: queue.Queue) -> None:
     try:
         while True:
             answers.put((index, instance.answer()))
@@ -206,7 +206,7 @@ def _kv_bytes(prompt_tokens: int) -> int:
     return tokens * 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
 
 
-def _memcpy_gbps() -> float:
+def memcpy_gbps() -> float:
     """One 64 MB copy between two host buffers: the ceiling of a same-host hand-off."""
     source, target = np.ones(64 << 20, dtype=np.uint8), np.empty(64 << 20, dtype=np.uint8)
     best = float("inf")

@@ -4,18 +4,22 @@ vLLM server whose scheduler and connector they can also look into.
 
     python -m kvmesh.bench.vllm_instance MODEL --role kv_producer --cpu 0 [--connector kvmesh|example|none]
                                                [--data-port N] [--settings JSON]
+                                               [--prefix-caching] [--kv-bytes N]
 
 Between commands the engine steps while it has work, as a server's loop does. Answers are JSON
 lines prefixed with "@@ " on stdout (other output is vLLM's):
   {"op": "generate", "prompts": [[ids]], "max_tokens": N, "params": [kv_transfer_params | null]}
       -> {"outputs": [[ids]], "kv_transfer_params": [...]}              (all at once, then answers)
   {"op": "add", "id": ID, "prompt": [ids], "max_tokens": N, "params": kv_transfer_params | null}
-      -> later, when it ends: {"done": ID, "added": wall-clock s, "token_times": [...], "cached_tokens": N
+      -> later, when it ends: {"done": ID, "added": wall-clock s, "token_times": [...], "token_ids": [...],
+                               "cached_tokens": N
                                (prompt tokens not computed here), "kv_transfer_params": ...}
   {"op": "blocks"} -> {"free": N, "total": N}: vLLM's own block pool
   {"op": "digest", "blocks": [ids]} -> {"digest": hex}: sha256 of those blocks in every layer
   {"op": "pulled", "request": remote request id} -> {"blocks": [local ids], "bytes": N}: its latest pull
   {"op": "pulls"} -> {"bytes": [...], "reads_seconds": [...], "seconds": [...]}: the latest pulls' reports
+  {"op": "tier"} -> {"loaded": N, "saved": N, "evicted": N, "slot_bytes": N, "load_seconds": s}: KVMeshConnector's
+      cxl tier (blocks loaded back, written through, evicted; the copy thread's time loading)
   {"op": "exit"}
 """
 
@@ -46,6 +50,8 @@ def main() -> None:
     parser.add_argument("--data-port", type=int, default=0)
     parser.add_argument("--settings", default="{}", help="JSON: more kv_connector_extra_config")
     parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--prefix-caching", action="store_true", help="vLLM's own prefix cache on the device")
+    parser.add_argument("--kv-bytes", type=int, default=0, help="the KV cache's size (default: 1 GiB)")
     args = parser.parse_args()
     # One torch thread: vLLM binds its OMP threads to --cpu, but torch's intra-op pool still starts one
     # thread per core, and two instances side by side then fight over both cores (`kvmesh bench vllm`,
@@ -63,7 +69,8 @@ def main() -> None:
                                                                **json.loads(args.settings)}
                                     if args.connector == "kvmesh" else json.loads(args.settings))
     llm = LLM(args.model, dtype="float32", block_size=BLOCK_SIZE, enforce_eager=True, max_model_len=2048,
-              max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, kv_transfer_config=transfer)
+              max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.prefix_caching, kv_transfer_config=transfer,
+              kv_cache_memory_bytes=args.kv_bytes or None)
     Driver(llm).serve()
     llm.llm_engine.engine_core.shutdown()   # the connector's too: its data plane closes
     sys.stdout.flush()
@@ -128,6 +135,14 @@ class Driver:
         return {"bytes": [r.bytes for r in reports], "reads_seconds": [r.reads_seconds for r in reports],
                 "seconds": [r.seconds for r in reports]}
 
+    def _tier(self, command: dict) -> dict:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        table = self.scheduler.connector.table
+        tier = get_kv_transfer_group().tier
+        return {"loaded": table.loaded, "saved": table.saved, "evicted": table.evicted, "slot_bytes": tier.slot_bytes,
+                "load_seconds": tier.load_seconds}
+
     def _commands(self):
         """stdin's lines; between them the engine steps while it has work, as a server's loop does (a
         finished request's KV is held, and released, over later steps). Read unbuffered: select()
@@ -159,6 +174,7 @@ class Driver:
             if output.finished:
                 del self.token_times[output.request_id]
                 reply({"done": output.request_id, "added": self.added.pop(output.request_id), "token_times": times,
+                       "token_ids": list(output.outputs[0].token_ids),
                        "cached_tokens": output.num_cached_tokens, "kv_transfer_params": output.kv_transfer_params})
 
 

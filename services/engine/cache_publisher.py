@@ -2,29 +2,69 @@
 what the scheduler's prefix-aware routing reads). Every `interval_s` it publishes the nodes cached,
 moved between tiers or rescored since the last time and evicts those dropped (what it could not
 send goes back in the journal); when kvmeta has forgotten the engine (its registration expired,
-Redis lost its data) it publishes every node again."""
+Redis lost its data) it publishes every node again.
+
+The cache is read through a `CacheJournal` on the engine's own thread (`on_engine`): the native
+engine's BlockManager (NativeJournal) or the vLLM backend's cxl-tier table."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 from kvmesh.libs.controlplane import KvmeshError, cancel_and_wait
 from kvmesh.libs.kvmeta.client import KvmetaClient
 from kvmesh.libs.kvmeta.messages import MAX_ITEMS, CacheEntry
 
-from .engine import EngineLoop
+from .block_manager import BlockManager
 
 log = logging.getLogger(__name__)
 
 
+class CacheJournal(Protocol):
+    """An engine's prefix cache as the publisher reads it; called on the engine's thread only."""
+
+    def changes(self) -> tuple[list[CacheEntry], list[str]]:
+        """Nodes cached, moved or rescored, and nodes dropped, since the last call (the first call
+        starts the journal)."""
+
+    def everything(self) -> list[CacheEntry]:
+        """Every node cached now."""
+
+    def note(self, node_ids: list[str]) -> None:
+        """Journal these again as they are now (sending them failed)."""
+
+
+class NativeJournal:
+    def __init__(self, blocks: BlockManager):
+        self.blocks = blocks
+
+    def changes(self) -> tuple[list[CacheEntry], list[str]]:
+        nodes, dropped = self.blocks.take_cache_changes()
+        return self._entries(nodes), dropped
+
+    def everything(self) -> list[CacheEntry]:
+        return self._entries(self.blocks.cached.values())
+
+    def note(self, node_ids: list[str]) -> None:
+        self.blocks.note_cache_changes(node_ids)
+
+    def _entries(self, nodes) -> list[CacheEntry]:
+        return [CacheEntry(node_id=n.node_id, tier=n.tier, size=self.blocks.node_bytes(n), score=float(n.score))
+                for n in nodes]
+
+
 class CachePublisher:
-    def __init__(self, kvmeta: KvmetaClient, engine_id: str, loop: EngineLoop, interval_s: float = 0.2):
-        self.kvmeta, self.engine_id, self.loop, self.interval_s = kvmeta, engine_id, loop, interval_s
+    def __init__(self, kvmeta: KvmetaClient, engine_id: str, journal: CacheJournal,
+                 on_engine: Callable[[Callable[[], Any]], Awaitable[Any]], interval_s: float = 0.2):
+        self.kvmeta, self.engine_id, self.journal, self.interval_s = kvmeta, engine_id, journal, interval_s
+        self._on_engine = on_engine
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> CachePublisher:
-        await self._on_engine(lambda: self.loop.engine.blocks.take_cache_changes())  # starts the journal
+        await self._on_engine(self.journal.changes)   # starts the journal
         self._task = asyncio.create_task(self._run())
         return self
 
@@ -34,20 +74,16 @@ class CachePublisher:
 
     async def republish(self) -> None:
         """Everything cached, for a kvmeta that has forgotten this engine (WorkerPresence.on_register)."""
-        entries = await self._on_engine(lambda: self._entries(self.loop.engine.blocks.cached.values()))
-        await self._send(entries, [])
+        await self._send(await self._on_engine(self.journal.everything), [])
 
     async def flush(self) -> None:
-        def take() -> tuple[list[CacheEntry], list[str]]:
-            nodes, dropped = self.loop.engine.blocks.take_cache_changes()
-            return self._entries(nodes), dropped
-        entries, dropped = await self._on_engine(take)
+        entries, dropped = await self._on_engine(self.journal.changes)
         try:
             await self._send(entries, dropped)
         except KvmeshError:
             # Journalled again as they are now, for the next flush.
             ids = [e.node_id for e in entries] + dropped
-            await self._on_engine(lambda: self.loop.engine.blocks.note_cache_changes(ids))
+            await self._on_engine(lambda: self.journal.note(ids))
             raise
 
     async def _run(self) -> None:
@@ -57,15 +93,6 @@ class CachePublisher:
                 await self.flush()
             except KvmeshError as exc:
                 log.warning("publishing the cache table failed: %s", exc)
-
-    def _entries(self, nodes) -> list[CacheEntry]:
-        """kvmeta's rows of `nodes`, read on the engine thread (their tier and score change there)."""
-        blocks = self.loop.engine.blocks
-        return [CacheEntry(node_id=n.node_id, tier=n.tier, size=blocks.node_bytes(n), score=float(n.score)) for n in nodes]
-
-    async def _on_engine(self, read):
-        """Run `read` on the engine thread, between steps."""
-        return await asyncio.wrap_future(self.loop.call(lambda: (read(), [])))
 
     async def _send(self, entries: list[CacheEntry], dropped: list[str]) -> None:
         for start in range(0, len(entries), MAX_ITEMS):

@@ -21,7 +21,7 @@ QUEUES = ("waiting", "running", "swapped", "pulling", "held_kv")
 
 class EngineCollector:
     """A prometheus collector of one engine's state snapshot: the series both backends have (queues, KV
-    blocks, preemptions, tokens, KV pulls). `snapshot` returns the latest state, replaced whole by the
+    blocks, preemptions, tokens, the prefix cache's tiers, KV pulls). `snapshot` returns the latest state, replaced whole by the
     engine's thread, never changed in place: the native EngineState or the vLLM backend's."""
 
     def __init__(self, snapshot: Callable[[], Any], engine_id: str, role: str):
@@ -51,7 +51,20 @@ class EngineCollector:
                        {"computed": state.computed_prompt_tokens, "cached": state.prefix_cache_hit_tokens})
         yield self._one(CounterMetricFamily, "kvmesh_engine_generated_tokens", "Tokens sampled",
                         state.generated_tokens)
-
+        yield self._by(CounterMetricFamily, "kvmesh_engine_prefix_cache_lookup_blocks",
+                       "Full prompt blocks looked up in the prefix cache (in all), for each tier the cache holds", "tier",
+                       state.prefix_cache_lookup_blocks)
+        yield self._by(CounterMetricFamily, "kvmesh_engine_prefix_cache_hit_blocks",
+                       "Full prompt blocks found in the prefix cache, by tier", "tier", state.prefix_cache_hit_blocks)
+        yield self._by(GaugeMetricFamily, "kvmesh_engine_prefix_cache_nodes",
+                       "Prefix-cache nodes (a block in every layer), by the tier they are in", "tier",
+                       state.prefix_cache_nodes)
+        yield self._by(CounterMetricFamily, "kvmesh_engine_prefix_cache_moved_nodes",
+                       "Prefix-cache nodes moved to a tier (cxl: offloaded by CaR, device: reloaded)", "tier",
+                       state.prefix_cache_moved_nodes)
+        yield self._by(CounterMetricFamily, "kvmesh_engine_prefix_cache_moved_bytes",
+                       "KV bytes those moves copied, by the tier moved to (sparsified nodes: only their kept tokens)",
+                       "tier", state.prefix_cache_moved_bytes)
 
     def _transfer(self, state: Any) -> Iterator[Metric]:
         transfer = state.kv_transfer
@@ -93,20 +106,6 @@ class NativeEngineCollector(EngineCollector):
                        "from the start; forecast: moved when free blocks were forecast to run low), and those it "
                        "brought back to the device (restored)", "reason",
                        state.layers_offloaded)
-        yield self._by(CounterMetricFamily, "kvmesh_engine_prefix_cache_lookup_blocks",
-                       "Full prompt blocks looked up in the prefix cache (in all), for each tier the cache holds", "tier",
-                       state.prefix_cache_lookup_blocks)
-        yield self._by(CounterMetricFamily, "kvmesh_engine_prefix_cache_hit_blocks",
-                       "Full prompt blocks found in the prefix cache, by tier", "tier", state.prefix_cache_hit_blocks)
-        yield self._by(GaugeMetricFamily, "kvmesh_engine_prefix_cache_nodes",
-                       "Prefix-cache nodes (a block in every layer), by the tier they are in", "tier",
-                       state.prefix_cache_nodes)
-        yield self._by(CounterMetricFamily, "kvmesh_engine_prefix_cache_moved_nodes",
-                       "Prefix-cache nodes moved to a tier (cxl: offloaded by CaR, device: reloaded)", "tier",
-                       state.prefix_cache_moved_nodes)
-        yield self._by(CounterMetricFamily, "kvmesh_engine_prefix_cache_moved_bytes",
-                       "KV bytes those moves copied, by the tier moved to (sparsified nodes: only their kept tokens)",
-                       "tier", state.prefix_cache_moved_bytes)
         yield self._one(CounterMetricFamily, "kvmesh_engine_steps", "Iterations of the engine loop that ran the model",
                         state.steps)
         yield from self._transfer(state)

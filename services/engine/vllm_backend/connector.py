@@ -21,6 +21,13 @@ COMPLETE, while the steps of other requests go on; get_finished reports the requ
 is done, and vLLM schedules it. A failed pull reports its blocks as not loaded, and vLLM
 recomputes them (kv_load_failure_policy="recompute").
 
+The cxl tier (CaR, `cxl_blocks` > 0; on any role, and on a colocated engine with `handoff` off):
+every full block a request computes is also written to a host-memory tier, layer by layer right
+after each layer runs (`save_kv_layer`, on a copy thread); a later request whose prefix vLLM's own
+device cache no longer holds but the tier does gets those blocks loaded back instead of computed,
+each layer just before it runs (`wait_for_layer_load`). host_table.py decides what the tier keeps,
+host_tier.py moves the bytes.
+
 One worker per instance (tensor parallelism 1): the prefill data plane listens at the configured
 port, which is how the scheduler side knows its address.
 """
@@ -44,12 +51,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.request import RequestStatus
 
-from kvmesh.libs.rdma.work import RdmaError
-
+from kvmesh.libs.kvmeta.nodeid import node_ids
 from kvmesh.libs.rdma.kvdirect.puller import TransferReport
+from kvmesh.libs.rdma.work import RdmaError
+from kvmesh.policies.cache.replacement import car
 
 from ..engine import TransferTotals
 from .data_plane import KVPuller, KVServer
+from .host_table import HostTable
+from .host_tier import HostTier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -76,6 +86,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lease_s: float = 30.0            # a prefill instance frees held KV no decode instance took by then
     timeout_s: float = 10.0          # a pull (or its COMPLETE) with no progress this long fails
     endpoint: dict[str, Any] = {}    # the backend's own options (verbs: device, gid_index, ib_port)
+    handoff: bool = True             # False: no data plane (a colocated engine with only the cxl tier)
+    cxl_blocks: int = 0              # the cxl tier's slots (a block of every layer each); 0: no tier
+    model: str = ""                  # seeds the NodeIDs of cached blocks: the model name routing uses
 
 
 @dataclass
@@ -89,16 +102,30 @@ class Load:
 
 
 @dataclass
+class TierRequest:
+    """Scheduler side: a request the cxl tier serves, from its first schedule to its end."""
+
+    request: Request
+    node_ids: list[str] = field(default_factory=list)   # of its full blocks so far
+    used: set[str] = field(default_factory=set)         # nodes scored for it
+    walked: int = 0                                     # full blocks already loaded, saved or scored
+    hit: tuple[int, int] = (0, 0)                       # its last lookup: (first block, blocks in the tier)
+
+
+@dataclass
 class KVMeshConnectorMetadata(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)   # consumer: pull these before this step runs
     held: list[str] = field(default_factory=list)     # producer: finished requests whose KV now waits
+    # cxl tier: (slots, blocks) to load before each layer runs, (blocks, slots) to save after it does
+    tier_loads: tuple[list[int], list[int]] = ([], [])
+    tier_saves: tuple[list[int], list[int]] = ([], [])
 
 
 class KVMeshConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
         self.settings = msgspec.convert(self._kv_transfer_config.kv_connector_extra_config, Settings)
-        if self._kv_transfer_config.is_kv_producer and not self.settings.data_port:
+        if self.settings.handoff and self._kv_transfer_config.is_kv_producer and not self.settings.data_port:
             raise ValueError("KVMeshConnector: a producer needs kv_connector_extra_config data_port (its data plane)")
         self.block_size = vllm_config.cache_config.block_size
         self.engine_id = self._kv_transfer_config.engine_id
@@ -106,10 +133,16 @@ class KVMeshConnector(KVConnectorBase_V1):
         self._loads: list[Load] = []
         self._held: list[str] = []
         self._local_tokens: dict[str, int] = {}   # tokens a request found in our own prefix cache
+        self.table = HostTable(self.settings.cxl_blocks, car) if self.settings.cxl_blocks else None
+        self._tier_requests: dict[str, TierRequest] = {}
+        self._tier_loads: tuple[list[int], list[int]] = ([], [])
+        self._pinned: list[str] = []
         # Worker side.
         self.kv_caches: dict[str, torch.Tensor] = {}   # vLLM's, by layer name
         self._server: KVServer | None = None
         self._puller: KVPuller | None = None
+        self.tier: HostTier | None = None
+        self._tier_saves: tuple[list[int], list[int]] = ([], [])   # this step's, in the block order
         self._lock = threading.Lock()          # the data plane's thread completes what the worker thread holds
         self._held_until: dict[str, float] = {}
         # COMPLETEs by request, and leases that ran out, with when: a COMPLETE often arrives before
@@ -127,7 +160,7 @@ class KVMeshConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
         if not params.get("remote_address"):
-            return 0, False
+            return self._tier_lookup(request, num_computed_tokens), False   # loaded layer by layer in the step
         # Whole blocks of the prompt but its last token, which this instance computes to sample from.
         available = min(params["num_tokens"], len(request.prompt_token_ids) - 1) // self.block_size * self.block_size
         self._local_tokens[request.request_id] = num_computed_tokens
@@ -135,10 +168,12 @@ class KVMeshConnector(KVConnectorBase_V1):
         return external, external > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if self.table is not None:
+            self._tier_after_alloc(request, blocks, num_external_tokens)
         local = self._local_tokens.pop(request.request_id, 0)
-        if num_external_tokens <= 0:
-            return
         params = request.kv_transfer_params
+        if num_external_tokens <= 0 or not (params or {}).get("remote_address"):
+            return
         first = local // self.block_size   # blocks found in our own prefix cache come first
         count = num_external_tokens // self.block_size
         self._loads.append(Load(request.request_id, params["remote_request_id"], params["remote_address"],
@@ -149,9 +184,16 @@ class KVMeshConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVMeshConnectorMetadata(loads=self._loads, held=self._held)
         self._loads, self._held = [], []
+        if self.table is not None:
+            meta.tier_loads, meta.tier_saves = self._tier_loads, self._tier_saves_of(scheduler_output)
+            self.table.unpin(self._pinned)
+            self._tier_loads, self._pinned = ([], []), []
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        tracked = self._tier_requests.pop(request.request_id, None)
+        if tracked is not None:
+            self.table.release(tracked.used)
         params = request.kv_transfer_params or {}
         if not (self._kv_transfer_config.is_kv_producer and params.get("do_remote_decode")) or not block_ids:
             return False, None
@@ -162,11 +204,85 @@ class KVMeshConnector(KVConnectorBase_V1):
                       "remote_address": f"{self.settings.data_host}:{self.settings.data_port}",
                       "remote_block_ids": list(block_ids), "num_tokens": request.num_computed_tokens}
 
+    # -- scheduler side: the cxl tier -------------------------------------------------------------
+
+    def _tier_lookup(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens after vLLM's own device hit whose blocks the cxl tier holds, in a row (whole blocks
+        but the last token's, which vLLM computes to sample from)."""
+        if self.table is None:
+            return 0
+        tracked = self._tier_requests.get(request.request_id) or TierRequest(request)
+        self._tier_requests[request.request_id] = tracked
+        ids = self._node_ids(tracked)[:(request.num_tokens - 1) // self.block_size]
+        first = num_computed_tokens // self.block_size
+        tracked.hit = first, self.table.match(ids, first)
+        return tracked.hit[1] * self.block_size
+
+    def _tier_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        tracked = self._tier_requests.setdefault(request.request_id, TierRequest(request))
+        first, count = tracked.hit
+        tracked.hit = (0, 0)
+        if num_external_tokens <= 0 or (request.kv_transfer_params or {}).get("remote_address"):
+            return
+        count = min(count, num_external_tokens // self.block_size)
+        loading = tracked.node_ids[first:first + count]
+        slots = self.table.take_for_load(loading, time.monotonic())
+        tracked.used.update(loading)
+        self._pinned += loading
+        self._tier_loads[0].extend(slots)
+        self._tier_loads[1].extend(blocks.get_block_ids()[0][first:first + count])
+
+    def _tier_saves_of(self, scheduler_output: SchedulerOutput) -> tuple[list[int], list[int]]:
+        """(blocks, slots): every full block this step completes that the tier does not hold yet;
+        blocks it holds already are scored for the request."""
+        saves: tuple[list[int], list[int]] = ([], [])
+        now = time.monotonic()
+        for request_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            tracked = self._tier_requests.get(request_id)
+            if tracked is None:
+                continue
+            request = tracked.request
+            full = min(request.num_computed_tokens + scheduled, request.num_tokens) // self.block_size
+            if full <= tracked.walked:
+                continue
+            ids = self._node_ids(tracked, full)
+            block_ids = self._kv_cache_manager.get_block_ids(request_id)[0]
+            for index in range(tracked.walked, full):
+                node_id = ids[index]
+                if node_id in tracked.used:
+                    continue
+                tracked.used.add(node_id)
+                if self.table.use(node_id, now):
+                    continue
+                slot = self.table.take_for_save(node_id, now)
+                if slot is None:   # every slot pinned this step: not kept
+                    tracked.used.discard(node_id)
+                    continue
+                self._pinned.append(node_id)
+                saves[0].append(block_ids[index])
+                saves[1].append(slot)
+            tracked.walked = full
+        return saves
+
+    def _node_ids(self, tracked: TierRequest, blocks: int | None = None) -> list[str]:
+        """The request's NodeIDs, extended to `blocks` full blocks (all it has when None)."""
+        tokens = tracked.request.all_token_ids
+        blocks = len(tokens) // self.block_size if blocks is None else blocks
+        have = len(tracked.node_ids)
+        if blocks > have:
+            tracked.node_ids += node_ids(tokens[have * self.block_size:blocks * self.block_size], self.block_size,
+                                         self.settings.model, tracked.node_ids[-1] if have else None)
+        return tracked.node_ids
+
     # -- worker side ------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv_caches = kv_caches
         s = self.settings
+        if s.cxl_blocks:
+            self.tier = HostTier(kv_caches, s.cxl_blocks)
+        if not s.handoff:
+            return
         if self._kv_transfer_config.is_kv_producer:
             self._server = KVServer(kv_caches, s.backend, s.token, s.data_host, s.data_port, self._on_complete,
                                     s.timeout_s, s.endpoint)
@@ -183,16 +299,25 @@ class KVMeshConnector(KVConnectorBase_V1):
             load.started = time.time()
             self._pulling[load.request_id] = load, self._puller.start_pull(
                 load.address, load.remote_request_id, load.remote_blocks, load.local_blocks)
+        if self.tier is not None:
+            if meta.tier_loads[0]:
+                self.tier.start_loads(*meta.tier_loads)
+            self._tier_saves = meta.tier_saves
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return   # a request runs only once its pull of every layer is over
+        # A pulled request runs only once its pull of every layer is over; cxl-tier loads go layer by layer.
+        if self.tier is not None:
+            self.tier.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
-        return   # pull mode: the KV stays in place until a decode instance reads it
+        # Pull mode keeps the KV in place until a decode instance reads it; the cxl tier takes a copy.
+        if self.tier is not None and self._tier_saves[0]:
+            self.tier.save_layer(layer_name, *self._tier_saves)
 
     def wait_for_save(self) -> None:
-        return
+        if self.tier is not None:
+            self.tier.wait_for_saves()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(held requests whose KV a decode instance took, or whose lease ran out; requests whose
@@ -247,7 +372,7 @@ class KVMeshConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         for _, pull in self._pulling.values():
             pull.cancel()
-        for plane in (self._server, self._puller):
+        for plane in (self._server, self._puller, self.tier):
             if plane is not None:
                 plane.close()
 

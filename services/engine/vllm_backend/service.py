@@ -4,8 +4,10 @@ its registration and heartbeats in kvmeta, so that admission and the scheduler c
 backends apart. Prefill engines run vLLM with KVMeshConnector as producer, decode engines as
 consumer; the connector's kv_transfer_params travel as kvmesh's KVHandle.
 
+With `prefix_cache_cxl` the connector also keeps prefix blocks in a cxl tier of `cxl_blocks` (or
+`cxl_bytes`) in host memory, on any role (a colocated engine runs it as kv_both without a data plane).
 What only the native engine has is refused with a 400 or a config error that says so: push mode,
-`PUT /v1/policy` (vLLM's scheduler schedules), the cxl tier and LayerKV, CaR's cache table.
+engine policies other than KVMeshScheduler's, LayerKV's offload, CaR's sparsification.
 Run it with a Python that has vLLM: `.venv-vllm/bin/python -m kvmesh serve engine` on CPU here.
 """
 
@@ -33,10 +35,11 @@ from aiohttp import web
 from kvmesh.infra.local.processes import free_port
 from kvmesh.libs.controlplane import BadRequest, ConfigError, Service
 from kvmesh.libs.kvmeta.client import KvmetaClient, WorkerPresence
-from kvmesh.libs.kvmeta.messages import BlockGeometry, Capacity, GpuNic, Load, WorkerInfo
+from kvmesh.libs.kvmeta.messages import BlockGeometry, CacheEntry, Capacity, GpuNic, Load, WorkerInfo
 from kvmesh.policies.scheduling import PrefillCost
 
 from ..api import Aborted, AbortRequest, GenerateRequest, PolicyNames, TokenizerSpec
+from ..cache_publisher import CachePublisher
 from ..data_link import data_link
 from ..engine import Frame, Timings, TransferTotals, Usage
 from ..factory import EngineConfig
@@ -47,12 +50,14 @@ from ..models import PRESETS, save_preset_checkpoint
 from ..phases import trace_phases
 from ..sampling import SamplingParams
 from .engine_thread import VllmThread
+from .host_table import HostTable
 from .policy_hooks import HOOKS, TARGETS
 from .prefill_profile import profile_prefill_cost
 
 CONNECTOR = dict(kv_connector="KVMeshConnector", kv_connector_module_path="kvmesh.services.engine.vllm_backend.connector")
 SCHEDULER = "kvmesh.services.engine.vllm_backend.scheduler.KVMeshScheduler"
 CPU_BLOCK_MULTIPLE = 32   # vLLM's CPU attention wants blocks of a multiple of 32 tokens
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 
 
 class VllmEngineState(msgspec.Struct, kw_only=True):
@@ -75,6 +80,13 @@ class VllmEngineState(msgspec.Struct, kw_only=True):
     computed_prompt_tokens: int            # of finished requests' prompts, tokens computed here
     prefix_cache_hit_tokens: int           # and those not: vLLM's cached tokens (its prefix cache, and KV pulled)
     kv_transfer: TransferTotals            # decode role: the KV pulls, all time
+    # The cxl tier (prefix_cache_cxl), by tier as on the native engine: full blocks looked up there and
+    # found (all time), nodes it holds, nodes and bytes moved (cxl: saved to it, device: loaded back).
+    prefix_cache_lookup_blocks: dict[str, int] = {}
+    prefix_cache_hit_blocks: dict[str, int] = {}
+    prefix_cache_nodes: dict[str, int] = {}
+    prefix_cache_moved_nodes: dict[str, int] = {}
+    prefix_cache_moved_bytes: dict[str, int] = {}
 
 
 @dataclass
@@ -120,6 +132,7 @@ def build_service(config: EngineConfig) -> Service:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     geometry = _geometry(AutoConfig.from_pretrained(model_dir))
+    cxl_blocks = _cxl_blocks(config, geometry)
     counters = Counters()
     streams: dict[str, asyncio.Queue[Frame]] = {}
     main_loop: asyncio.AbstractEventLoop | None = None
@@ -131,13 +144,14 @@ def build_service(config: EngineConfig) -> Service:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         transfer = None
-        if link is not None:
-            settings = {"backend": config.dataplane, "token": config.token, "data_host": link.host,
-                        "data_port": data_port, "lease_s": config.kv_lease_ms / 1e3,
-                        "timeout_s": config.kv_timeout_ms / 1e3, "endpoint": link.options}
+        if link is not None or cxl_blocks:
+            settings = {"handoff": link is not None, "cxl_blocks": cxl_blocks, "model": config.model}
+            if link is not None:
+                settings.update(backend=config.dataplane, token=config.token, data_host=link.host, data_port=data_port,
+                                lease_s=config.kv_lease_ms / 1e3, timeout_s=config.kv_timeout_ms / 1e3,
+                                endpoint=link.options)
             transfer = KVTransferConfig(**CONNECTOR, engine_id=config.engine_id, kv_load_failure_policy="recompute",
-                                        kv_role="kv_producer" if config.role == "prefill" else "kv_consumer",
-                                        kv_connector_extra_config=settings)
+                                        kv_role=KV_ROLES[config.role], kv_connector_extra_config=settings)
         args = EngineArgs(model=str(model_dir), dtype=config.dtype, seed=config.seed, block_size=config.block_size,
                           max_model_len=config.max_model_len or None, max_num_seqs=config.max_num_seqs,
                           max_num_batched_tokens=max(config.token_budget, config.max_model_len or 0) or None,
@@ -190,8 +204,16 @@ def build_service(config: EngineConfig) -> Service:
                                            num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
                                            dtype=config.dtype),
                     capacity=Capacity(device_blocks=total_blocks), backend="vllm")
+                republish = None
+                table = _scheduler(engine.engine).connector.table if cxl_blocks else None
+                if table is not None:   # the cxl tier's nodes, for the scheduler's prefix-aware routing
+                    on_engine = lambda read: asyncio.wrap_future(engine.call(lambda e: read()))  # noqa: E731
+                    publisher = await stack.enter_async_context(CachePublisher(
+                        kvmeta, config.engine_id, TierJournal(table, _worker_connector().tier.slot_bytes), on_engine))
+                    republish = publisher.republish
                 await stack.enter_async_context(WorkerPresence(kvmeta, info, ttl_ms=config.heartbeat_ttl_ms,
-                                                               load=lambda: _load(counters.state)))
+                                                               load=lambda: _load(counters.state),
+                                                               on_register=republish))
             yield
 
     @service.on_shutdown
@@ -266,6 +288,26 @@ def build_service(config: EngineConfig) -> Service:
     return service
 
 
+class TierJournal:
+    """The cxl tier's table as the cache publisher reads it (CachePublisher's CacheJournal)."""
+
+    def __init__(self, table: HostTable, slot_bytes: int):
+        self.table, self.slot_bytes = table, slot_bytes
+
+    def changes(self) -> tuple[list[CacheEntry], list[str]]:
+        nodes, dropped = self.table.take_changes()
+        return self._entries(nodes), dropped
+
+    def everything(self) -> list[CacheEntry]:
+        return self._entries(self.table.nodes.values())
+
+    def note(self, node_ids: list[str]) -> None:
+        self.table.note_changes(node_ids)
+
+    def _entries(self, nodes) -> list[CacheEntry]:
+        return [CacheEntry(node_id=n.node_id, tier="cxl", size=self.slot_bytes, score=float(n.score)) for n in nodes]
+
+
 def _refuse_native_only(config: EngineConfig) -> None:
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(f"backend vllm: {sys.executable} has no vLLM; run the engine with a Python that has it "
@@ -274,11 +316,14 @@ def _refuse_native_only(config: EngineConfig) -> None:
     if others:
         raise ConfigError(f"backend vllm: policies {', '.join(others)} are the native engine's; vLLM's takes "
                           f"{', '.join(HOOKS)} (docs/vllm.md)")
-    native = [name for name, on in (("prefix_cache_cxl", config.prefix_cache_cxl),
+    native = [name for name, on in (("prefix_cache_sparsify", config.prefix_cache_sparsify),
                                     ("layer_staging_blocks", bool(config.layer_staging_blocks)),
                                     ("cxl_path", bool(config.cxl_path))) if on]
     if native:
         raise ConfigError(f"backend vllm: {', '.join(native)} are the native engine's (docs/vllm.md)")
+    if config.prefix_cache_cxl and not config.prefix_caching:
+        raise ConfigError("prefix_cache_cxl keeps prefix blocks vLLM's device cache lets go in the cxl tier: it "
+                          "needs prefix_caching")
     if config.dataplane == "shm":
         raise ConfigError("backend vllm: the shm data plane needs the KV cache in a shared file, which vLLM's "
                           "allocator does not make; use tcp or verbs")
@@ -303,6 +348,20 @@ def _checkpoint(config: EngineConfig) -> tuple[Path, Path | None]:
         return Path(config.model), None
     scratch = Path(tempfile.mkdtemp(prefix=f"kvmesh-{config.model}-"))
     return save_preset_checkpoint(config.model, scratch, seed=config.seed), scratch
+
+
+def _cxl_blocks(config: EngineConfig, geometry: Geometry) -> int:
+    """The cxl tier's slots under prefix_cache_cxl: cxl_blocks, else as many blocks of every layer
+    as cxl_bytes holds; 0 without it."""
+    if not config.prefix_cache_cxl:
+        return 0
+    block_bytes = (2 * config.block_size * geometry.num_kv_heads * geometry.head_dim * geometry.num_layers
+                   * getattr(torch, config.dtype).itemsize)
+    blocks = config.cxl_blocks or config.cxl_bytes // block_bytes
+    if blocks <= 0:
+        raise ConfigError(f"prefix_cache_cxl: cxl_bytes {config.cxl_bytes} holds no block of every layer "
+                          f"({block_bytes} bytes)")
+    return blocks
 
 
 def _geometry(hf_config) -> Geometry:
@@ -384,11 +443,10 @@ def _frame(output, counters: Counters, config: EngineConfig, geometry: Geometry,
 
 
 def _timings(engine, request: Tracked, finished: float, backend: str) -> Timings:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
     timings = Timings(arrival=request.arrival, first_token=request.first_token, finished=finished,
                       scheduled=_scheduler(engine).scheduled_at.pop(request.vllm_id, None))
-    pulled = get_kv_transfer_group().pull_of(request.vllm_id) if has_kv_transfer_group() else None
+    connector = _worker_connector()
+    pulled = connector.pull_of(request.vllm_id) if connector is not None else None
     if pulled is not None:
         load, report = pulled
         timings.pull_start, timings.pull_end = load.started, load.started + report.seconds
@@ -410,14 +468,21 @@ def _abort(engine, request_id: str, tracked: dict[str, Tracked]) -> list[Frame]:
 
 def _observe(engine, counters: Counters) -> None:
     """On the engine's thread, between steps: the state `GET /v1/state` and the heartbeats report."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
     scheduler = _scheduler(engine)
     pool = scheduler.kv_cache_manager.block_pool
-    connector = get_kv_transfer_group() if has_kv_transfer_group() else None
+    connector = _worker_connector()
+    table = scheduler.connector.table if scheduler.connector is not None else None
+    tier = {}
+    if table is not None:   # between steps no slot is pinned: every cached node is free to give up
+        moved = {"cxl": table.saved, "device": table.loaded}
+        tier = dict(prefix_cache_lookup_blocks={"cxl": table.looked_up}, prefix_cache_hit_blocks={"cxl": table.loaded},
+                    prefix_cache_nodes={"cxl": len(table.nodes)}, prefix_cache_moved_nodes=moved,
+                    prefix_cache_moved_bytes={t: n * connector.tier.slot_bytes for t, n in moved.items()})
     counters.state = VllmEngineState(
-        backend="vllm", free_blocks={"device": pool.get_num_free_blocks()},
-        total_blocks={"device": pool.num_gpu_blocks - 1},   # less vLLM's null block
+        backend="vllm", free_blocks={"device": pool.get_num_free_blocks(),
+                                     **({"cxl": table.capacity} if table is not None else {})},
+        total_blocks={"device": pool.num_gpu_blocks - 1,   # less vLLM's null block
+                      **({"cxl": table.capacity} if table is not None else {})},
         waiting=len(scheduler.waiting), running=len(scheduler.running), swapped=0,
         pulling=connector.pulling if connector is not None else 0,
         held_kv=connector.held if connector is not None else 0, policies=dict(scheduler.policy_names),
@@ -425,7 +490,14 @@ def _observe(engine, counters: Counters) -> None:
         preemptions={"recompute": scheduler.preemptions}, recent_preemptions=list(scheduler.recent_preemptions),
         generated_tokens=counters.generated_tokens, computed_prompt_tokens=counters.computed_prompt_tokens,
         prefix_cache_hit_tokens=counters.cached_prompt_tokens,
-        kv_transfer=copy.copy(connector.transferred) if connector is not None else TransferTotals())
+        kv_transfer=copy.copy(connector.transferred) if connector is not None else TransferTotals(), **tier)
+
+
+def _worker_connector():
+    """The worker side of KVMeshConnector (one worker, in this process), or None."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    return get_kv_transfer_group() if has_kv_transfer_group() else None
 
 
 def _scheduler(engine):

@@ -1,0 +1,138 @@
+"""The cxl tier's table on a vLLM engine (CaR III-B.1 and III-B.3, scheduler side of KVMeshConnector).
+
+vLLM keeps its own prefix cache on the device; the connector adds a second tier in host memory (the
+`cxl` tier: a RAM or CXL-attached buffer, a block of every layer per slot). This table says which
+prefix blocks are there, by kvmesh NodeID (libs/kvmeta/nodeid: the names the native engine and the
+scheduler's prefix routing use), and in which slot. A slot is taken for every full block a request
+computes that the tier does not hold yet (a write-through copy, made off the critical path by the
+worker); when no slot is free, the idle nodes CaR's replacement ranks lowest give theirs up. A
+node's score counts the running requests that use it (RUN_SCORE + WINDOW_SCORE each, given back
+when the request ends: vLLM has no Shuffled Window, so every request counts as in it when it runs).
+Nodes a step loads from or saves into are pinned until that step's metadata is built.
+
+No vLLM import here: the table is plain state, tested on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvmesh.policies.cache.replacement import DONE_SCORE, RUN_SCORE, WINDOW_SCORE
+from kvmesh.policies.views import CachedBlockView
+
+Replacement = Callable[[Sequence[CachedBlockView], int], list[str]]
+
+
+@dataclass
+class HostNode:
+    node_id: str
+    slot: int
+    last_access: float
+    score: int = 0
+    hits: int = 0
+    pins: int = 0
+
+
+@dataclass
+class HostTable:
+    capacity: int
+    replacement: Replacement
+    nodes: dict[str, HostNode] = field(default_factory=dict)
+    # All time: blocks looked up, found (and loaded), written to the tier, and nodes evicted from it.
+    looked_up: int = 0
+    loaded: int = 0
+    saved: int = 0
+    evicted: int = 0
+    _free: list[int] = field(default_factory=list)
+    _changed: set[str] = field(default_factory=set)     # published to kvmeta next
+    _dropped: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.capacity < 0:
+            raise ValueError(f"the cxl tier needs a capacity >= 0 blocks, got {self.capacity}")
+        self._free = list(range(self.capacity - 1, -1, -1))
+
+    def match(self, node_ids: Sequence[str], start: int) -> int:
+        """How many of `node_ids[start:]`, in a row from `start`, the tier holds (a prefix lookup
+        after the blocks vLLM found on the device)."""
+        self.looked_up += len(node_ids) - start
+        count = 0
+        while start + count < len(node_ids) and node_ids[start + count] in self.nodes:
+            count += 1
+        return count
+
+    def take_for_load(self, node_ids: Iterable[str], now: float) -> list[int]:
+        """The slots of nodes a request loads this step, pinned and scored for it."""
+        slots = []
+        for node_id in node_ids:
+            node = self.nodes[node_id]
+            node.pins += 1
+            node.hits += 1
+            node.last_access = now
+            node.score += RUN_SCORE + WINDOW_SCORE
+            self._changed.add(node_id)
+            slots.append(node.slot)
+        self.loaded += len(slots)
+        return slots
+
+    def take_for_save(self, node_id: str, now: float) -> int | None:
+        """A slot for a node a request has just computed, pinned and scored for it; None when every
+        slot is pinned (the node is simply not kept)."""
+        if not self._free:
+            victims = self.replacement([_view(n) for n in self.nodes.values() if not n.pins], 1)
+            if not victims:
+                return None
+            self._evict(victims[0])
+        node = self.nodes[node_id] = HostNode(node_id, self._free.pop(), now, score=RUN_SCORE + WINDOW_SCORE, pins=1)
+        self._changed.add(node_id)
+        self._dropped.discard(node_id)
+        self.saved += 1
+        return node.slot
+
+    def use(self, node_id: str, now: float) -> bool:
+        """A running request uses a node the tier already holds (it found it on the device): scored
+        for it. False when the tier does not hold it."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            return False
+        node.last_access = now
+        node.score += RUN_SCORE + WINDOW_SCORE
+        self._changed.add(node_id)
+        return True
+
+    def release(self, node_ids: Iterable[str]) -> None:
+        """A request that used these nodes has ended."""
+        for node_id in node_ids:
+            node = self.nodes.get(node_id)
+            if node is not None:
+                node.score += DONE_SCORE
+                self._changed.add(node_id)
+
+    def unpin(self, node_ids: Iterable[str]) -> None:
+        for node_id in node_ids:
+            self.nodes[node_id].pins -= 1
+
+    def note_changes(self, node_ids: Iterable[str]) -> None:
+        """Journal these again as they are now, held or dropped (telling kvmeta of them failed)."""
+        for node_id in node_ids:
+            (self._changed if node_id in self.nodes else self._dropped).add(node_id)
+
+    def take_changes(self) -> tuple[list[HostNode], list[str]]:
+        """Nodes added or rescored, and those evicted, since the last call (for kvmeta's table)."""
+        changed = [self.nodes[i] for i in self._changed if i in self.nodes]
+        dropped = sorted(self._dropped)
+        self._changed, self._dropped = set(), set()
+        return changed, dropped
+
+    def _evict(self, node_id: str) -> None:
+        node = self.nodes.pop(node_id)
+        self._free.append(node.slot)
+        self._changed.discard(node_id)
+        self._dropped.add(node_id)
+        self.evicted += 1
+
+
+def _view(node: HostNode) -> CachedBlockView:
+    return CachedBlockView(node_id=node.node_id, last_access=node.last_access, hits=node.hits,
+                           score=float(node.score), tier="cxl")

@@ -1,0 +1,77 @@
+"""The vLLM backend's cxl-tier table: prefix lookups, slots for new blocks, CaR's scores and the
+replacement order, pins, and the changes kvmeta is told of."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.policies.cache.replacement import car, lru
+from kvmesh.services.engine.vllm_backend.host_table import HostTable
+
+
+def filled(capacity: int, ids: list[str], replacement=car) -> HostTable:
+    table = HostTable(capacity, replacement)
+    for at, node_id in enumerate(ids):
+        assert table.take_for_save(node_id, float(at)) is not None
+    table.unpin(ids)
+    return table
+
+
+def test_a_lookup_counts_the_blocks_held_in_a_row_after_the_device_hit():
+    table = filled(8, ["a", "b", "d"])
+    assert table.match(["a", "b", "c", "d"], 0) == 2
+    assert table.match(["x", "b", "c", "d"], 1) == 1    # vLLM found block 0 on the device
+    assert table.match(["a", "b"], 2) == 0
+    assert table.looked_up == 4 + 3 + 0
+
+
+def test_each_new_block_gets_a_free_slot_until_there_is_none():
+    table = HostTable(3, car)
+    assert [table.take_for_save(n, 0.0) for n in "abc"] == [0, 1, 2]
+    assert table.take_for_save("d", 0.0) is None          # every slot pinned this step
+    assert table.saved == 3 and table.evicted == 0
+
+
+def test_car_gives_up_the_lowest_score_first_and_lru_breaks_ties():
+    table = filled(3, ["a", "b", "c"])
+    table.release(["a", "b", "c"])                        # their requests ended: scores 0
+    table.use("a", 10.0)                                  # a running request uses a: +2
+    slot_b = table.nodes["b"].slot
+    assert table.take_for_save("d", 11.0) == slot_b       # b and c score 0, b least recently used
+    assert set(table.nodes) == {"a", "c", "d"} and table.evicted == 1
+    assert table.nodes["a"].score == 2 + 2 - 2
+
+
+def test_lru_would_have_evicted_the_node_in_use():
+    table = filled(3, ["a", "b", "c"], replacement=lru)
+    table.release(["a", "b", "c"])
+    table.nodes["a"].score = 2   # in use, but LRU does not look
+    assert table.take_for_save("d", 11.0) == 0 and "a" not in table.nodes
+
+
+def test_a_pinned_node_is_never_evicted():
+    table = filled(2, ["a", "b"])
+    table.release(["a", "b"])
+    assert table.take_for_load(["a"], 5.0) == [table.nodes["a"].slot]
+    assert table.take_for_save("c", 6.0) == 1             # b gave its slot up, a is being loaded
+    assert table.take_for_save("d", 7.0) is None          # a and c pinned
+    table.unpin(["a", "c"])
+    assert table.take_for_save("d", 8.0) is not None
+    assert table.loaded == 1 and table.nodes["d"].pins == 1
+
+
+def test_kvmeta_hears_of_added_rescored_and_evicted_nodes_once():
+    table = filled(2, ["a", "b"])
+    changed, dropped = table.take_changes()
+    assert {n.node_id for n in changed} == {"a", "b"} and dropped == []
+    table.release(["a", "b"])
+    table.use("b", 3.0)
+    table.take_for_save("c", 4.0)                         # evicts a
+    changed, dropped = table.take_changes()
+    assert {n.node_id for n in changed} == {"b", "c"} and dropped == ["a"]
+    assert table.take_changes() == ([], [])
+
+
+def test_a_negative_capacity_is_refused():
+    with pytest.raises(ValueError, match="capacity"):
+        HostTable(-1, car)
