@@ -1,7 +1,7 @@
 """CaR (issue 9) against recomputing and against a device-only LRU prefix cache, in one run.
 
-The `small` model (8 layers, bfloat16, 2 torch threads) serves in-process: real compute, real KV
-copies between the tiers. Clients are closed-loop: each conversation sends its next turn as soon as
+The `small` model (8 layers, bfloat16 where the CPU computes it natively, else float32; 2 torch
+threads) serves in-process: real compute, real KV copies between the tiers. Clients are closed-loop: each conversation sends its next turn as soon as
 its last answer is complete, all conversations at once, so the engine always holds them all and
 the device tier sees their whole working set.
 
@@ -44,6 +44,7 @@ import torch
 from rich.progress import Progress
 
 from kvmesh.policies.views import blocks_for
+from kvmesh.services.engine.dtypes import fastest_dtype
 from kvmesh.services.engine.engine import Engine
 from kvmesh.services.engine.factory import EngineConfig, build_engine
 from kvmesh.services.engine.models import PRESETS
@@ -58,7 +59,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 PLOT = Path("bench-results/car.png")
-MODEL, DTYPE, BLOCK_SIZE, THREADS = "small", "bfloat16", 16, 2
+MODEL, BLOCK_SIZE, THREADS = "small", 16, 2
+DTYPE = fastest_dtype("cpu")   # bfloat16 where the CPU computes it natively
 CONVERSATIONS, TURNS = 8, 8
 DEVICE_SHARE = 1 / 3
 SYSTEM_PROMPTS, SYSTEM_LEN, REQUESTS, CLIENTS = 6, 512, 96, 4

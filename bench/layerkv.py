@@ -1,7 +1,7 @@
 """LayerKV (issue 8) against FCFS with every layer on the device (vLLM), in one run.
 
-The `small` model (8 layers, bfloat16, 2 torch threads) serves in-process: real compute, with idle
-time before an arrival skipped (cacheopt_serving.replay). `small` rather than `tiny`: a half of the
+The `small` model (8 layers, bfloat16 where the CPU computes it natively, else float32; 2 torch
+threads) serves in-process: real compute, with idle time before an arrival skipped (cacheopt_serving.replay). `small` rather than `tiny`: a half of the
 staging area (by default a quarter of the device tier) runs one layer of each request a step stages,
 so it runs L/4 times the requests the tier holds with every layer: twice for 8 layers, no gain for
 tiny's 4. Every method gets the same device tier, sized so that it holds DEVICE_HOLDS of the longest
@@ -50,6 +50,7 @@ import torch
 from rich.progress import Progress
 
 from kvmesh.policies.views import blocks_for
+from kvmesh.services.engine.dtypes import fastest_dtype
 from kvmesh.services.engine.engine import Engine
 from kvmesh.services.engine.factory import EngineConfig, build_engine
 from kvmesh.services.engine.kv_pool import BlockShape
@@ -67,7 +68,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 PLOT = Path("bench-results/layerkv.png")
-MODEL, DTYPE, BLOCK_SIZE, THREADS = "small", "bfloat16", 16, 2
+MODEL, BLOCK_SIZE, THREADS = "small", 16, 2
+DTYPE = fastest_dtype("cpu")   # bfloat16 where the CPU computes it natively
 CONTEXTS = (256, 512, 1024, 1536)
 LONGEST = CONTEXTS[-1]
 DEVICE_HOLDS = 1.5     # the device tier holds this many of the longest requests, every layer
@@ -139,7 +141,7 @@ def run(quick: bool) -> BenchResult:
     # The engine's device -> cxl copies (its start-up profile, the largest size timed) against one
     # contiguous torch copy of the same bytes, and of 64 MB (out of the caches).
     copied = profile[0].copy_blocks[-1] * BlockShape(BLOCK_SIZE, PRESETS[MODEL].num_kv_heads, PRESETS[MODEL].head_dim,
-                                                     torch.bfloat16).bytes
+                                                     getattr(torch, DTYPE)).bytes
     memcpy, memcpy_64mb = _memcpy_gbps(copied), _memcpy_gbps(64 * 2**20)
     engine_copy = float(profile[0].bandwidth_bytes_per_s) / 1e9
     ratios["copy_share_of_memcpy"] = engine_copy / memcpy

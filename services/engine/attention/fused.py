@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..dtypes import bf16_native
 from .paged import _kernel
 
 
@@ -110,5 +111,4 @@ def _packed(weight: Tensor) -> Tensor:
 @functools.cache
 def _onednn_packing() -> bool:
     """oneDNN's bf16 linear needs AVX512 (BW, VL, DQ) or AVX-NE-CONVERT; other CPUs take torch's path."""
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and bf16_native("cpu")
