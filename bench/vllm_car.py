@@ -2,9 +2,10 @@
 own device prefix cache alone, on multi-turn conversations a small device cannot keep.
 
 One vLLM instance (vLLM's CPU build, the `small` preset, float32, one core) with its prefix cache on
-and a KV cache of DEVICE_BLOCKS blocks, fewer than the conversations' histories need together. The
-conversations take turns round-robin, each turn's prompt the whole conversation so far plus a new
-message (bench/car_workloads.py), all of a round's turns sent at once. Setups, in one run:
+and a KV cache of 1.5 times the longest conversation, far less than the conversations' histories
+together. The conversations take turns round-robin, one request at a time, each turn's prompt the
+whole conversation so far plus a new message (bench/car_workloads.py): vLLM's LRU device cache
+lets a history go before its next turn comes. Setups, in one run:
   recompute  vLLM alone: a history its device cache let go is computed again
   kvmesh     the same with KVMeshConnector's cxl tier (CXL_BLOCKS slots, no data plane): every full
              block written through to host memory as it is computed, a history the device let go
@@ -21,6 +22,7 @@ mean TTFT over the ceiling's), reload_share_of_memcpy.
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import tempfile
@@ -33,17 +35,17 @@ from rich.progress import Progress
 
 from kvmesh.services.engine.models import PRESETS, save_preset_checkpoint
 
-from .car_workloads import ANSWER_LEN, conversations
+from .car_workloads import ANSWER_LEN, conversations, final_context
 from .report import BenchResult, Row, save_figure
 from .vllm import memcpy_gbps, read_answers
 from .vllm_instance import BLOCK_SIZE
 from .vllm_process import VllmProcess, vllm_missing
 
 MODEL = "small"
-CONVERSATIONS, TURNS = 8, 4
-QUICK_CONVERSATIONS, QUICK_TURNS = 6, 3
-DEVICE_BLOCKS = 40       # about a third of what the histories take at their last turn
-CXL_BLOCKS = 256
+CONVERSATIONS, TURNS = 12, 4
+QUICK_CONVERSATIONS, QUICK_TURNS = 10, 3
+DEVICE_HOLDS = 1.5       # the device holds this many of the longest conversation, at its last turn
+CXL_BLOCKS = 512
 SETUPS = ("recompute", "kvmesh", "device")
 PLOT = Path("bench-results/vllm_car.png")
 LOGS = Path("bench-results/vllm-logs")
@@ -57,6 +59,7 @@ def run(quick: bool) -> BenchResult:
     n, turns = (QUICK_CONVERSATIONS, QUICK_TURNS) if quick else (CONVERSATIONS, TURNS)
     talks = conversations(n, turns, seed=5)
     block_bytes = _block_bytes()
+    device_blocks = math.ceil(DEVICE_HOLDS * max(final_context(t) for t in talks) / BLOCK_SIZE)
     LOGS.mkdir(parents=True, exist_ok=True)
     core = str(sorted(os.sched_getaffinity(0))[0])
     results: dict[str, dict] = {}
@@ -67,14 +70,13 @@ def run(quick: bool) -> BenchResult:
             progress.update(task, description=f"vllm_car: {setup} (starting vLLM)")
             instance = VllmProcess(
                 model, "kv_both", core, LOGS / f"car-{setup}.log", connector="kvmesh" if setup == "kvmesh" else "none",
-                prefix_caching=True, kv_bytes=(DEVICE_BLOCKS if setup != "device" else 8 * DEVICE_BLOCKS) * block_bytes,
+                prefix_caching=True, kv_bytes=(device_blocks if setup != "device" else n * device_blocks) * block_bytes,
+                max_model_len=(device_blocks - 1) * BLOCK_SIZE,   # less vLLM's null block
                 **({"handoff": False, "cxl_blocks": CXL_BLOCKS, "model": MODEL} if setup == "kvmesh" else {}))
             try:
                 instance.ready()
                 progress.update(task, description=f"vllm_car: {setup}")
-                results[setup] = _converse(instance, talks, lambda: progress.advance(task))
-                if setup == "kvmesh":
-                    results[setup]["tier"] = instance.ask("tier")
+                results[setup] = _converse(instance, talks, lambda: progress.advance(task), tier=setup == "kvmesh")
             finally:
                 instance.stop()
     memcpy = memcpy_gbps()
@@ -88,14 +90,14 @@ def run(quick: bool) -> BenchResult:
               "cached_share_kvmesh": figures["kvmesh"]["cached share"],
               "cached_share_recompute": figures["recompute"]["cached share"]}
     targets = {"ttft_ratio_recompute_vs_kvmesh": 1.3}
-    rows = [Row(compared=f"{n} conversations x {turns} turns, {DEVICE_BLOCKS}-block device", path=setup,
+    rows = [Row(compared=f"{n} conversations x {turns} turns, {device_blocks}-block device", path=setup,
                 cells=figures[setup]) for setup in SETUPS]
     return BenchResult(
         bench="vllm_car", quick=quick, ratios=ratios, targets=targets,
         meets={k: ratios[k] >= v for k, v in targets.items()},
         ceilings={"memcpy_gbps": memcpy, "reload_gbps": reload_gbps,
                   "device_mean_ttft_ms": figures["device"]["mean TTFT ms"]},
-        config={"model": MODEL, "block_size": BLOCK_SIZE, "device_blocks": DEVICE_BLOCKS, "cxl_blocks": CXL_BLOCKS,
+        config={"model": MODEL, "block_size": BLOCK_SIZE, "device_blocks": device_blocks, "cxl_blocks": CXL_BLOCKS,
                 "conversations": n, "turns": turns, "answer_tokens": ANSWER_LEN, "tier": tier,
                 "loaded_mb": loaded_bytes / 1e6},
         rows=rows, plots=[_plot(figures)],
@@ -105,31 +107,33 @@ def run(quick: bool) -> BenchResult:
                   f"({ratios['reload_share_of_memcpy']:.0%} of a memcpy), {tier['saved']} written through"))
 
 
-def _converse(instance: VllmProcess, talks, advance) -> dict:
-    """Round-robin turns: every conversation's next turn sent at once, the round over when all are
-    answered. TTFT and cached prompt tokens of every turn but the first."""
+def _converse(instance: VllmProcess, talks, advance, tier: bool) -> dict:
+    """Round-robin turns, one request at a time. TTFT and cached prompt tokens of every turn but
+    the first; then the cxl tier's counts when `tier` (asked through the same reader: it owns the
+    instance's output)."""
     answers: queue.Queue = queue.Queue()
     threading.Thread(target=read_answers, args=(instance, 0, answers), daemon=True).start()
     history = [[] for _ in talks]
     ttft, cached, prompt = [], [], []
     for turn in range(len(talks[0].messages)):
-        prompts = {}
         for c, talk in enumerate(talks):
-            prompts[f"{c}-{turn}"] = history[c] + talk.messages[turn]
-            instance.send("add", id=f"{c}-{turn}", prompt=prompts[f"{c}-{turn}"], max_tokens=ANSWER_LEN)
-        for _ in talks:
+            request = history[c] + talk.messages[turn]
+            instance.send("add", id=f"{c}-{turn}", prompt=request, max_tokens=ANSWER_LEN)
             try:
                 _, answer = answers.get(timeout=STALL_S)
             except queue.Empty:
-                raise RuntimeError(f"turn {turn}: no answer for {STALL_S:g} s") from None
-            c = int(answer["done"].split("-")[0])
-            history[c] = prompts[answer["done"]] + answer["token_ids"]
+                raise RuntimeError(f"conversation {c}, turn {turn}: no answer for {STALL_S:g} s") from None
+            history[c] = request + answer["token_ids"]
             if turn:
                 ttft.append(answer["token_times"][0] - answer["added"])
                 cached.append(answer["cached_tokens"])
-                prompt.append(len(prompts[answer["done"]]))
+                prompt.append(len(request))
             advance()
-    return {"ttft": ttft, "cached": cached, "prompt": prompt}
+    result = {"ttft": ttft, "cached": cached, "prompt": prompt}
+    if tier:
+        instance.send("tier")
+        result["tier"] = answers.get(timeout=STALL_S)[1]
+    return result
 
 
 def _figures(result: dict) -> dict[str, float]:

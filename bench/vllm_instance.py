@@ -4,7 +4,7 @@ vLLM server whose scheduler and connector they can also look into.
 
     python -m kvmesh.bench.vllm_instance MODEL --role kv_producer --cpu 0 [--connector kvmesh|example|none]
                                                [--data-port N] [--settings JSON]
-                                               [--prefix-caching] [--kv-bytes N]
+                                               [--prefix-caching] [--kv-bytes N] [--max-model-len N]
 
 Between commands the engine steps while it has work, as a server's loop does. Answers are JSON
 lines prefixed with "@@ " on stdout (other output is vLLM's):
@@ -26,10 +26,12 @@ lines prefixed with "@@ " on stdout (other output is vLLM's):
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import os
 import select
+import signal
 import sys
 import time
 
@@ -42,6 +44,7 @@ CONNECTORS = {
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1` prints where a stuck instance is
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
     parser.add_argument("--role", default="kv_both", choices=["kv_producer", "kv_consumer", "kv_both"])
@@ -52,12 +55,15 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--prefix-caching", action="store_true", help="vLLM's own prefix cache on the device")
     parser.add_argument("--kv-bytes", type=int, default=0, help="the KV cache's size (default: 1 GiB)")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="at most what the KV cache holds")
     args = parser.parse_args()
     # One torch thread: vLLM binds its OMP threads to --cpu, but torch's intra-op pool still starts one
     # thread per core, and two instances side by side then fight over both cores (`kvmesh bench vllm`,
     # the P/D pair at 2 req/s: P50 TTFT 3.0 s without this, 0.29 s with it).
-    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
-                      VLLM_CPU_OMP_THREADS_BIND=args.cpu, OMP_NUM_THREADS="1")
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND=args.cpu,
+                      OMP_NUM_THREADS="1")
+    if not args.kv_bytes:   # vLLM's CPU build takes this over kv_cache_memory_bytes
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -68,7 +74,7 @@ def main() -> None:
                                     kv_connector_extra_config={"data_port": args.data_port, "timeout_s": 3.0,
                                                                **json.loads(args.settings)}
                                     if args.connector == "kvmesh" else json.loads(args.settings))
-    llm = LLM(args.model, dtype="float32", block_size=BLOCK_SIZE, enforce_eager=True, max_model_len=2048,
+    llm = LLM(args.model, dtype="float32", block_size=BLOCK_SIZE, enforce_eager=True, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.prefix_caching, kv_transfer_config=transfer,
               kv_cache_memory_bytes=args.kv_bytes or None)
     Driver(llm).serve()

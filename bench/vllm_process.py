@@ -22,13 +22,15 @@ def vllm_missing() -> str | None:
 class VllmProcess:
     """One vLLM instance answering vllm_instance.py's commands; `ready()` waits for it to start."""
 
-    def __init__(self, model: Path, role: str, cpu: str, log: Path, connector: str = "kvmesh",
-                 data_port: int = 0, prefix_caching: bool = False, kv_bytes: int = 0, **settings: object):
+    def __init__(self, checkpoint: Path, role: str, cpu: str, log: Path, connector: str = "kvmesh",
+                 data_port: int = 0, prefix_caching: bool = False, kv_bytes: int = 0, max_model_len: int = 2048,
+                 **settings: object):
         self.role, self.log, self.data_port = role, log, data_port
         self.process = subprocess.Popen(
-            [PYTHON, "-m", "kvmesh.bench.vllm_instance", str(model), "--role", role, "--cpu", cpu,
+            [PYTHON, "-m", "kvmesh.bench.vllm_instance", str(checkpoint), "--role", role, "--cpu", cpu,
              "--connector", connector, "--data-port", str(data_port), "--settings", json.dumps(settings),
-             "--kv-bytes", str(kv_bytes), *(["--prefix-caching"] if prefix_caching else [])],
+             "--kv-bytes", str(kv_bytes), "--max-model-len", str(max_model_len),
+             *(["--prefix-caching"] if prefix_caching else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"), text=True, cwd=ROOT)
 
     def ready(self) -> None:
