@@ -132,7 +132,7 @@ def build_service(config: EngineConfig) -> Service:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     geometry = _geometry(AutoConfig.from_pretrained(model_dir))
-    cxl_blocks = _cxl_blocks(config, geometry)
+    cxl_blocks = cxl_tier_blocks(config, geometry)
     counters = Counters()
     streams: dict[str, asyncio.Queue[Frame]] = {}
     main_loop: asyncio.AbstractEventLoop | None = None
@@ -312,6 +312,11 @@ def _refuse_native_only(config: EngineConfig) -> None:
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(f"backend vllm: {sys.executable} has no vLLM; run the engine with a Python that has it "
                           "(.venv-vllm/bin/python here, from scripts/setup-vllm.sh; kvmesh[vllm] on GPUs)")
+    check_config(config)
+
+
+def check_config(config: EngineConfig) -> None:
+    """A ConfigError for settings an engine on vLLM cannot honour (what only the native engine has)."""
     others = sorted(set(config.policies) - set(HOOKS))
     if others:
         raise ConfigError(f"backend vllm: policies {', '.join(others)} are the native engine's; vLLM's takes "
@@ -350,7 +355,7 @@ def _checkpoint(config: EngineConfig) -> tuple[Path, Path | None]:
     return save_preset_checkpoint(config.model, scratch, seed=config.seed), scratch
 
 
-def _cxl_blocks(config: EngineConfig, geometry: Geometry) -> int:
+def cxl_tier_blocks(config: EngineConfig, geometry: Geometry) -> int:
     """The cxl tier's slots under prefix_cache_cxl: cxl_blocks, else as many blocks of every layer
     as cxl_bytes holds; 0 without it."""
     if not config.prefix_cache_cxl:
