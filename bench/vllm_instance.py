@@ -17,7 +17,8 @@ lines prefixed with "@@ " on stdout (other output is vLLM's):
   {"op": "blocks"} -> {"free": N, "total": N}: vLLM's own block pool
   {"op": "digest", "blocks": [ids]} -> {"digest": hex}: sha256 of those blocks in every layer
   {"op": "pulled", "request": remote request id} -> {"blocks": [local ids], "bytes": N}: its latest pull
-  {"op": "pulls"} -> {"bytes": [...], "reads_seconds": [...], "seconds": [...]}: the latest pulls' reports
+  {"op": "pulls"} -> {"bytes": [...], "reads_seconds": [...], "seconds": [...], "started": [unix s]}: the
+      latest pulls' reports
   {"op": "tier"} -> {"loaded": N, "saved": N, "evicted": N, "slot_bytes": N, "load_seconds": s}: KVMeshConnector's
       cxl tier (blocks loaded back, written through, evicted; the copy thread's time loading)
   {"op": "exit"}
@@ -137,9 +138,9 @@ class Driver:
     def _pulls(self, command: dict) -> dict:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        reports = [report for _, report in get_kv_transfer_group().pulls]
-        return {"bytes": [r.bytes for r in reports], "reads_seconds": [r.reads_seconds for r in reports],
-                "seconds": [r.seconds for r in reports]}
+        pulls = list(get_kv_transfer_group().pulls)
+        return {"bytes": [r.bytes for _, r in pulls], "reads_seconds": [r.reads_seconds for _, r in pulls],
+                "seconds": [r.seconds for _, r in pulls], "started": [load.started for load, _ in pulls]}
 
     def _tier(self, command: dict) -> dict:
         from vllm.distributed.kv_transfer import get_kv_transfer_group

@@ -80,9 +80,9 @@ async def test_openai_clients_through_admission_get_what_one_vllm_instance_says(
     expected = await colocated(engines["vllm-p0"].url, PROMPT, 12)
     assert reply.choices[0].text == expected == "".join(c.choices[0].text for c in streamed if c.choices)
     assert reply.usage.completion_tokens == 12 and chat.usage.completion_tokens == 4
-    # the decode engine computed only what it did not pull: the prompt's whole blocks came from the prefill engine
-    whole_blocks = (reply.usage.prompt_tokens // 32) * 32
-    assert reply.usage.prompt_tokens_details.cached_tokens == whole_blocks > 0
+    # the decode engine pulled the whole prompt's KV (vLLM counts it all as cached; it computes only the
+    # last token again, to sample from)
+    assert reply.usage.prompt_tokens_details.cached_tokens == reply.usage.prompt_tokens > 0
     for engine in engines.values():
         state = await wait_until_idle(engine.url, timeout=10)
         assert state["backend"] == "vllm" and state["free_blocks"] == state["total_blocks"], state
