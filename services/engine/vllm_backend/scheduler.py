@@ -14,9 +14,9 @@ PoolView the native engine does, built from vLLM's requests and block pool:
 
 A request's SLOs and predicted output length ride in `SamplingParams.extra_args["kvmesh_targets"]`
 (the engine service puts them there); first-token times are recorded as vLLM's outputs come back.
-Not here, because vLLM's KV cache manager allocates block by block as a request grows and offers no
-hook to allot ahead or hold a reserve: CacheOpt's allocation (3.3), and with it swap vs recompute;
-the native engine has them (docs/vllm.md).
+Not here yet: CacheOpt's allocation (3.3). vLLM allocates block by block, but allocate_slots takes
+`reserved_blocks`, which a ledger of allotments could drive (docs/vllm.md says how). Not possible:
+swap vs recompute, as vLLM v1 only recomputes. The native engine has both.
 """
 
 from __future__ import annotations
