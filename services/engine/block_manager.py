@@ -574,7 +574,13 @@ def _copy_present(source: KVPool, source_blocks: list[int], target_blocks: list[
 
 
 def _copy_whole(source: KVPool, source_blocks: list[int], target_blocks: list[int], *, target: KVPool) -> None:
-    """Runs of blocks consecutive on both sides go as one slice copy (one memcpy or DMA, no gather);
+    copy_block_rows(source.tensor, source_blocks, target.tensor, target_blocks)
+
+
+def copy_block_rows(source: torch.Tensor, source_blocks: Sequence[int], target: torch.Tensor,
+                    target_blocks: Sequence[int]) -> None:
+    """Copy rows (blocks, the first dimension) of `source` into rows of `target`, on any devices.
+    Runs of blocks consecutive on both sides go as one slice copy (one memcpy or DMA, no gather);
     many runs go as one pass: a gather straight into a consecutive target (a staged layer's load),
     a scatter straight from a consecutive source (its write-back), else a gather then a scatter."""
     src, dst = np.asarray(source_blocks), np.asarray(target_blocks)
@@ -582,18 +588,16 @@ def _copy_whole(source: KVPool, source_blocks: list[int], target_blocks: list[in
     breaks = np.flatnonzero(src_runs | dst_runs) + 1
     if len(breaks) < MAX_RUNS:
         for start, end in zip([0, *breaks], [*breaks, len(src)]):
-            target.tensor[dst[start]:dst[start] + end - start].copy_(
-                source.tensor[src[start]:src[start] + end - start], non_blocking=True)
+            target[dst[start]:dst[start] + end - start].copy_(source[src[start]:src[start] + end - start],
+                                                              non_blocking=True)
         return
-    same_device = source.tensor.device == target.tensor.device
+    same_device = source.device == target.device
     if same_device and not dst_runs.any():
-        torch.index_select(source.tensor, 0, torch.from_numpy(src).to(source.tensor.device),
-                           out=target.tensor[dst[0]:dst[0] + len(dst)])
+        torch.index_select(source, 0, torch.from_numpy(src).to(source.device), out=target[dst[0]:dst[0] + len(dst)])
         return
-    dst_index = torch.from_numpy(dst).to(target.tensor.device)
+    dst_index = torch.from_numpy(dst).to(target.device)
     if same_device and not src_runs.any():
-        target.tensor.index_copy_(0, dst_index, source.tensor[src[0]:src[0] + len(src)])
+        target.index_copy_(0, dst_index, source[src[0]:src[0] + len(src)])
         return
-    src_index = torch.from_numpy(src).to(source.tensor.device)
-    target.tensor.index_copy_(0, dst_index, source.tensor.index_select(0, src_index).to(target.tensor.device,
-                                                                                        non_blocking=True))
+    src_index = torch.from_numpy(src).to(source.device)
+    target.index_copy_(0, dst_index, source.index_select(0, src_index).to(target.device, non_blocking=True))

@@ -1,7 +1,8 @@
 """The cxl tier's bytes on a vLLM engine (worker side of KVMeshConnector): a slot holds one block of
 every layer, in host memory (pinned when the KV cache is on a GPU, so copies are DMA).
 
-Copies run on a thread of their own, in order, each layer's as a separate job, so they overlap the
+Copies run on a thread of their own, in order (blocks consecutive on both sides as one slice copy,
+block_manager.copy_block_rows), each layer's as a separate job, so they overlap the
 model's compute: a step's loads (every layer, in the model's order) are queued when the step starts
 and `wait_for_layer` waits only for the layer about to run; a layer's saves are queued right after
 that layer has computed and `wait_for_saves` waits for them at the end of the step, before vLLM may
@@ -15,6 +16,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+
+from ..block_manager import copy_block_rows
 
 
 class HostTier:
@@ -33,9 +36,8 @@ class HostTier:
 
     def start_loads(self, slots: list[int], blocks: list[int]) -> None:
         """Copy `slots` into the KV cache's `blocks`, every layer, in the model's order."""
-        source, target = self._index(slots, "cpu"), self._index(blocks, self.device)
         for name in self.caches:
-            self._loads[name] = self._copier.submit(self._load, name, source, target)
+            self._loads[name] = self._copier.submit(self._load, name, slots, blocks)
 
     def wait_for_layer(self, name: str) -> None:
         load = self._loads.pop(name, None)
@@ -48,8 +50,7 @@ class HostTier:
         if self._stream is not None:
             computed = torch.cuda.Event()
             computed.record()
-        self._saves.append(self._copier.submit(self._save, name, self._index(blocks, self.device),
-                                               self._index(slots, "cpu"), computed))
+        self._saves.append(self._copier.submit(self._save, name, blocks, slots, computed))
 
     def wait_for_saves(self) -> None:
         """Every copy queued this step is over (loads of layers the step never ran included)."""
@@ -60,18 +61,17 @@ class HostTier:
     def close(self) -> None:
         self._copier.shutdown(wait=True, cancel_futures=True)
 
-    def _load(self, name: str, source: torch.Tensor, target: torch.Tensor) -> None:
+    def _load(self, name: str, slots: list[int], blocks: list[int]) -> None:
         started = time.perf_counter()
         with self._on_side_stream():
-            moved = self.slots[name].index_select(0, source).to(self.device, non_blocking=True)
-            self.caches[name].index_copy_(0, target, moved)
+            copy_block_rows(self.slots[name], slots, self.caches[name], blocks)
         self.load_seconds += time.perf_counter() - started
 
-    def _save(self, name: str, source: torch.Tensor, target: torch.Tensor, computed: torch.cuda.Event | None) -> None:
+    def _save(self, name: str, blocks: list[int], slots: list[int], computed: torch.cuda.Event | None) -> None:
         with self._on_side_stream():
             if computed is not None:
                 self._stream.wait_event(computed)
-            self.slots[name].index_copy_(0, target, self.caches[name].index_select(0, source).to("cpu"))
+            copy_block_rows(self.caches[name], blocks, self.slots[name], slots)
 
     @contextlib.contextmanager
     def _on_side_stream(self):
@@ -81,7 +81,3 @@ class HostTier:
         with torch.cuda.stream(self._stream):
             yield
         self._stream.synchronize()
-
-    @staticmethod
-    def _index(ids: list[int], device: torch.device | str) -> torch.Tensor:
-        return torch.tensor(ids, dtype=torch.long, device=device)
