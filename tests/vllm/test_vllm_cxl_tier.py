@@ -5,6 +5,7 @@ engine holds the prompt's prefix, for the scheduler's routing."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from contextlib import ExitStack
 
@@ -77,3 +78,19 @@ async def test_a_prompt_the_device_let_go_comes_back_from_the_cxl_tier(engine):
     async with KvmetaClient(kvmeta_url, TOKEN) as kvmeta:
         matches = await kvmeta.lookup(node_ids(PROMPT, BLOCK, engine.env["KVMESH_ENGINE_MODEL"]))
     assert [(m.engine, m.blocks, m.device_blocks) for m in matches] == [("vllm-c0", 6, 0)]
+
+
+async def test_a_request_vllm_preempts_gets_its_kv_back_from_the_cxl_tier(engine):
+    """vLLM only recomputes a preempted request; with the tier, what it had computed is loaded back."""
+    engine, _ = engine
+    prompts = [list(range(1200, 1400)), list(range(1400, 1600))]   # each grows to 14 of the device's 24 blocks
+    alone = [await generate(engine.url, p, max_tokens=250) for p in prompts]
+    before = await wait_until_idle(engine.url)
+    together = await asyncio.gather(*(generate(engine.url, p, max_tokens=250) for p in prompts))
+    state = await wait_until_idle(engine.url)
+    assert [a["token_ids"] for a in together] == [a["token_ids"] for a in alone]
+    assert state["preemptions"]["recompute"] > before["preemptions"]["recompute"]
+    # the victim got back from the tier the blocks vLLM's device cache had given up meanwhile (the rest
+    # it found on the device, which vLLM looks in first), rather than computing them again
+    assert state["prefix_cache_hit_blocks"]["cxl"] > before["prefix_cache_hit_blocks"]["cxl"]
+    assert state["free_blocks"] == state["total_blocks"]
