@@ -6,8 +6,10 @@ and every block comes back."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -52,11 +54,17 @@ def vllm_cluster(vllm_model, tmp_path_factory: pytest.TempPathFactory, redis_url
         yield admission, engines
 
 
-def spans(engine: Child, name: str) -> list[dict]:
-    """The engine's spans of that name (its trace file, beside its run directory)."""
+async def spans(engine: Child, name: str, timeout_s: float = 10.0) -> list[dict]:
+    """The engine's spans of that name (its trace file, beside its run directory), waiting for some:
+    spans reach the file in batches, about a second apart (longer on a busy machine)."""
     path = Path(engine.env["KVMESH_TRACE_FILE"])
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [span for span in map(json.loads, lines) if span["name"] == name]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = path.read_text().splitlines() if path.exists() else []
+        found = [span for span in map(json.loads, lines) if span["name"] == name]
+        if found or time.monotonic() > deadline:
+            return found
+        await asyncio.sleep(0.2)
 
 
 async def colocated(engine_url: str, prompt: str, max_tokens: int) -> str:
@@ -92,9 +100,9 @@ async def test_openai_clients_through_admission_get_what_one_vllm_instance_says(
     assert counter(engines["vllm-d0"].url, "kvmesh_engine_generated_tokens_total") == decode["generated_tokens"] >= 12
     assert counter(engines["vllm-p0"].url, "kvmesh_engine_kv_total_blocks") > 0
     # and the phases of each request in its trace, as the native engine records them
-    pulls = spans(engines["vllm-d0"], "kv.transfer")
+    pulls = await spans(engines["vllm-d0"], "kv.transfer")
     assert pulls and all(s["attributes"]["kvmesh.bytes"] > 0 for s in pulls)
-    assert spans(engines["vllm-p0"], "prefill.compute") and spans(engines["vllm-d0"], "decode.compute")
+    assert await spans(engines["vllm-p0"], "prefill.compute") and await spans(engines["vllm-d0"], "decode.compute")
 
 
 def model_name(engines) -> str:
