@@ -1,9 +1,10 @@
 """CaR (issue 9) against recomputing and against a device-only LRU prefix cache, in one run.
 
 The `small` model (8 layers, bfloat16 where the CPU computes it natively, else float32; 2 torch
-threads) serves in-process: real compute, real KV copies between the tiers. Clients are closed-loop: each conversation sends its next turn as soon as
-its last answer is complete, all conversations at once, so the engine always holds them all and
-the device tier sees their whole working set.
+threads) serves in-process: real compute, real KV copies between the tiers. Clients are
+closed-loop: each conversation sends its next turn as soon as its last answer is complete, all
+conversations at once, so the engine always holds them all and the device tier sees their whole
+working set.
 
 Methods (engine settings):
   recompute     prefix_caching off: every prompt computed whole

@@ -1,13 +1,14 @@
 """LayerKV (issue 8) against FCFS with every layer on the device (vLLM), in one run.
 
 The `small` model (8 layers, bfloat16 where the CPU computes it natively, else float32; 2 torch
-threads) serves in-process: real compute, with idle time before an arrival skipped (cacheopt_serving.replay). `small` rather than `tiny`: a half of the
-staging area (by default a quarter of the device tier) runs one layer of each request a step stages,
-so it runs L/4 times the requests the tier holds with every layer: twice for 8 layers, no gain for
-tiny's 4. Every method gets the same device tier, sized so that it holds DEVICE_HOLDS of the longest
-requests with every layer (so the baseline runs one at a time and queues the next for blocks,
-LayerKV 2.2), and a cxl tier that holds them all. LayerKV's staging area is carved out of that
-device tier, so LayerKV has half the room there for KV kept resident.
+threads) serves in-process: real compute, with idle time before an arrival skipped
+(cacheopt_serving.replay). `small` rather than `tiny`: a half of the staging area (by default a
+quarter of the device tier) runs one layer of each request a step stages, so it runs L/4 times the
+requests the tier holds with every layer: twice for 8 layers, no gain for tiny's 4. Every method
+gets the same device tier, sized so that it holds DEVICE_HOLDS of the longest requests with every
+layer (so the baseline runs one at a time and queues the next for blocks, LayerKV 2.2), and a cxl
+tier that holds them all. LayerKV's staging area is carved out of that device tier, so LayerKV has
+half the room there for KV kept resident.
 
 Methods (engine policies):
   fcfs           prefill_admission fcfs, layer_offload none          (vLLM)

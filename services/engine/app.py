@@ -17,7 +17,7 @@ from kvmesh.observability import tracing
 
 from .api import (Aborted, AbortRequest, CacheEntry, CacheQuery, CacheTable, GenerateRequest, PolicyNames,
                   TokenizerSpec)
-from .cache_publisher import CachePublisher, NativeJournal
+from .cache_publisher import CachePublisher, native_journal
 from .engine import EngineLoop, EngineState, Frame
 from .frame_stream import write_frames
 from .data_link import DataLink
@@ -64,9 +64,9 @@ def build_service(config: EngineConfig) -> Service:
             if config.kvmeta_url:
                 kvmeta = await stack.enter_async_context(KvmetaClient(config.kvmeta_url, config.token))
                 handoff.kvmeta = kvmeta
-                journal = NativeJournal(engine.blocks)
                 publisher = await stack.enter_async_context(CachePublisher(
-                    kvmeta, config.engine_id, journal, lambda read: asyncio.wrap_future(loop.call(lambda: (read(), [])))))
+                    kvmeta, config.engine_id, native_journal(engine.blocks),
+                    lambda read: asyncio.wrap_future(loop.call(lambda: (read(), [])))))
                 await stack.enter_async_context(WorkerPresence(kvmeta, _worker_info(config, engine, handoff.link),
                                                                ttl_ms=config.heartbeat_ttl_ms,
                                                                load=lambda: _load(loop.state),

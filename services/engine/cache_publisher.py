@@ -5,14 +5,15 @@ send goes back in the journal); when kvmeta has forgotten the engine (its regist
 Redis lost its data) it publishes every node again.
 
 The cache is read through a `CacheJournal` on the engine's own thread (`on_engine`): the native
-engine's BlockManager (NativeJournal) or the vLLM backend's cxl-tier table."""
+engine's BlockManager or the vLLM backend's cxl-tier table."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 from kvmesh.libs.controlplane import KvmeshError, cancel_and_wait
 from kvmesh.libs.kvmeta.client import KvmetaClient
@@ -23,37 +24,30 @@ from .block_manager import BlockManager
 log = logging.getLogger(__name__)
 
 
-class CacheJournal(Protocol):
-    """An engine's prefix cache as the publisher reads it; called on the engine's thread only."""
+@dataclass(frozen=True)
+class CacheJournal:
+    """An engine's prefix cache as the publisher reads it, on the engine's thread only: the native
+    engine's BlockManager (`native_journal`) or the vLLM backend's cxl-tier table."""
+
+    take: Callable[[], tuple[Iterable[Any], list[str]]]   # nodes cached, moved or rescored, and dropped, since last
+    nodes: Callable[[], Iterable[Any]]                    # every node cached now
+    note: Callable[[list[str]], None]                     # journal these again as they are now (sending failed)
+    entry: Callable[[Any], CacheEntry]                    # kvmeta's row of a node
 
     def changes(self) -> tuple[list[CacheEntry], list[str]]:
-        """Nodes cached, moved or rescored, and nodes dropped, since the last call (the first call
-        starts the journal)."""
+        """The first call starts the journal."""
+        nodes, dropped = self.take()
+        return [self.entry(n) for n in nodes], dropped
 
     def everything(self) -> list[CacheEntry]:
-        """Every node cached now."""
-
-    def note(self, node_ids: list[str]) -> None:
-        """Journal these again as they are now (sending them failed)."""
+        return [self.entry(n) for n in self.nodes()]
 
 
-class NativeJournal:
-    def __init__(self, blocks: BlockManager):
-        self.blocks = blocks
-
-    def changes(self) -> tuple[list[CacheEntry], list[str]]:
-        nodes, dropped = self.blocks.take_cache_changes()
-        return self._entries(nodes), dropped
-
-    def everything(self) -> list[CacheEntry]:
-        return self._entries(self.blocks.cached.values())
-
-    def note(self, node_ids: list[str]) -> None:
-        self.blocks.note_cache_changes(node_ids)
-
-    def _entries(self, nodes) -> list[CacheEntry]:
-        return [CacheEntry(node_id=n.node_id, tier=n.tier, size=self.blocks.node_bytes(n), score=float(n.score))
-                for n in nodes]
+def native_journal(blocks: BlockManager) -> CacheJournal:
+    return CacheJournal(take=blocks.take_cache_changes, nodes=lambda: blocks.cached.values(),
+                        note=blocks.note_cache_changes,
+                        entry=lambda n: CacheEntry(node_id=n.node_id, tier=n.tier, size=blocks.node_bytes(n),
+                                                   score=float(n.score)))
 
 
 class CachePublisher:

@@ -3,22 +3,22 @@
 Load it with
     KVTransferConfig(kv_connector="KVMeshConnector",
                      kv_connector_module_path="kvmesh.services.engine.vllm_backend.connector",
-                     kv_role="kv_producer" | "kv_consumer",
+                     kv_role="kv_producer" | "kv_consumer" | "kv_both",
                      kv_connector_extra_config={"data_port": 7600, ...})   # see Settings
 
-Prefill instance (producer). A request sent with kv_transfer_params {"do_remote_decode": true}
-keeps its blocks when it finishes (request_finished delays the free) and returns in its output
-the kv_transfer_params a decode instance needs: remote_engine_id, remote_request_id,
-remote_address (this instance's data plane), remote_block_ids and num_tokens. Its worker serves every layer's KV cache tensor to
-whoever CONNECTs; a COMPLETE for a held request releases it, and so does its lease running out;
-either way get_finished reports it and vLLM frees the blocks.
+Prefill instance (producer). A request sent with kv_transfer_params {"do_remote_decode": true} keeps
+its blocks when it finishes (request_finished delays the free) and returns in its output the
+kv_transfer_params a decode instance needs: remote_engine_id, remote_request_id, remote_address
+(this instance's data plane), remote_block_ids and num_tokens. Its worker serves every layer's KV
+cache tensor to whoever CONNECTs; a COMPLETE for a held request releases it, and so does its lease
+running out; either way get_finished reports it and vLLM frees the blocks.
 
-Decode instance (consumer). A request carrying those params reports its whole prompt as loaded
-from outside, asynchronously (vLLM computes the last token again, whose logits it samples from).
-Once vLLM has given them local blocks, the worker starts pulling the remote blocks into them with one-sided reads (coalesced per layer) and a
-COMPLETE, while the steps of other requests go on; get_finished reports the request when its pull
-is done, and vLLM schedules it. A failed pull reports its blocks as not loaded, and vLLM
-recomputes them (kv_load_failure_policy="recompute").
+Decode instance (consumer). A request carrying those params reports its whole prompt as loaded from
+outside, asynchronously (vLLM computes the last token again, whose logits it samples from). Once
+vLLM has given them local blocks, the worker starts pulling the remote blocks into them with
+one-sided reads (coalesced per layer) and a COMPLETE, while the steps of other requests go on;
+get_finished reports the request when its pull is done, and vLLM schedules it. A failed pull reports
+its blocks as not loaded, and vLLM recomputes them (kv_load_failure_policy="recompute").
 
 The cxl tier (CaR, `cxl_blocks` > 0; on any role, and on a colocated engine with `handoff` off):
 every full block a request computes is also written to a host-memory tier, layer by layer right
@@ -235,10 +235,11 @@ class KVMeshConnector(KVConnectorBase_V1):
         self._tier_loads[1].extend(blocks.get_block_ids()[0][first:first + count])
 
     def _tier_saves_of(self, scheduler_output: SchedulerOutput) -> tuple[list[int], list[int]]:
-        """(blocks, slots): every full block this step completes that the tier does not hold yet;
-        blocks it holds already are scored for the request."""
-        saves: tuple[list[int], list[int]] = ([], [])
+        """(blocks, slots): every full block this step completes that the tier does not hold yet, the
+        slots taken in one go; blocks it holds already are scored for the request."""
         now = time.monotonic()
+        new: dict[str, int] = {}                          # node -> the block that computes it
+        owners: dict[str, list[TierRequest]] = {}         # requests computing a new node this step
         for request_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             tracked = self._tier_requests.get(request_id)
             if tracked is None:
@@ -254,17 +255,23 @@ class KVMeshConnector(KVConnectorBase_V1):
                 if node_id in tracked.used:
                     continue
                 tracked.used.add(node_id)
-                if self.table.use(node_id, now):
-                    continue
-                slot = self.table.take_for_save(node_id, now)
-                if slot is None:   # every slot pinned this step: not kept
-                    tracked.used.discard(node_id)
-                    continue
-                self._pinned.append(node_id)
-                saves[0].append(block_ids[index])
-                saves[1].append(slot)
+                if node_id in owners:   # another request computes it this step too
+                    owners[node_id].append(tracked)
+                elif not self.table.use(node_id, now):
+                    new[node_id] = block_ids[index]
+                    owners[node_id] = [tracked]
             tracked.walked = full
-        return saves
+        wanted = list(new)
+        slots = self.table.take_for_saves(wanted, now)
+        kept = wanted[:len(slots)]
+        for node_id in wanted[len(slots):]:   # every slot pinned this step: not kept
+            for tracked in owners[node_id]:
+                tracked.used.discard(node_id)
+        for node_id in kept:
+            for _ in owners[node_id][1:]:   # the other requests that computed it: scored as its users
+                self.table.use(node_id, now)
+        self._pinned += kept
+        return [new[node_id] for node_id in kept], slots
 
     def _node_ids(self, tracked: TierRequest, blocks: int | None = None) -> list[str]:
         """The request's NodeIDs, extended to `blocks` full blocks (all it has when None)."""

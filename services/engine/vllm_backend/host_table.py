@@ -76,19 +76,24 @@ class HostTable:
         self.loaded += len(slots)
         return slots
 
-    def take_for_save(self, node_id: str, now: float) -> int | None:
-        """A slot for a node a request has just computed, pinned and scored for it; None when every
-        slot is pinned (the node is simply not kept)."""
-        if not self._free:
-            victims = self.replacement([_view(n) for n in self.nodes.values() if not n.pins], 1)
-            if not victims:
-                return None
-            self._evict(victims[0])
-        node = self.nodes[node_id] = HostNode(node_id, self._free.pop(), now, score=RUN_SCORE + WINDOW_SCORE, pins=1)
-        self._changed.add(node_id)
-        self._dropped.discard(node_id)
-        self.saved += 1
-        return node.slot
+    def take_for_saves(self, node_ids: Sequence[str], now: float) -> list[int]:
+        """Slots for nodes requests have just computed (none of them held yet), each pinned and scored
+        for its request. When free slots run short, the idle nodes CaR's replacement ranks lowest give
+        theirs up, all chosen at once; nodes past what can be freed are not kept: the slots returned
+        are those of the first len(result) nodes."""
+        short = len(node_ids) - len(self._free)
+        if short > 0:
+            for victim in self.replacement([_view(n) for n in self.nodes.values() if not n.pins], short):
+                self._evict(victim)
+        slots = []
+        for node_id in node_ids[:len(self._free)]:
+            node = self.nodes[node_id] = HostNode(node_id, self._free.pop(), now, score=RUN_SCORE + WINDOW_SCORE,
+                                                  pins=1)
+            self._changed.add(node_id)
+            self._dropped.discard(node_id)
+            slots.append(node.slot)
+        self.saved += len(slots)
+        return slots
 
     def use(self, node_id: str, now: float) -> bool:
         """A running request uses a node the tier already holds (it found it on the device): scored

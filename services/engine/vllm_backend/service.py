@@ -39,12 +39,13 @@ from kvmesh.libs.kvmeta.messages import BlockGeometry, CacheEntry, Capacity, Gpu
 from kvmesh.policies.scheduling import PrefillCost
 
 from ..api import Aborted, AbortRequest, GenerateRequest, PolicyNames, TokenizerSpec
-from ..cache_publisher import CachePublisher
+from ..cache_publisher import CacheJournal, CachePublisher
 from ..data_link import data_link
 from ..engine import Frame, Timings, TransferTotals, Usage
 from ..factory import EngineConfig
 from ..frame_stream import write_frames
 from ..handoff import KVHandle, TransferStats
+from ..kv_pool import BlockShape
 from ..metrics import EngineCollector
 from ..models import PRESETS, save_preset_checkpoint
 from ..phases import trace_phases
@@ -209,7 +210,7 @@ def build_service(config: EngineConfig) -> Service:
                 if table is not None:   # the cxl tier's nodes, for the scheduler's prefix-aware routing
                     on_engine = lambda read: asyncio.wrap_future(engine.call(lambda e: read()))  # noqa: E731
                     publisher = await stack.enter_async_context(CachePublisher(
-                        kvmeta, config.engine_id, TierJournal(table, _worker_connector().tier.slot_bytes), on_engine))
+                        kvmeta, config.engine_id, _tier_journal(table, _worker_connector().tier.slot_bytes), on_engine))
                     republish = publisher.republish
                 await stack.enter_async_context(WorkerPresence(kvmeta, info, ttl_ms=config.heartbeat_ttl_ms,
                                                                load=lambda: _load(counters.state),
@@ -288,24 +289,10 @@ def build_service(config: EngineConfig) -> Service:
     return service
 
 
-class TierJournal:
-    """The cxl tier's table as the cache publisher reads it (CachePublisher's CacheJournal)."""
-
-    def __init__(self, table: HostTable, slot_bytes: int):
-        self.table, self.slot_bytes = table, slot_bytes
-
-    def changes(self) -> tuple[list[CacheEntry], list[str]]:
-        nodes, dropped = self.table.take_changes()
-        return self._entries(nodes), dropped
-
-    def everything(self) -> list[CacheEntry]:
-        return self._entries(self.table.nodes.values())
-
-    def note(self, node_ids: list[str]) -> None:
-        self.table.note_changes(node_ids)
-
-    def _entries(self, nodes) -> list[CacheEntry]:
-        return [CacheEntry(node_id=n.node_id, tier="cxl", size=self.slot_bytes, score=float(n.score)) for n in nodes]
+def _tier_journal(table: HostTable, slot_bytes: int) -> CacheJournal:
+    """The cxl tier's table as the cache publisher reads it."""
+    return CacheJournal(take=table.take_changes, nodes=lambda: table.nodes.values(), note=table.note_changes,
+                        entry=lambda n: CacheEntry(node_id=n.node_id, tier="cxl", size=slot_bytes, score=float(n.score)))
 
 
 def _refuse_native_only(config: EngineConfig) -> None:
@@ -360,8 +347,8 @@ def cxl_tier_blocks(config: EngineConfig, geometry: Geometry) -> int:
     as cxl_bytes holds; 0 without it."""
     if not config.prefix_cache_cxl:
         return 0
-    block_bytes = (2 * config.block_size * geometry.num_kv_heads * geometry.head_dim * geometry.num_layers
-                   * getattr(torch, config.dtype).itemsize)
+    block_bytes = BlockShape(config.block_size, geometry.num_kv_heads, geometry.head_dim,
+                             getattr(torch, config.dtype)).bytes * geometry.num_layers
     blocks = config.cxl_blocks or config.cxl_bytes // block_bytes
     if blocks <= 0:
         raise ConfigError(f"prefix_cache_cxl: cxl_bytes {config.cxl_bytes} holds no block of every layer "
