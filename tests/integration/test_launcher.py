@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -15,7 +16,7 @@ import msgspec
 import openai
 import pytest
 
-from kvmesh.infra.local.processes import free_port, http_ok
+from kvmesh.infra.local.processes import free_port, http_ok, tail
 from kvmesh.infra.local.state import pid_alive
 from kvmesh.infra.local.status import Status
 from kvmesh.libs.controlplane import ServiceClient
@@ -54,10 +55,12 @@ def launch(run_dir: Path, *args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def stop(launcher: subprocess.Popen) -> None:
+def stop(launcher: subprocess.Popen) -> str:
+    """Stop the launcher (SIGTERM: it stops its children) and return what it printed."""
     if launcher.poll() is None:
         launcher.send_signal(signal.SIGTERM)
-        launcher.wait(30)
+    output, _ = launcher.communicate(timeout=30)
+    return output or ""
 
 
 def ready(run_dir: Path, names: list[str]) -> Status | None:
@@ -67,51 +70,46 @@ def ready(run_dir: Path, names: list[str]) -> Status | None:
     return None
 
 
-COLOCATED = ["redis", "kvmeta", "predictor", "scheduler", "engine-c0", "admission"]
-
-
-def colocated_cluster(run_dir: Path):
-    launcher = launch(run_dir, "--colocated")
+@contextlib.contextmanager
+def running_cluster(run_dir: Path, names: list[str], *args: str, timeout: float = 120):
+    """`kvmesh up ARGS` until the block ends; one that is not up with NAMES in time fails the test with
+    what the launcher printed and the end of each child's log."""
+    launcher = launch(run_dir, *args)
     try:
-        wait_for(lambda: ready(run_dir, COLOCATED), timeout=90)
+        try:
+            wait_for(lambda: ready(run_dir, names), timeout=timeout)
+        except AssertionError:
+            output = stop(launcher)
+            logs = "".join(f"\n--- {log.name}:\n{tail(log)}" for log in sorted((run_dir / "logs").glob("*.log")))
+            raise AssertionError(f"kvmesh up {' '.join(args)} was not up with {names} within {timeout:.0f}s; "
+                                 f"it printed:\n{output}{logs}") from None
         yield launcher, run_dir
     finally:
         stop(launcher)
 
 
-@pytest.fixture(scope="module")
+COLOCATED = ["redis", "kvmeta", "predictor", "scheduler", "engine-c0", "admission"]
+
+
+@pytest.fixture(scope="class")
 def colocated(tmp_path_factory: pytest.TempPathFactory):
     """The smallest whole cluster (one colocated engine), shared by the tests that leave it running."""
-    yield from colocated_cluster(tmp_path_factory.mktemp("colocated") / "run")
+    with running_cluster(tmp_path_factory.mktemp("colocated") / "run", COLOCATED, "--colocated") as cluster:
+        yield cluster
 
 
 @pytest.fixture
 def cluster(tmp_path: Path):
     """A colocated cluster of the test's own, for the tests that stop it."""
-    yield from colocated_cluster(tmp_path / "run")
+    with running_cluster(tmp_path / "run", COLOCATED, "--colocated") as cluster:
+        yield cluster
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def disaggregated(tmp_path_factory: pytest.TempPathFactory):
     """The default cluster: one prefill and one decode engine."""
-    run_dir = tmp_path_factory.mktemp("up") / "run"
-    launcher = launch(run_dir)
-    try:
-        wait_for(lambda: ready(run_dir, SERVICES), timeout=120)
-        yield launcher, run_dir
-    finally:
-        stop(launcher)
-
-
-def test_up_starts_the_1p1d_cluster_and_status_reports_it(disaggregated):
-    launcher, run_dir = disaggregated
-    current = status(run_dir)
-    assert [c.name for c in current.children] == SERVICES
-    assert all(http_ok(c.url + "/ready") for c in current.children[1:])
-    for secret in ("token", "api_key"):  # generated, private
-        assert (run_dir / secret).stat().st_mode & 0o077 == 0
-    assert (run_dir / "api_key").read_text().startswith("sk-kvmesh-")
-    assert kvmesh("status", "--run-dir", str(run_dir)).returncode == 0
+    with running_cluster(tmp_path_factory.mktemp("up") / "run", SERVICES) as cluster:
+        yield cluster
 
 
 async def registered(run_dir: Path) -> list[tuple[str, str, bool]]:
@@ -121,78 +119,95 @@ async def registered(run_dir: Path) -> list[tuple[str, str, bool]]:
         return sorted((w.info.id, w.info.role, bool(w.info.data_address)) for w in await client.workers())
 
 
-async def test_the_engines_register_with_their_roles_and_data_addresses(disaggregated):
-    _, run_dir = disaggregated
-    assert await registered(run_dir) == [("engine-d0", "decode", True), ("engine-p0", "prefill", True)]
+class TestTheDefaultCluster:
+    """One 1P1D cluster shared by its tests (class-scoped: it stops before the next cluster starts)."""
+
+    def test_up_starts_the_1p1d_cluster_and_status_reports_it(self, disaggregated):
+        launcher, run_dir = disaggregated
+        current = status(run_dir)
+        assert [c.name for c in current.children] == SERVICES
+        assert all(http_ok(c.url + "/ready") for c in current.children[1:])
+        for secret in ("token", "api_key"):  # generated, private
+            assert (run_dir / secret).stat().st_mode & 0o077 == 0
+        assert (run_dir / "api_key").read_text().startswith("sk-kvmesh-")
+        assert kvmesh("status", "--run-dir", str(run_dir)).returncode == 0
 
 
-async def test_scale_adds_and_removes_an_engine_while_the_cluster_runs(disaggregated):
-    _, run_dir = disaggregated
-    assert kvmesh("scale", "--run-dir", str(run_dir), "--prefill", "2").returncode == 0
-    wait_for(lambda: ready(run_dir, SERVICES[:5] + ["engine-d0", "admission", "engine-p1"]), timeout=90)
-    assert ("engine-p1", "prefill", True) in await registered(run_dir)
-    assert kvmesh("scale", "--run-dir", str(run_dir), "--prefill", "1").returncode == 0
-    wait_for(lambda: ready(run_dir, SERVICES), timeout=60)
-    deadline = time.monotonic() + 10
-    while ("engine-p1", "prefill", True) in await registered(run_dir):  # it deregisters as it stops
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.1)
-    refused = kvmesh("scale", "--run-dir", str(run_dir), "--prefill", "0")
-    assert refused.returncode == 2 and "both, or neither" in refused.stdout
+    async def test_the_engines_register_with_their_roles_and_data_addresses(self, disaggregated):
+        _, run_dir = disaggregated
+        assert await registered(run_dir) == [("engine-d0", "decode", True), ("engine-p0", "prefill", True)]
 
 
-async def test_the_colocated_engine_serves(colocated):
-    launcher, run_dir = colocated
-    token = (run_dir / "token").read_text().strip()
-    engine = next(c for c in status(run_dir).children if c.name == "engine-c0")
-    async with ServiceClient(engine.url, token=token) as client:
-        frames = [f async for f in client.frames("/v1/generate", {"prompt": "hello", "max_tokens": 4,
-                                                                  "ignore_eos": True}, Frame)]
-    assert frames[-1].finish_reason == "length" and frames[-1].usage.completion_tokens == 4
+    async def test_scale_adds_and_removes_an_engine_while_the_cluster_runs(self, disaggregated):
+        _, run_dir = disaggregated
+        assert kvmesh("scale", "--run-dir", str(run_dir), "--prefill", "2").returncode == 0
+        wait_for(lambda: ready(run_dir, SERVICES[:5] + ["engine-d0", "admission", "engine-p1"]), timeout=90)
+        assert ("engine-p1", "prefill", True) in await registered(run_dir)
+        assert kvmesh("scale", "--run-dir", str(run_dir), "--prefill", "1").returncode == 0
+        wait_for(lambda: ready(run_dir, SERVICES), timeout=60)
+        deadline = time.monotonic() + 10
+        while ("engine-p1", "prefill", True) in await registered(run_dir):  # it deregisters as it stops
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        refused = kvmesh("scale", "--run-dir", str(run_dir), "--prefill", "0")
+        assert refused.returncode == 2 and "both, or neither" in refused.stdout
 
 
-def test_a_crashed_service_is_restarted(colocated):
-    launcher, run_dir = colocated
-    old = next(c for c in status(run_dir).children if c.name == "kvmeta")
-    os.kill(old.pid, signal.SIGKILL)
-    new = wait_for(lambda: next((c for c in status(run_dir).children if c.name == "kvmeta" and c.pid != old.pid
-                                 and c.ready), None))
-    assert new.restarts == 1 and http_ok(new.url + "/ready")
+class TestTheColocatedCluster:
+    """One colocated cluster shared by the tests that leave it running."""
+
+    async def test_the_colocated_engine_serves(self, colocated):
+        launcher, run_dir = colocated
+        token = (run_dir / "token").read_text().strip()
+        engine = next(c for c in status(run_dir).children if c.name == "engine-c0")
+        async with ServiceClient(engine.url, token=token) as client:
+            frames = [f async for f in client.frames("/v1/generate", {"prompt": "hello", "max_tokens": 4,
+                                                                      "ignore_eos": True}, Frame)]
+        assert frames[-1].finish_reason == "length" and frames[-1].usage.completion_tokens == 4
 
 
-async def test_swap_replaces_policies_and_a_restarted_service_keeps_them(colocated, tmp_path: Path):
-    """`kvmesh swap`: admission's predictor becomes a third-party service, the engines' preemption order
-    another; each survives a crash and restart of the service it changed; bad swaps change nothing."""
-    launcher, run_dir = colocated
-    token = (run_dir / "token").read_text().strip()
-    children = {c.name: c for c in status(run_dir).children}
-    replacement = ratio_predictor(tmp_path, token)
-    replacement.wait_ready()
-    swap = lambda *args: kvmesh("swap", *args, "--run-dir", str(run_dir))  # noqa: E731
-    try:
-        done = swap("predictor", replacement.url)
-        assert done.returncode == 0 and f"admission now calls predictor at {replacement.url}" in done.stdout
-        assert swap("engines", "preemption_order=srtf").returncode == 0
-        refused = [swap("scheduler", "off"), swap("engines", "preemption_order"), swap("engines", "nonsense=x"),
-                   swap("predictor", "http://127.0.0.1:9")]
-        assert [r.returncode for r in refused] == [2, 2, 2, 2] and "is not a ready service" in refused[-1].stdout
+    def test_a_crashed_service_is_restarted(self, colocated):
+        launcher, run_dir = colocated
+        old = next(c for c in status(run_dir).children if c.name == "kvmeta")
+        os.kill(old.pid, signal.SIGKILL)
+        new = wait_for(lambda: next((c for c in status(run_dir).children if c.name == "kvmeta" and c.pid != old.pid
+                                     and c.ready), None))
+        assert new.restarts == 1 and http_ok(new.url + "/ready")
 
-        for name in ("admission", "engine-c0"):
-            os.kill(children[name].pid, signal.SIGKILL)
-        wait_for(lambda: all(c.ready and c.pid != children[c.name].pid for c in status(run_dir).children
-                             if c.name in ("admission", "engine-c0")), timeout=90)
-        async with ServiceClient(children["admission"].url, token=token) as admission:
-            assert (await admission.call("GET", "/v1/upstreams", into=dict))["predictor_url"] == replacement.url
-        async with ServiceClient(children["engine-c0"].url, token=token) as engine:
-            assert (await engine.call("GET", "/v1/state", into=dict))["policies"]["preemption_order"] == "srtf"
-        key = (run_dir / "api_key").read_text().strip()
-        async with openai.AsyncOpenAI(base_url=children["admission"].url + "/v1", api_key=key, max_retries=0) as client:
-            await client.completions.create(model="tiny", prompt="who predicts me", max_tokens=2)
-        assert counter(replacement.url, "ratio_predictor_predictions_total") == 1
-    finally:
-        assert swap("predictor", "builtin").returncode == 0
-        assert swap("engines", "preemption_order=latest_arrival_first").returncode == 0
-        replacement.stop()
+
+    async def test_swap_replaces_policies_and_a_restarted_service_keeps_them(self, colocated, tmp_path: Path):
+        """`kvmesh swap`: admission's predictor becomes a third-party service, the engines' preemption order
+        another; each survives a crash and restart of the service it changed; bad swaps change nothing."""
+        launcher, run_dir = colocated
+        token = (run_dir / "token").read_text().strip()
+        children = {c.name: c for c in status(run_dir).children}
+        replacement = ratio_predictor(tmp_path, token)
+        replacement.wait_ready()
+        swap = lambda *args: kvmesh("swap", *args, "--run-dir", str(run_dir))  # noqa: E731
+        try:
+            done = swap("predictor", replacement.url)
+            assert done.returncode == 0 and f"admission now calls predictor at {replacement.url}" in done.stdout
+            assert swap("engines", "preemption_order=srtf").returncode == 0
+            refused = [swap("scheduler", "off"), swap("engines", "preemption_order"), swap("engines", "nonsense=x"),
+                       swap("predictor", "http://127.0.0.1:9")]
+            assert [r.returncode for r in refused] == [2, 2, 2, 2] and "is not a ready service" in refused[-1].stdout
+
+            for name in ("admission", "engine-c0"):
+                os.kill(children[name].pid, signal.SIGKILL)
+            wait_for(lambda: all(c.ready and c.pid != children[c.name].pid for c in status(run_dir).children
+                                 if c.name in ("admission", "engine-c0")), timeout=90)
+            async with ServiceClient(children["admission"].url, token=token) as admission:
+                assert (await admission.call("GET", "/v1/upstreams", into=dict))["predictor_url"] == replacement.url
+            async with ServiceClient(children["engine-c0"].url, token=token) as engine:
+                assert (await engine.call("GET", "/v1/state", into=dict))["policies"]["preemption_order"] == "srtf"
+            key = (run_dir / "api_key").read_text().strip()
+            async with openai.AsyncOpenAI(base_url=children["admission"].url + "/v1", api_key=key, max_retries=0) as client:
+                await client.completions.create(model="tiny", prompt="who predicts me", max_tokens=2)
+            assert counter(replacement.url, "ratio_predictor_predictions_total") == 1
+        finally:
+            assert swap("predictor", "builtin").returncode == 0
+            assert swap("engines", "preemption_order=latest_arrival_first").returncode == 0
+            replacement.stop()
 
 
 def test_sigterm_stops_everything_cleanly(cluster):

@@ -7,14 +7,12 @@ from pathlib import Path
 import openai
 
 from ..integration.admission_fixtures import wait_until_idle
-from ..integration.test_launcher import SERVICES, launch, ready, status, stop, wait_for
+from ..integration.test_launcher import SERVICES, running_cluster, status
 
 
 async def test_up_runs_the_1p1d_cluster_on_vllm_and_serves_openai_clients(vllm_model: Path, tmp_path: Path):
-    run_dir = tmp_path / "run"
-    launcher = launch(run_dir, "--backend", "vllm", "--model", str(vllm_model))
-    try:
-        wait_for(lambda: ready(run_dir, SERVICES), timeout=240)
+    with running_cluster(tmp_path / "run", SERVICES, "--backend", "vllm", "--model", str(vllm_model),
+                         timeout=240) as (launcher, run_dir):
         children = {c.name: c for c in status(run_dir).children}
         key = (run_dir / "api_key").read_text().strip()
         async with openai.AsyncOpenAI(base_url=children["admission"].url + "/v1", api_key=key,
@@ -26,6 +24,4 @@ async def test_up_runs_the_1p1d_cluster_on_vllm_and_serves_openai_clients(vllm_m
         for name in ("engine-p0", "engine-d0"):
             state = await wait_until_idle(children[name].url, timeout=10, token=token)
             assert state["backend"] == "vllm" and state["free_blocks"] == state["total_blocks"]
-    finally:
-        stop(launcher)
     assert launcher.returncode == 0
