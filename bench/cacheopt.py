@@ -1,12 +1,12 @@
 """CacheOpt (issue 7) against vLLM's block allocation, RLP and S^3, and its own ablations, in one run.
 
 For each trace of `cacheopt_traces` (CacheOpt Table 1, scaled): the embedding length predictor is
-trained on 1,000 requests of the trace (600 with --quick) and predicts the served ones; the block
+trained on 1,000 requests of the trace (400 with --quick) and predicts the served ones; the block
 baseline is run with every request at once to measure the engine's capacity, and every method then
-serves the same requests at a sweep of Poisson rates (fractions of that capacity). The methods that
-do not read SLOs (block, RLP, S^3) run first: their mean TTFT and TBT over the sweep set the SLOs as
-CacheOpt section 5 does, mean x a scale drawn from [0.5, 2.5] per request, the TTFT SLO times the
-prompt's number of chunks.
+serves the same requests at a sweep of Poisson rates (fractions of that capacity; --quick: 80
+requests, the lowest and highest fraction). The methods that do not read SLOs (block, RLP, S^3) run
+first: their mean TTFT and TBT over the sweep set the SLOs as CacheOpt section 5 does, mean x a
+scale drawn from [0.5, 2.5] per request, the TTFT SLO times the prompt's number of chunks.
 
 Methods (engine policies; what the request's estimated length is):
   block      block_at_a_time, fcfs, recompute                  (vLLM; no estimate read)
@@ -15,9 +15,9 @@ Methods (engine policies; what the request's estimated length is):
   cacheopt   cacheopt, cacheopt order, sweet_spot (1 reserved) Eq. 3-4 padding in the predicted direction
   /CKA /RSA /PA /GR /PP /PSS: cacheopt without one part (section 5.2): 10% padding; FCFS selection
   with RLP allocation; m = 0; no reservation; FCFS preemption order; recompute always.
-The baselines hold no global reservation. Every method runs the `tiny` model in bfloat16 with a KV
-pool that holds about `POOL_REQUESTS` mean requests and at least two of the longest, so KV is what
-they compete for.
+The baselines hold no global reservation. Every method runs the `tiny` model (bfloat16 where the CPU
+computes it natively, else float32) with a KV pool that holds about `POOL_REQUESTS` mean requests
+and at least two of the longest, so KV is what they compete for.
 
 Keys (at the highest rate the block baseline sustains: normalised latency at most twice its own at
 the lowest rate; geometric mean over the traces): p99_tbt_ratio_block_vs_cacheopt,
@@ -41,6 +41,7 @@ from kvmesh.policies.length import LengthQuery
 from kvmesh.policies.length.embedding import EmbeddingPredictor, FitSettings, fit
 from kvmesh.policies.length.padding import Direction, adaptive_confidence, padded_length
 from kvmesh.policies.length.predictors import RLP_PADDING, S3_BUCKET, RLPPredictor, S3Predictor
+from kvmesh.services.engine.dtypes import fastest_dtype
 from kvmesh.services.engine.factory import EngineConfig, build_engine
 from kvmesh.services.engine.request import Targets
 from kvmesh.services.predictor.encoder import encoder
@@ -104,7 +105,8 @@ def run(quick: bool) -> BenchResult:
     torch.set_num_threads(2)
     traces = ["sharegpt"] if quick else list(TRACES)
     methods = MAIN if quick else MAIN + ABLATIONS
-    n, n_train = (100, 600) if quick else (150, 1000)
+    n, n_train = (80, 400) if quick else (150, 1000)
+    fractions = RATE_FRACTIONS[::2] if quick else RATE_FRACTIONS
     rows: list[Row] = []
     per_trace: dict[str, dict] = {}
     errors: dict[str, list[float]] = {}  # by estimate rule: |estimated - actual| of every request
@@ -115,9 +117,9 @@ def run(quick: bool) -> BenchResult:
             task = progress.add_task(f"{name}: predictor", total=None)
             requests = trace.requests(n, seed=1)
             predicted = _predictions(trace, requests, n_train, embed)
-            progress.update(task, description=f"{name}: capacity", total=len(methods) * len(RATE_FRACTIONS) * n + n)
+            progress.update(task, description=f"{name}: capacity", total=len(methods) * len(fractions) * n + n)
             capacity = _capacity(trace, requests, progress, task)
-            rates = [capacity * f for f in RATE_FRACTIONS]
+            rates = [capacity * f for f in fractions]
             slos = _Slos(trace, requests)
             runs: dict[tuple[str, float], RunStats] = {}
             # The SLO-unaware methods first: their mean TTFT and TBT set everyone's SLOs (section 5).
@@ -152,8 +154,8 @@ def run(quick: bool) -> BenchResult:
         bench="cacheopt", quick=quick, ratios=ratios, targets=targets,
         meets={k: ratios[k] >= v for k, v in targets.items()},
         ceilings={"oracle_estimate_mae_tokens": 0.0},
-        config={"traces": traces, "requests_per_run": n, "train_requests": n_train, "scale": SCALE,
-                "rate_fractions_of_capacity": list(RATE_FRACTIONS), "pool_requests": POOL_REQUESTS,
+        config={"traces": traces, "requests_per_run": n, "train_requests": n_train, "scale": SCALE, "dtype": fastest_dtype("cpu"),
+                "rate_fractions_of_capacity": list(fractions), "pool_requests": POOL_REQUESTS,
                 "per_trace": {k: {kk: vv for kk, vv in v.items() if kk != "metrics"} for k, v in per_trace.items()},
                 "methods": {m.name: {"policies": m.policies, "estimate": m.estimate, **m.overrides} for m in methods}},
         rows=rows, plots=plots,
@@ -223,7 +225,7 @@ def _engine(trace: Trace, method: Method):
     mean_total = trace.prompt.mean + trace.output.mean
     longest = trace.prompt.high + trace.output.high
     blocks = max(math.ceil(POOL_REQUESTS * mean_total / BLOCK_SIZE), math.ceil(LONGEST_IN_POOL * longest / BLOCK_SIZE))
-    return build_engine(EngineConfig(model="tiny", dtype="bfloat16", block_size=BLOCK_SIZE, device_blocks=blocks * 4,
+    return build_engine(EngineConfig(model="tiny", dtype=fastest_dtype("cpu"), block_size=BLOCK_SIZE, device_blocks=blocks * 4,
                                      cxl_blocks=blocks * 8, prefix_caching=False, policies=method.policies,
                                      swap_profile_repeats=1, **method.overrides))
 

@@ -40,8 +40,15 @@ class Encoder:
 
     @torch.no_grad()
     def __call__(self, texts: list[str]) -> torch.Tensor:
-        chunks = [self._encode(texts[i:i + BATCH]) for i in range(0, len(texts), BATCH)]
-        return torch.cat(chunks) if chunks else torch.empty(0, DIM, device=self.device)
+        # Batches of texts of like length (as sentence-transformers does): a batch pads to its longest,
+        # so mixed lengths cost every text the longest one's compute (600 ShareGPT prompts: 21.6 -> 6.1 s).
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        chunks = [self._encode([texts[j] for j in order[i:i + BATCH]]) for i in range(0, len(texts), BATCH)]
+        if not chunks:
+            return torch.empty(0, DIM, device=self.device)
+        embeddings = torch.empty(len(texts), DIM, device=self.device)
+        embeddings[torch.tensor(order, device=self.device)] = torch.cat(chunks)
+        return embeddings
 
     def _encode(self, texts: list[str]) -> torch.Tensor:
         batch = self.tokenizer([t[:MAX_CHARS] for t in texts], padding=True, truncation=True,
