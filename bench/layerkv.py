@@ -107,8 +107,8 @@ class Slos:
 def run(quick: bool) -> BenchResult:
     torch.set_num_threads(THREADS)
     contexts = (LONGEST,) if quick else CONTEXTS
-    rates_b = RATES_B[1::2] if quick else RATES_B
-    n_a, n_b = (4, 16) if quick else (32, 96)
+    rates_b = RATES_B[2:3] if quick else RATES_B
+    n_a, n_b = (4, 12) if quick else (32, 96)
     slo = _slos()
     a: dict[tuple[str, int], Metrics] = {}
     b: dict[tuple[str, float], Metrics] = {}

@@ -15,7 +15,7 @@ from kvmesh.libs.controlplane import RemoteError, ServiceClient
 from kvmesh.services.engine.engine import EngineState, Frame
 
 from ..conftest import TOKEN
-from .test_engine_http import generate, start_engine
+from .test_engine_http import generate, launch_engine
 
 PROMPTS = [[5, 6, 7], list(range(10, 60)), list(range(100, 137)), [3] * 16, list(range(200, 290))]
 
@@ -25,21 +25,25 @@ def cluster(request, tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFac
     run_dir = tmp_path_factory.mktemp(f"disagg-{request.param}")
     common = {"KVMESH_ENGINE_DATAPLANE": request.param, "KVMESH_ENGINE_KV_TIMEOUT_MS": "3000",
               "KVMESH_ENGINE_KV_LEASE_MS": "1500"}
-    engines = {
-        "both": start_engine(run_dir / "both", tiny_checkpoint, KVMESH_ENGINE_ENGINE_ID="c0", **common),
-        "prefill": start_engine(run_dir / "prefill", tiny_checkpoint, KVMESH_ENGINE_ROLE="prefill",
-                                KVMESH_ENGINE_ENGINE_ID="p0", **common),
-        "decode": start_engine(run_dir / "decode", tiny_checkpoint, KVMESH_ENGINE_ROLE="decode",
-                               KVMESH_ENGINE_ENGINE_ID="d0", KVMESH_ENGINE_DEVICE_BLOCKS="320", **common),
+    engines = {  # started together, then waited on: their start-ups overlap
+        "both": launch_engine(run_dir / "both", tiny_checkpoint, KVMESH_ENGINE_ENGINE_ID="c0", **common),
+        "prefill": launch_engine(run_dir / "prefill", tiny_checkpoint, KVMESH_ENGINE_ROLE="prefill",
+                                 KVMESH_ENGINE_ENGINE_ID="p0", **common),
+        "decode": launch_engine(run_dir / "decode", tiny_checkpoint, KVMESH_ENGINE_ROLE="decode",
+                                KVMESH_ENGINE_ENGINE_ID="d0", KVMESH_ENGINE_DEVICE_BLOCKS="320", **common),
         # LayerKV: on a CPU a copy to the cxl tier hides under any prefill (Eq. 4 gives x = 0), so the
         # prompts' KV is held in the cxl tier and the decode engine pulls it from there.
-        "prefill_layerkv": start_engine(run_dir / "prefill-layerkv", tiny_checkpoint, KVMESH_ENGINE_ROLE="prefill",
-                                        KVMESH_ENGINE_ENGINE_ID="p1", KVMESH_ENGINE_POLICIES='{"layer_offload": "layerkv"}',
-                                        **common),
+        "prefill_layerkv": launch_engine(run_dir / "prefill-layerkv", tiny_checkpoint, KVMESH_ENGINE_ROLE="prefill",
+                                         KVMESH_ENGINE_ENGINE_ID="p1",
+                                         KVMESH_ENGINE_POLICIES='{"layer_offload": "layerkv"}', **common),
     }
-    yield engines
-    for child in engines.values():
-        child.stop()
+    try:
+        for child in engines.values():
+            child.wait_ready(timeout=120)
+        yield engines
+    finally:
+        for child in engines.values():
+            child.stop()
 
 
 @pytest.fixture

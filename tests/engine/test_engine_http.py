@@ -21,12 +21,18 @@ from ..conftest import TOKEN, Kvmeta
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-def start_engine(run_dir: Path, checkpoint: Path, **env: str) -> Child:
+def launch_engine(run_dir: Path, checkpoint: Path, **env: str) -> Child:
+    """An engine process serving `checkpoint`, started and not yet waited on."""
     port = free_port()
     child = service_child("engine", run_dir, f"http://127.0.0.1:{port}", {
         "KVMESH_ENGINE_PORT": str(port), "KVMESH_ENGINE_MODEL": str(checkpoint), "KVMESH_TOKEN": TOKEN,
         "KVMESH_ENGINE_TORCH_THREADS": "1", **env})
     child.start()
+    return child
+
+
+def start_engine(run_dir: Path, checkpoint: Path, **env: str) -> Child:
+    child = launch_engine(run_dir, checkpoint, **env)
     child.wait_ready(timeout=120)
     return child
 

@@ -44,20 +44,21 @@ def launch_engine(run_dir: Path, kvmeta_url: str, engine_id: str, role: str, pyt
 def start_cluster(stack: ExitStack, run_dir: Path, redis_url: str, cluster: str, roles: dict[str, str],
                   engine_env: dict[str, str] | None = None, every_env: dict[str, str] | None = None,
                   **admission_env: str) -> Cluster:
-    """kvmeta, engines of the given roles (by id, started together), the scheduler, then admission;
-    each is stopped when `stack` closes. `every_env` goes to every service."""
+    """kvmeta, then engines of the given roles (by id), the scheduler and admission, started together
+    (their start-ups overlap) and each waited on; each is stopped when `stack` closes. `every_env` goes
+    to every service."""
     every = every_env or {}
     kvmeta = start_kvmeta(run_dir, redis_url, cluster, **every)
     stack.callback(kvmeta.child.stop)
     engines = {engine_id: launch_engine(run_dir, kvmeta.url, engine_id, role, **{**every, **(engine_env or {})})
                for engine_id, role in roles.items()}
-    for child in engines.values():
+    scheduler = launch("scheduler", run_dir, KVMESH_KVMETA_URL=kvmeta.url, **every)
+    admission = launch("admission", run_dir, KVMESH_SCHEDULER_URL=scheduler.url, **every, **admission_env)
+    children = [*engines.values(), scheduler, admission]
+    for child in children:
         stack.callback(child.stop)
-    for child in engines.values():
+    for child in children:
         child.wait_ready(timeout=120)
-    scheduler = ready(stack, launch("scheduler", run_dir, KVMESH_KVMETA_URL=kvmeta.url, **every))
-    admission = ready(stack, launch("admission", run_dir, KVMESH_SCHEDULER_URL=scheduler.url, **every,
-                                    **admission_env))
     return Cluster(kvmeta, scheduler, admission, engines)
 
 
