@@ -6,11 +6,9 @@ is preempted and how, what the prefix cache drops. This file carries them out, i
 ARCHITECTURE.md: running requests first (decodes and unfinished prefill chunks), then swapped-out
 ones coming back, then waiting ones in admission order.
 
-Allocation is a ledger (policies/allocation/plan.py): with any policy but vLLM's block_at_a_time,
-each step starts with the policy's plan for the batch; a request's blocks still come as its tokens
-do, but only within its allocation, and the KV allotted to nobody (less the global reservation)
-bounds what can be granted. A request that outgrows its allocation gets B tokens more on demand,
-then from the reservation, then out of others' allotted but unused KV, and only then preempts.
+Allocation is a ledger (ledger.py): with any policy but vLLM's block_at_a_time, each step starts
+with the policy's plan for the batch; a request's blocks still come as its tokens do, but only
+within its allocation, grown on demand as the ledger allows, and preempted only when it cannot grow.
 """
 
 from __future__ import annotations
@@ -22,13 +20,13 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from kvmesh.policies.allocation import AllocationInput, AllocationParams, AllocationPlan, Grant, block_at_a_time
-from kvmesh.policies.allocation.plan import spare_allotment
 from kvmesh.policies.offload import interleaved
 from kvmesh.policies.offload import none as no_offload
 from kvmesh.policies.offload.plan import OffloadInput, OffloadParams
 from kvmesh.policies.views import RequestView, blocks_for
 
 from .block_manager import BlockManager
+from .ledger import Ledger
 from .policy_set import Policies
 from .request import Request, Status
 from .reuse import Reuse
@@ -74,7 +72,8 @@ class Scheduler:
         self.swapped: deque[Request] = deque()
         self.pulling: list[Request] = []
         self.iteration_s: deque[float] = deque(maxlen=256)  # recent step times, for T_I^max
-        self.grown = {"unallocated": 0, "reserved": 0, "reclaimed": 0}  # allocations grown on demand, by where from
+        self.ledger = Ledger(allocation, blocks.block_size, lambda: blocks.free("device") // blocks.num_layers,
+                             lambda: (*self.running, *self.pulling))
 
     @property
     def layered(self) -> bool:
@@ -82,7 +81,7 @@ class Scheduler:
         return self.staging_half > 0 and self.policies.layer_offload is not no_offload
 
     @property
-    def ledger(self) -> bool:
+    def allots_ahead(self) -> bool:
         """Whether the allocation policy in force allots KV ahead (every one but vLLM's)."""
         return self.policies.kv_allocation is not block_at_a_time
 
@@ -108,7 +107,7 @@ class Scheduler:
         if release:
             self.blocks.release(request)
         self.blocks.forget_scores(request)
-        self._settle(request)
+        self.ledger.settle(request)
         request.status, request.finish_reason = Status.FINISHED, reason
 
     def pulled(self, request: Request, now: float) -> None:
@@ -125,7 +124,7 @@ class Scheduler:
         plan = Plan()
         self._staged = 0
         retain = self._plan_offload(now) if self.layered else {}
-        grants = self._plan_allocation(plan, now) if self.ledger else None
+        grants = self._plan_allocation(plan, now) if self.allots_ahead else None
         planned = len(plan.preempted)
         budget = self._schedule_running(plan, self.token_budget)
         if len(plan.preempted) == planned:  # nobody lost their place for want of blocks
@@ -168,11 +167,11 @@ class Scheduler:
         ledger: a request with no layer there starts to be promised its allotment's device blocks."""
         layers = self.blocks.num_layers
         free_after = self.blocks.free("device") - request.blocks_per_layer * len(back)
-        promised = self.blocks.free("device") // layers - self.headroom()
+        promised = self.blocks.free("device") // layers - self.ledger.headroom()
         if request.tier != "device":
             promised += max(0, blocks_for(request.allocation, self.blocks.block_size) - request.blocks_per_layer) \
                 if request.allocation is not None else 0
-        reserved = self.allocation.reserved_blocks if self.ledger else 0
+        reserved = self.allocation.reserved_blocks if self.allots_ahead else 0
         return free_after >= 0 and free_after // layers - promised >= reserved
 
     def _stages(self, request: Request, n: int) -> bool:
@@ -188,18 +187,18 @@ class Scheduler:
         preempt to make the room it asks for; the waiting requests' grants, in order."""
         running_tokens = sum(r.num_tokens - r.num_computed for r in self.running)
         batch = AllocationInput(waiting=self._admission_order(now),
-                                running=[view(r) for r in self.running], unallocated=self.unallocated_tokens(),
+                                running=[view(r) for r in self.running], unallocated=self.ledger.unallocated_tokens(),
                                 token_budget=self.token_budget - running_tokens,
                                 max_iteration_s=max(self.iteration_s, default=0.0), now=now, params=self.allocation)
         allocation: AllocationPlan = self.policies.kv_allocation(batch)
         by_id = {r.request_id: r for r in self.running}
         for grant in allocation.grants:
             if grant.request_id in by_id:
-                self._allot(by_id[grant.request_id], grant)
+                self.ledger.allot(by_id[grant.request_id], grant)
         for victim in [by_id[i] for i in allocation.preempt]:
             self._preempt(victim, plan)
-        goal = self.unallocated_tokens() + allocation.preempt_tokens
-        while allocation.preempt_tokens and self.unallocated_tokens() < goal:
+        goal = self.ledger.unallocated_tokens() + allocation.preempt_tokens
+        while allocation.preempt_tokens and self.ledger.unallocated_tokens() < goal:
             victims = [r for r in self.running if r.request_id not in allocation.critical]
             if not victims:
                 break
@@ -232,13 +231,13 @@ class Scheduler:
             request = self.swapped[0]
             n = min(request.num_tokens - request.num_computed, budget)
             target = blocks_for(request.num_computed + n, self.blocks.block_size)
-            room = self.headroom() - (self.allocation.reserved_blocks if self.ledger else 0)
+            room = self.ledger.headroom() - (self.allocation.reserved_blocks if self.allots_ahead else 0)
             if room < max(target, request.blocks_per_layer):
                 break
             self.blocks.swap_in(request)
             if not self._reserve(request, n):  # cannot happen: room was checked above
                 raise AssertionError("swap-in left no room for the step it was resumed for")
-            if self.ledger:  # allotted what it holds; past that it grows on demand or by the plan
+            if self.allots_ahead:  # allotted what it holds; past that it grows on demand or by the plan
                 request.allocation = request.blocks_per_layer * self.blocks.block_size
             self.swapped.popleft()
             self._run(request, n, plan)
@@ -266,11 +265,11 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
             request = by_id[grant.request_id]
-            if not self._allot(request, grant):
+            if not self.ledger.allot(request, grant):
                 return
             if request.kv_source is not None or request.reservation:
                 if not self._start_pull(request, plan, now):
-                    self._settle(request)
+                    self.ledger.settle(request)
                     return
                 continue
             cached = self.blocks.attach_prefix(request, now)
@@ -281,7 +280,7 @@ class Scheduler:
                 self._place(request, retain[request.request_id], n)
             if not self._reserve(request, n):
                 self.blocks.release(request)  # give back the prefix it was lent; it waits its turn
-                self._settle(request)
+                self.ledger.settle(request)
                 request.num_computed = 0
                 return
             self.waiting.remove(request)
@@ -327,95 +326,9 @@ class Scheduler:
     def _reserve(self, request: Request, n: int) -> bool:
         """Blocks for this step's `n` tokens, within the request's allocation (grown if it must)."""
         needed = request.num_computed + n
-        if request.allocation is not None and request.allocation < needed and not self._grow(request, needed):
+        if request.allocation is not None and request.allocation < needed and not self.ledger.grow(request, needed):
             return False
         return self.blocks.reserve(request, blocks_for(needed, self.blocks.block_size), n)
-
-    # -- the allocation ledger --------------------------------------------------------------------
-
-    def headroom(self) -> int:
-        """Device blocks per layer that are free and allotted to nobody (the reservation included)."""
-        free = self.blocks.free("device") // self.blocks.num_layers
-        return free - sum(self._promised(r, r.allocation) for r in (*self.running, *self.pulling))
-
-    def unallocated_tokens(self) -> int:
-        """A'_kvc: tokens of device KV allotted to nobody, the global reservation left out."""
-        return max(0, self.headroom() - self.allocation.reserved_blocks) * self.blocks.block_size
-
-    def _promised(self, request: Request, allocation: int | None) -> int:
-        """Blocks per layer `allocation` promises the request beyond those it holds."""
-        if allocation is None or request.tier != "device":
-            return 0
-        return max(0, blocks_for(allocation, self.blocks.block_size) - request.blocks_per_layer)
-
-    def _allot(self, request: Request, grant: Grant) -> bool:
-        """Apply a grant if the ledger covers it: out of its hosts' allotted KV, or out of the unallocated."""
-        if grant.tokens is None:
-            return True
-        if grant.hosts:
-            running = {r.request_id: r for r in self.running}
-            hosts = [(running.get(host_id), tokens) for host_id, tokens in grant.hosts]
-            if any(h is None or h.allocation is None or h.allocation - tokens < h.num_tokens for h, tokens in hosts):
-                return False
-            for host, tokens in hosts:
-                host.allocation -= tokens
-                host.guests.append(request.request_id)
-                request.passes.append((host.request_id, tokens))
-        else:
-            more = self._promised(request, grant.tokens) - self._promised(request, request.allocation)
-            # With nothing running nobody would ever free KV: then the reservation may go too.
-            room = self.unallocated_tokens() if self.running or self.pulling else self.headroom() * self.blocks.block_size
-            if more > 0 and more * self.blocks.block_size > room:
-                return False
-        request.allocation = grant.tokens
-        lender = next((r for r in self.running if r.request_id == grant.lender), None) if grant.lender else None
-        if lender is not None:
-            lender.passes.append((request.request_id, grant.lent))
-        return True
-
-    def _grow(self, request: Request, needed: int) -> bool:
-        """A request outgrew its allocation: B tokens more at a time, from the unallocated KV, else
-        from the global reservation (CacheOpt 3.3.3), else from what other running requests are
-        allotted but have not used (they keep B tokens ahead and grow again later): a preemption
-        only when the blocks themselves have run out."""
-        block = self.allocation.block_tokens
-        grown = request.allocation + -(-(needed - request.allocation) // block) * block
-        more = self._promised(request, grown) - self._promised(request, request.allocation)
-        if more * self.blocks.block_size <= self.unallocated_tokens():
-            source = "unallocated"
-        elif more <= self.headroom():
-            source = "reserved"
-        elif self._reclaim(more - self.headroom(), keep=request):
-            source = "reclaimed"
-        else:
-            return False
-        self.grown[source] += 1
-        request.allocation = grown
-        return True
-
-    def _reclaim(self, blocks: int, keep: Request) -> bool:
-        """Cut back running requests' allotted but unused KV, most unused first, until `blocks`
-        blocks per layer are allotted to nobody; False (nothing changed) if they cannot give it."""
-        spare = [(spare_allotment(r.allocation, r.num_tokens, self.allocation), r) for r in self.running
-                 if r is not keep and r.allocation is not None and r.tier == "device"]
-        cuts: list[tuple[Request, int]] = []
-        goal = self.headroom() + blocks
-        for tokens, request in sorted((s for s in spare if s[0] > 0), key=lambda s: s[0], reverse=True):
-            cuts.append((request, request.allocation))
-            request.allocation -= tokens
-            if self.headroom() >= goal:
-                return True
-        for request, allocation in cuts:
-            request.allocation = allocation
-        return False
-
-    def _settle(self, request: Request) -> None:
-        """The request ends or loses its place: hand on the allocation it owes, drop its own."""
-        for request_id, tokens in request.passes:
-            beneficiary = self.find(request_id)
-            if beneficiary is not None and beneficiary.allocation is not None and beneficiary.status is not Status.WAITING:
-                beneficiary.allocation += tokens
-        request.allocation, request.passes, request.guests = None, [], []
 
     def _pick_victim(self, candidates: list[Request], short: Request | None = None) -> Request:
         """The preemption policy's first victim; a host short of KV takes back its embedded guest first."""
@@ -429,7 +342,7 @@ class Scheduler:
     def _preempt(self, victim: Request, plan: Plan) -> None:
         strategy = self.policies.preemption_strategy(view(victim), self.blocks.pool_view())
         victim.preemptions += 1
-        self._settle(victim)
+        self.ledger.settle(victim)
         if victim in self.running:
             self.running.remove(victim)
         if strategy == "swap" and self.blocks.swap_out(victim):

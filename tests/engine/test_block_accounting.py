@@ -186,7 +186,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def no_more_is_allotted_than_there_is(self):
-        assert self.scheduler.headroom() >= 0
+        assert self.scheduler.ledger.headroom() >= 0
 
     def teardown(self):
         assert_everything_returns(self.blocks, self.scheduler)

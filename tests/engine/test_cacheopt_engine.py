@@ -103,7 +103,7 @@ def test_underprovisioned_requests_grow_instead_of_being_preempted(tiny_checkpoi
     assert state.allocations_grown["unallocated"] > 0 and state.allocations_grown["reserved"] > 0
     assert [r.output_ids for r in requests] == [r.output_ids for r in by_block]
     assert_all_blocks_free(engine)
-    assert engine.scheduler.unallocated_tokens() == (96 // 4 - 8) * 16  # all but the reservation
+    assert engine.scheduler.ledger.unallocated_tokens() == (96 // 4 - 8) * 16  # all but the reservation
 
 
 @pytest.mark.parametrize("allocation", ["estimate", "s3", "cacheopt"])
@@ -114,7 +114,7 @@ def test_no_request_starves_under_any_allocation_policy(tiny_checkpoint, allocat
     engine = engine_for(tiny_checkpoint, **PRESSED, policies={"kv_allocation": allocation})
     run(engine, targets)
     assert_all_blocks_free(engine)
-    assert engine.scheduler.unallocated_tokens() == (96 // 4 - 8) * 16
+    assert engine.scheduler.ledger.unallocated_tokens() == (96 // 4 - 8) * 16
 
 
 def test_room_made_for_a_critical_request_goes_to_it_not_back_to_the_victim():
