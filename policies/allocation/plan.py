@@ -38,6 +38,7 @@ class AllocationInput:
     waiting: Sequence[RequestView]   # in the prefill admission policy's order
     running: Sequence[RequestView]   # with their allocations
     unallocated: int                 # A'_kvc, in tokens: device KV nobody is allotted, the reservation excluded
+                                     # (included while no request holds a place: nobody would free any)
     token_budget: int                # tokens this step can still compute once the running requests have theirs
     max_iteration_s: float           # T_I^max, the longest recent step
     now: float                       # engine clock, seconds

@@ -56,6 +56,13 @@ class Ledger:
         """A'_kvc: tokens of device KV allotted to nobody, the global reservation left out."""
         return max(0, self.headroom() - self.params.reserved_blocks) * self.block_size
 
+    def grantable_tokens(self) -> int:
+        """What an allocation policy may grant now: A'_kvc, or, with nobody holding a place, all the
+        headroom, the reservation too (nobody would ever free KV for a request too big for A'_kvc)."""
+        if any(True for _ in self.holders()):
+            return self.unallocated_tokens()
+        return self.headroom() * self.block_size
+
     def promised(self, request: Allottee, allocation: int | None) -> int:
         """Blocks per layer `allocation` promises the request beyond those it holds."""
         if allocation is None or request.tier != "device":

@@ -187,7 +187,7 @@ class Scheduler:
         preempt to make the room it asks for; the waiting requests' grants, in order."""
         running_tokens = sum(r.num_tokens - r.num_computed for r in self.running)
         batch = AllocationInput(waiting=self._admission_order(now),
-                                running=[view(r) for r in self.running], unallocated=self.ledger.unallocated_tokens(),
+                                running=[view(r) for r in self.running], unallocated=self.ledger.grantable_tokens(),
                                 token_budget=self.token_budget - running_tokens,
                                 max_iteration_s=max(self.iteration_s, default=0.0), now=now, params=self.allocation)
         allocation: AllocationPlan = self.policies.kv_allocation(batch)

@@ -117,6 +117,24 @@ def test_no_request_starves_under_any_allocation_policy(tiny_checkpoint, allocat
     assert engine.scheduler.ledger.unallocated_tokens() == (96 // 4 - 8) * 16
 
 
+@pytest.mark.parametrize("allocation", ["estimate", "s3"])
+def test_a_request_estimated_past_the_unallocated_kv_runs_on_an_idle_engine(tiny_checkpoint, allocation):
+    """Its prompt and estimate (100 + 200 tokens) exceed A'_kvc (16 blocks of 16 once the reservation
+    is set aside) but fit the device: with nothing else running nobody would free KV, so it may have
+    the reservation too rather than wait for ever."""
+    engine = engine_for(tiny_checkpoint, **PRESSED, policies={"kv_allocation": allocation})
+    assert engine.scheduler.ledger.unallocated_tokens() < 100 + 200 <= 96 // 4 * 16
+    [prompt] = prompts(1, seed=3, lengths=(100, 101))
+    request = engine.add("long", prompt, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True),
+                         targets=Targets(predicted_output_len=200))
+    for _ in range(1_000):
+        if not engine.scheduler.has_work():
+            break
+        engine.step()
+    assert request.finished and len(request.output_ids) == 200 and engine.preemptions["recompute"] == 0
+    assert_all_blocks_free(engine)
+
+
 def test_room_made_for_a_critical_request_goes_to_it_not_back_to_the_victim():
     """D_kvc preemption swaps a running request out so a waiting one about to miss its TTFT SLO can
     start; in that step the victim does not come straight back (it would take the room, and the two
