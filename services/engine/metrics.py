@@ -45,6 +45,9 @@ class EngineCollector:
         yield self._by(CounterMetricFamily, "kvmesh_engine_preemptions",
                        "Requests preempted, by strategy (recompute: KV dropped; swap: KV moved to the cxl tier)",
                        "strategy", state.preemptions)
+        yield self._by(CounterMetricFamily, "kvmesh_engine_kv_allocations_grown",
+                       "Allocations a request outgrew and got more for, by where from (unallocated KV, the global "
+                       "reservation, or reclaimed from others' unused allotments)", "source", state.allocations_grown)
         yield self._by(CounterMetricFamily, "kvmesh_engine_prompt_tokens",
                        "Prompt tokens whose KV this engine computed, or found in its prefix cache (on the vLLM "
                        "backend: or pulled from a prefill engine)", "source",
@@ -98,9 +101,6 @@ class NativeEngineCollector(EngineCollector):
     def collect(self) -> Iterator[Metric]:
         state: EngineState = self.snapshot()
         yield from self._common(state)
-        yield self._by(CounterMetricFamily, "kvmesh_engine_kv_allocations_grown",
-                       "Allocations a request outgrew and got more for, by where from (unallocated KV or the "
-                       "global reservation)", "source", state.allocations_grown)
         yield self._by(CounterMetricFamily, "kvmesh_engine_kv_layers_offloaded",
                        "Request layers whose KV LayerKV put in the cxl tier, by why (admitted: kept off the device "
                        "from the start; forecast: moved when free blocks were forecast to run low), and those it "

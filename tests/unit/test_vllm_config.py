@@ -21,7 +21,7 @@ def vllm_engine(**settings) -> EngineConfig:
     ({"prefix_cache_cxl": True, "prefix_caching": False}, "needs prefix_caching"),
     ({"prefix_cache_cxl": True, "prefix_cache_sparsify": True}, "prefix_cache_sparsify are the native engine's"),
     ({"layer_staging_blocks": 8}, "layer_staging_blocks are the native engine's"),
-    ({"policies": {"kv_allocation": "cacheopt"}}, "kv_allocation are the native engine's"),
+    ({"policies": {"preemption_strategy": "swap"}}, "preemption_strategy are the native engine's"),
     ({"dataplane": "shm"}, "shm data plane"),
     ({"block_size": 16}, "multiple of 32"),
 ])

@@ -24,7 +24,7 @@ from ..integration.admission_fixtures import launch, launch_engine, ready, wait_
 from ..integration.test_policy_swap import counter
 
 KEY = "sk-vllm-backend"
-DECODE_POLICIES = {"preemption_order": "cacheopt", "prefill_admission": "layerkv"}  # KVMeshScheduler's
+DECODE_POLICIES = {"preemption_order": "cacheopt", "prefill_admission": "layerkv", "kv_allocation": "cacheopt"}
 PROMPT = "the vLLM backend answers through kvmesh's admission, " * 3
 
 
@@ -143,7 +143,7 @@ async def test_kvmesh_scheduler_runs_the_configured_policies_and_switches_them(v
         assert (await prefill.call("GET", "/v1/state", into=dict))["prefill_cost"] is None   # fcfs: not profiled
         switched = await decode.call("PUT", "/v1/policy", {"policies": {"preemption_order": "srtf"}}, into=dict)
         assert switched["policies"] == {**DECODE_POLICIES, "preemption_order": "srtf"}
-        for wrong, message in (({"kv_allocation": "cacheopt"}, "no policy hook kv_allocation on the vLLM backend"),
+        for wrong, message in (({"layer_offload": "layerkv"}, "no policy hook layer_offload on the vLLM backend"),
                                ({"preemption_order": "nonsense"}, "nonsense")):
             with pytest.raises(RemoteError) as refused:
                 await decode.call("PUT", "/v1/policy", {"policies": wrong})

@@ -3,6 +3,9 @@
 Preemption order: two requests that each grow to 7 blocks, so one must give its blocks up. vLLM's
 own order (the latest arrival) preempts the second; SRTF (CacheOpt's baseline, by predicted
 remaining tokens) preempts the first, predicted to run longer.
+Allocation (CacheOpt 3.3, the native engine's ledger): by estimate, a request allotted its whole
+estimate ahead keeps a second one out instead of being preempted, and one that outruns its estimate
+is preempted and comes back with more; CacheOpt grows an underestimated one from the reservation.
 Prefill admission: a request decodes behind a TPOT SLO it cannot meet; under LayerKV's admission
 (Algorithm 1: its allowance is negative) a second request's prefill waits until it finishes, under
 FCFS it starts at once. Every request finishes in full, and every block comes back."""
@@ -41,42 +44,99 @@ def squeezed(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory):
         engine.stop()
 
 
-async def run_two(url: str, order: str) -> tuple[list[str], list[int]]:
-    """Switch the preemption order, run the two requests (the first predicted to need 200 tokens, the
-    second 20), and return the requests preempted meanwhile and how many tokens each got."""
+async def run_two(url: str, label: str, policies: dict[str, str], predicted: tuple[int, int] = (200, 20)
+                  ) -> tuple[list[str], list[int], list[dict]]:
+    """Switch to `policies`, run the two requests (the first predicted to need `predicted[0]` tokens,
+    the second, sent once the first has a token, `predicted[1]`; both make 200), and return the
+    requests preempted meanwhile, how many tokens each got and their last frames' timings."""
     async with ServiceClient(url, token=TOKEN, retries=0) as client:
-        await client.call("PUT", "/v1/policy", {"policies": {"preemption_order": order}})
+        await client.call("PUT", "/v1/policy", {"policies": {"prefill_admission": "fcfs", **policies}})
         before = (await client.call("GET", "/v1/state", into=dict))["preemptions"]["recompute"]
         started = asyncio.Event()
 
-        async def generate(request_id: str, predicted: int, first: bool) -> int:
+        async def generate(request_id: str, predicted: int, first: bool) -> tuple[int, dict]:
             body = {"request_id": request_id, "prompt_token_ids": PROMPT, "max_tokens": 200, "temperature": 0.0,
                     "ignore_eos": True, "predicted_output_len": predicted}
-            tokens = 0
+            tokens, last = 0, None
             async for frame in client.frames("/v1/generate", body, dict):
-                tokens += len(frame["token_ids"])
+                tokens, last = tokens + len(frame["token_ids"]), frame
                 if first and tokens:
                     started.set()
-            return tokens
+            return tokens, last["timings"]
 
-        first = asyncio.create_task(generate(f"{order}-first", 200, True))
+        first = asyncio.create_task(generate(f"{label}-first", predicted[0], True))
         await started.wait()
-        counts = await asyncio.gather(first, generate(f"{order}-second", 20, False))
+        results = await asyncio.gather(first, generate(f"{label}-second", predicted[1], False))
         state = await client.call("GET", "/v1/state", into=dict)
     recent, count = state["recent_preemptions"], state["preemptions"]["recompute"] - before
-    preempted = recent[len(recent) - count:]
-    return [vllm_id.rpartition("-")[0] for vllm_id in preempted], list(counts)   # vLLM suffixes our ids
+    preempted = recent[len(recent) - count:] if count else []
+    return ([vllm_id.rpartition("-")[0] for vllm_id in preempted],   # vLLM suffixes our ids
+            [tokens for tokens, _ in results], [timings for _, timings in results])
 
 
 async def test_vllm_preempts_in_the_order_the_policy_gives(squeezed):
     state = await wait_until_idle(squeezed)
     assert state["total_blocks"] == {"device": POOL_BLOCKS - 1}   # vLLM keeps one as its null block
-    preempted, counts = await run_two(squeezed, "latest_arrival_first")
-    assert counts == [200, 200] and preempted and set(preempted) == {"latest_arrival_first-second"}
-    preempted, counts = await run_two(squeezed, "srtf")
+    block = {"kv_allocation": "block_at_a_time"}
+    preempted, counts, _ = await run_two(squeezed, "latest", {**block, "preemption_order": "latest_arrival_first"})
+    assert counts == [200, 200] and preempted and set(preempted) == {"latest-second"}
+    preempted, counts, _ = await run_two(squeezed, "srtf", {**block, "preemption_order": "srtf"})
     assert counts == [200, 200] and preempted and set(preempted) == {"srtf-first"}
     state = await wait_until_idle(squeezed)
     assert state["free_blocks"] == state["total_blocks"]
+
+
+# -- CacheOpt 3.3: allocation ahead by estimated length, with the global reservation (8 blocks) ---
+
+async def test_allocation_by_estimate_makes_the_second_request_wait_instead_of_preempting(squeezed):
+    """Both predicted right (7 blocks each, 11 in all): the first is allotted its 7 ahead, which
+    leaves nothing past the reservation for the second, so it waits for the first to finish where
+    block allocation (above) let it in and then preempted one of the two."""
+    preempted, counts, timings = await run_two(squeezed, "rlp", {"kv_allocation": "estimate",
+                                                                 "preemption_order": "latest_arrival_first"},
+                                               predicted=(200, 200))
+    assert counts == [200, 200] and preempted == []
+    assert timings[1]["first_token"] >= timings[0]["finished"]
+    state = await wait_until_idle(squeezed)
+    assert state["free_blocks"] == state["total_blocks"]
+    assert state["unallocated_tokens"] == (POOL_BLOCKS - 1 - 8) * 32   # nobody is allotted anything
+
+
+async def generate_one(url: str, policies: dict[str, str], body: dict) -> tuple[int, dict]:
+    """Under `policies`, one request to its end: the tokens it got and the state's counters that moved."""
+    async with ServiceClient(url, token=TOKEN, retries=0) as client:
+        await client.call("PUT", "/v1/policy", {"policies": {"prefill_admission": "fcfs", **policies}})
+        before = await client.call("GET", "/v1/state", into=dict)
+        tokens = 0
+        async for frame in client.frames("/v1/generate", {"prompt_token_ids": PROMPT, "temperature": 0.0,
+                                                          "ignore_eos": True, **body}, dict):
+            tokens += len(frame["token_ids"])
+        after = await client.call("GET", "/v1/state", into=dict)
+    moved = {"preemptions": after["preemptions"]["recompute"] - before["preemptions"]["recompute"],
+             **{f"grown_{source}": n - before["allocations_grown"].get(source, 0)
+                for source, n in after["allocations_grown"].items()}}
+    return tokens, moved
+
+
+async def test_rlp_preempts_a_request_that_outruns_its_estimate_and_brings_it_back_with_more(squeezed):
+    """Predicted 50 of its 100 tokens: allotted 16 + 50, preempted once its output outruns those 50,
+    back with the estimate once more (16 + 100), which sees it through: one preemption."""
+    tokens, moved = await generate_one(squeezed, {"kv_allocation": "estimate"},
+                                       {"max_tokens": 100, "predicted_output_len": 50})
+    assert tokens == 100 and moved["preemptions"] == 1
+    state = await wait_until_idle(squeezed)
+    assert state["free_blocks"] == state["total_blocks"]
+
+
+async def test_cacheopt_grows_an_underestimated_request_from_the_reservation_instead_of_preempting(squeezed):
+    """Predicted 2 of its 200 tokens (7 blocks): CacheOpt allots what it can past the reservation
+    (3 blocks), then grows it from the reservation on demand: no preemption."""
+    tokens, moved = await generate_one(squeezed, {"kv_allocation": "cacheopt"},
+                                       {"max_tokens": 200, "predicted_output_len": 2})
+    assert tokens == 200 and moved["preemptions"] == 0 and moved["grown_reserved"] > 0
+    state = await wait_until_idle(squeezed)
+    assert state["free_blocks"] == state["total_blocks"]
+    assert state["unallocated_tokens"] == (POOL_BLOCKS - 1 - 8) * 32
 
 
 async def decode_then_prefill(url: str, admission: str) -> tuple[dict, dict, int]:
@@ -84,7 +144,8 @@ async def decode_then_prefill(url: str, admission: str) -> tuple[dict, dict, int
     has 5 tokens; their last frames' timings, and how many prefills the policy held back meanwhile."""
     async with ServiceClient(url, token=TOKEN, retries=0) as client:
         await client.call("PUT", "/v1/policy", {"policies": {"prefill_admission": admission,
-                                                             "preemption_order": "latest_arrival_first"}})
+                                                             "preemption_order": "latest_arrival_first",
+                                                             "kv_allocation": "block_at_a_time"}})
         before = (await client.call("GET", "/v1/state", into=dict))["prefills_held_back"]
         decoding = asyncio.Event()
 

@@ -42,7 +42,7 @@ from ..api import Aborted, AbortRequest, GenerateRequest, PolicyNames, Tokenizer
 from ..cache_publisher import CacheJournal, CachePublisher
 from ..data_link import data_link
 from ..engine import Frame, Timings, TransferTotals, Usage
-from ..factory import EngineConfig
+from ..factory import EngineConfig, allocation_params
 from ..frame_stream import write_frames
 from ..handoff import KVHandle, TransferStats
 from ..kv_pool import BlockShape
@@ -74,8 +74,10 @@ class VllmEngineState(msgspec.Struct, kw_only=True):
     held_kv: int    # prefill role: finished requests whose KV waits for a decode engine
     policies: dict[str, str]               # KVMeshScheduler's, by hook
     prefill_cost: PrefillCost | None       # LayerKV Eq. 3's fit on this engine; None: not profiled
-    prefills_held_back: int                # all time: waiting requests the admission policy kept out of a step
+    prefills_held_back: int                # all time: waiting requests the admission or allocation policy kept out of a step
     preemptions: dict[str, int]            # all time, by strategy: vLLM only recomputes
+    unallocated_tokens: int                # KV allotted to nobody, the reservation left out (CacheOpt 3.3)
+    allocations_grown: dict[str, int]      # all time: allocations a request outgrew, grown from where
     recent_preemptions: list[str]          # the latest victims, oldest first: vLLM's ids (ours, "-" and its suffix)
     generated_tokens: int                  # all time
     computed_prompt_tokens: int            # of finished requests' prompts, tokens computed here
@@ -159,7 +161,8 @@ def build_service(config: EngineConfig) -> Service:
                           enable_prefix_caching=config.prefix_caching, enforce_eager=True,
                           kv_cache_memory_bytes=config.device_bytes, disable_log_stats=True,
                           kv_transfer_config=transfer, scheduler_cls=SCHEDULER,
-                          additional_config={"kvmesh": dict(config.policies)})
+                          additional_config={"kvmesh": {"policies": dict(config.policies),
+                                                       "allocation": dataclasses.asdict(allocation_params(config))}})
         built = LLMEngine.from_engine_args(args)
         if config.layer_profile == "on" or (config.layer_profile == "auto"
                                             and config.policies.get("prefill_admission") == "layerkv"):
@@ -271,7 +274,7 @@ def build_service(config: EngineConfig) -> Service:
 
     @service.route("PUT", "/v1/policy", body=PolicyNames, response=PolicyNames)
     async def set_policy(request: web.Request, body: PolicyNames) -> PolicyNames:
-        """Switch KVMeshScheduler's policies by name (preemption_order, prefill_admission), between two steps."""
+        """Switch KVMeshScheduler's policies by name (policy_hooks.HOOKS), between two steps."""
         def switch(e) -> dict[str, str]:
             scheduler = _scheduler(e)
             scheduler.set_policies(body.policies)
@@ -480,6 +483,7 @@ def _observe(engine, counters: Counters) -> None:
         held_kv=connector.held if connector is not None else 0, policies=dict(scheduler.policy_names),
         prefill_cost=scheduler.prefill_cost, prefills_held_back=scheduler.held_back,
         preemptions={"recompute": scheduler.preemptions}, recent_preemptions=list(scheduler.recent_preemptions),
+        unallocated_tokens=scheduler.ledger.unallocated_tokens(), allocations_grown=dict(scheduler.ledger.grown),
         generated_tokens=counters.generated_tokens, computed_prompt_tokens=counters.computed_prompt_tokens,
         prefix_cache_hit_tokens=counters.cached_prompt_tokens,
         kv_transfer=copy.copy(connector.transferred) if connector is not None else TransferTotals(), **tier)
