@@ -13,7 +13,7 @@ Keys: p90_latency_reduction_vs_colocated = 1 - P90 e2e (1) / P90 e2e (3), target
 mean_latency_reduction_pull_vs_push = 1 - mean e2e (1) / mean e2e (2), target >= 0.2 (full run only);
 transfer_share = mean transfer / mean e2e of (1) from the admission's `kvmesh.timings_ms`, target
 <= 0.02; colocated_tbt_growth, how far (3)'s P50 TBT grew at its rate. `--quick` runs (3) and (1) on
-`arxiv` only, with shorter windows.
+`arxiv` only, with shorter windows and loads of at least 8 requests, not 16.
 With `--target URL` the same workloads and rate sweep drive any OpenAI-compatible server instead
 (API key from OPENAI_API_KEY), reporting the same percentiles; a server without kvmesh's per-request
 breakdown gets no breakdown.
@@ -78,14 +78,14 @@ class Plan:
     setups: tuple[Setup, ...]        # after (3), which the rate is calibrated on
     window_s: float                  # arrivals of one load last about this long
     drain_s: float                   # then its open requests get this long to finish
+    min_requests: int                # per load, so the light load's TBT is a median of enough requests
 
 
-QUICK = Plan(workloads=("arxiv",), setups=(PULL,), window_s=8, drain_s=30)
-FULL = Plan(workloads=("arxiv", "sharegpt"), setups=(PULL, PUSH), window_s=20, drain_s=60)
+QUICK = Plan(workloads=("arxiv",), setups=(PULL,), window_s=8, drain_s=30, min_requests=8)
+FULL = Plan(workloads=("arxiv", "sharegpt"), setups=(PULL, PUSH), window_s=20, drain_s=60, min_requests=16)
 # Rates (requests/s) tried on (3), the first lightly loaded: one engine on one core serves about 16
 # arxiv or 12 sharegpt requests/s before its queue grows without bound (measured on this machine).
 SWEEP = {"arxiv": (1, 4, 8, 12, 16, 20, 24, 32), "sharegpt": (1, 2, 4, 6, 8, 12, 16, 24)}
-MIN_REQUESTS = 16                    # per load, so the light load's TBT is a median of enough requests
 CONCURRENCY = 64                     # open requests at most (admission's default max_running)
 
 
@@ -177,7 +177,7 @@ async def _load(url: str, api_key: str | None, workload: str, rate: float, plan:
     spec = WORKLOADS[workload]
     model = await served_model(url, api_key)
     await run_load(url, spec.requests(4, SEED + 1), 100.0, model=model, api_key=api_key, time_limit_s=60)
-    count = max(MIN_REQUESTS, round(rate * plan.window_s))
+    count = max(plan.min_requests, round(rate * plan.window_s))
     return await run_load(url, spec.requests(count, SEED), rate, model=model, api_key=api_key, seed=SEED,
                           concurrency=CONCURRENCY, time_limit_s=count / rate + plan.drain_s,
                           progress=progress, label=f"{label} · {workload} @ {rate:g} req/s")
@@ -275,7 +275,7 @@ def _config(plan: Plan, sweeps: dict[str, list[LoadResult]], breakdowns: dict[st
         "workloads": {w: _workload_config(WORKLOADS[w]) for w in plan.workloads},
         "sweep_rps": {w: [load.rate for load in sweeps[w]] for w in plan.workloads},
         "tbt_doubled": {w: bool(_tbt(sweeps[w][-1]) >= 2 * _tbt(sweeps[w][0])) for w in plan.workloads},
-        "window_s": plan.window_s, "drain_s": plan.drain_s, "min_requests": MIN_REQUESTS,
+        "window_s": plan.window_s, "drain_s": plan.drain_s, "min_requests": plan.min_requests,
         "concurrency": CONCURRENCY, "torch_threads_per_engine": 1, "cpus": os.cpu_count(), "seed": SEED,
         "breakdown_ms": breakdowns, "skipped": skipped,
     }
