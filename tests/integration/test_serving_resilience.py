@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 
+from kvmesh.infra.local.processes import tail
+
 from ..conftest import cluster_name
 from .admission_fixtures import MODEL, Cluster, engine_state, idle, launch_engine, start_cluster, wait_until_idle
 
@@ -46,9 +48,10 @@ class Outcome:
 
 
 async def complete(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int,
-                   leave_after: int | None = None) -> Outcome:
-    """One streamed completion; `leave_after` tokens in, the client hangs up."""
-    outcome, started = Outcome(), time.monotonic()
+                   leave_after: int | None = None, outcome: Outcome | None = None) -> Outcome:
+    """One streamed completion; `leave_after` tokens in, the client hangs up. `outcome`, if given, is
+    filled in as the stream goes (what a test that gives up waiting can still read)."""
+    outcome, started = outcome or Outcome(), time.monotonic()
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True}
     async with session.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as response:
@@ -110,12 +113,21 @@ async def test_a_prefill_engine_added_under_load_gets_requests_without_a_restart
 async def test_kill_9_of_an_engine_under_load_ends_every_request_in_seconds_and_leaks_nothing(cluster, victim,
                                                                                               survivors):
     async with aiohttp.ClientSession() as session:
-        load = [asyncio.ensure_future(complete(session, cluster.admission.url, p, 64)) for p in prompts(16, 64)]
+        outcomes = [Outcome() for _ in range(16)]
+        load = [asyncio.ensure_future(complete(session, cluster.admission.url, p, 64, outcome=o))
+                for p, o in zip(prompts(16, 64), outcomes)]
         await asyncio.sleep(1.0)  # requests are in every phase by now
         cluster.engines[victim].process.send_signal(signal.SIGKILL)
         cluster.engines[victim].process.wait()
         killed = time.monotonic()
-        outcomes = await asyncio.wait_for(asyncio.gather(*load), timeout=30)
+        _, pending = await asyncio.wait(load, timeout=30)
+        if pending:
+            for stuck in pending:
+                stuck.cancel()
+            still_open = [(i, o.tokens) for i, o in enumerate(outcomes) if not (o.finished or o.error)]
+            pytest.fail(f"30 s after kill -9 of {victim}, {len(pending)} streams were still open, (request, tokens "
+                        f"so far): {still_open}\n--- admission:\n{tail(cluster.admission.log_path)}"
+                        f"\n--- scheduler:\n{tail(cluster.scheduler.log_path)}")
         assert all(o.finished or o.error for o in outcomes)  # each one completed or said why not
         assert time.monotonic() - killed < 15
         after = await asyncio.gather(*(complete(session, cluster.admission.url, p, 8) for p in prompts(6, 30)))
