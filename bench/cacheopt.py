@@ -116,27 +116,27 @@ def run(quick: bool) -> BenchResult:
             trace = TRACES[name]
             task = progress.add_task(f"{name}: predictor", total=None)
             requests = trace.requests(n, seed=1)
-            predicted = _predictions(trace, requests, n_train, embed)
+            predicted = predictions(trace, requests, n_train, embed)
             progress.update(task, description=f"{name}: capacity", total=len(methods) * len(fractions) * n + n)
             capacity = _capacity(trace, requests, progress, task)
             rates = [capacity * f for f in fractions]
-            slos = _Slos(trace, requests)
+            slos = Slos(trace, requests)
             runs: dict[tuple[str, float], RunStats] = {}
             # The SLO-unaware methods first: their mean TTFT and TBT set everyone's SLOs (section 5).
             for method in sorted(methods, key=lambda m: m.name not in SLO_UNAWARE):
                 for rate in rates:
                     progress.update(task, description=f"{name}: {method.name} at {rate:.1f} req/s")
-                    estimates = _estimates(method.estimate, trace, requests, predicted, rate)
+                    lengths = estimates(method.estimate, trace, requests, predicted, rate)
                     targets = [Targets(ttft_slo_ms=t, tbt_slo_ms=b, predicted_output_len=e)
-                               for e, t, b in zip(estimates, *slos.ms())]
+                               for e, t, b in zip(lengths, *slos.ms())]
                     arrivals = poisson_arrivals(len(requests), rate, seed=2)
                     runs[(method.name, rate)] = replay(_engine(trace, method), requests, arrivals, targets,
                                                        trace.output.high, lambda: progress.advance(task))
                 if method.name == SLO_UNAWARE[-1]:
                     slos.calibrate([runs[(m, r)] for m in SLO_UNAWARE for r in rates])
             progress.remove_task(task)
-            metrics = {key: _metrics(stats, slos) for key, stats in runs.items()}
-            per_trace[name] = _summary(name, rates, metrics, methods, rows)
+            metrics = {key: metrics_of(stats, slos) for key, stats in runs.items()}
+            per_trace[name] = summary_at_rates(name, rates, metrics, methods, rows)
             rows += _predictor_rows(name, trace, requests, predicted, rates[-1], errors)
     ratios = {
         "p99_tbt_ratio_block_vs_cacheopt": _geomean([t["tbt_ratio"] for t in per_trace.values()]),
@@ -147,7 +147,7 @@ def run(quick: bool) -> BenchResult:
     }
     targets = {"p99_tbt_ratio_block_vs_cacheopt": 2.0, "p99_ttft_ratio_block_vs_cacheopt": 1.5,
                "slo_attainment_cacheopt": 0.9}
-    plots = [_plot(per_trace, methods=MAIN, path=PLOT)]
+    plots = [plot_sweep(per_trace, methods=MAIN, path=PLOT)]
     if not quick:
         plots.append(_plot_ablation(per_trace, path=ABLATION_PLOT))
     return BenchResult(
@@ -173,7 +173,7 @@ class Predicted:
     raw: list[int]            # the model's own lengths
 
 
-def _predictions(trace: Trace, requests: list[TraceRequest], n_train: int, embed) -> Predicted:
+def predictions(trace: Trace, requests: list[TraceRequest], n_train: int, embed) -> Predicted:
     training = trace.requests(n_train, seed=1000)
     vectors = embed([r.text for r in training])
     model, _ = fit(vectors, torch.tensor([r.output_len for r in training], dtype=torch.float32), FitSettings(seed=0))
@@ -188,7 +188,7 @@ def _query(trace: Trace, request: TraceRequest) -> LengthQuery:
     return LengthQuery(tenant=trace.name, max_tokens=trace.output.high, text=request.text)
 
 
-def _estimates(kind: str, trace: Trace, requests: list[TraceRequest], predicted: Predicted, rate: float) -> list[int | None]:
+def estimates(kind: str, trace: Trace, requests: list[TraceRequest], predicted: Predicted, rate: float) -> list[int | None]:
     """Each request's estimated output length under a method's predictor rule: the predictors of
     policies/length over the same embedding model (RLP's padding and S^3's bucket scaled like the
     lengths), ours with Eq. 4's confidence at this rate."""
@@ -209,7 +209,7 @@ def _predictor_rows(name: str, trace: Trace, requests: list[TraceRequest], predi
     rows = [Row(compared=f"{name} predictor", path="mean length (no model)",
                 cells={"estimate MAE tok": float(np.abs(actual.mean() - actual).mean())})]
     for kind, label in (("ours", "ours (Eq. 3-4)"), ("cka", "ours, 10% padding"), ("rlp", "RLP"), ("s3", "S3")):
-        estimated = np.array(_estimates(kind, trace, requests, predicted, rate))
+        estimated = np.array(estimates(kind, trace, requests, predicted, rate))
         errors.setdefault(kind, []).extend(np.abs(estimated - actual).tolist())
         rows.append(Row(compared=f"{name} predictor", path=label,
                         cells={"estimate MAE tok": float(np.abs(estimated - actual).mean()),
@@ -237,7 +237,7 @@ def _capacity(trace: Trace, requests: list[TraceRequest], progress: Progress, ta
     return float(len(requests) / max(s.times[-1] - s.arrival for s in stats.served))
 
 
-class _Slos:
+class Slos:
     """CacheOpt section 5's SLOs: the mean TTFT and TBT measured across the compared methods (here
     the SLO-unaware ones, over the sweep) times a per-request scale from [0.5, 2.5], the TTFT SLO
     times the prompt's chunks."""
@@ -257,7 +257,7 @@ class _Slos:
         return (list(self.mean_ttft_ms * self.scale * self.chunks), list(self.mean_tbt_ms * self.scale))
 
 
-def _metrics(stats: RunStats, slos: _Slos) -> Metrics:
+def metrics_of(stats: RunStats, slos: Slos) -> Metrics:
     ttft_slo, tbt_slo = (np.array(x) / 1e3 for x in slos.ms())
     ttft = np.array([s.ttft for s in stats.served])
     gaps = np.concatenate([s.gaps for s in stats.served])
@@ -270,7 +270,7 @@ def _metrics(stats: RunStats, slos: _Slos) -> Metrics:
                    preemptions=sum(stats.preemptions.values()))
 
 
-def _summary(name: str, rates: list[float], metrics: dict[tuple[str, float], Metrics], methods, rows: list[Row]) -> dict:
+def summary_at_rates(name: str, rates: list[float], metrics: dict[tuple[str, float], Metrics], methods, rows: list[Row]) -> dict:
     limit = SUSTAIN_FACTOR * metrics[("block", rates[0])].normalised_latency_ms
     sustained = {m.name: max([r for r in rates if metrics[(m.name, r)].normalised_latency_ms <= limit], default=0.0)
                  for m in methods}
@@ -300,7 +300,7 @@ PANELS = (("p99_ttft_ms", "P99 TTFT (ms)"), ("ttft_attainment", "TTFT SLO attain
           ("tbt_attainment", "TBT SLO attainment"), ("normalised_latency_ms", "normalised latency (ms/token)"))
 
 
-def _plot(per_trace: dict[str, dict], methods, path: Path) -> str:
+def plot_sweep(per_trace: dict[str, dict], methods, path: Path) -> str:
     """CacheOpt Fig. 12's panels, one row per trace, against the arrival rate."""
     fig, axes = plt.subplots(len(per_trace), len(PANELS), figsize=(4 * len(PANELS), 3.2 * len(per_trace)), squeeze=False)
     for row, (name, summary) in zip(axes, per_trace.items()):

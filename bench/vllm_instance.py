@@ -5,15 +5,21 @@ vLLM server whose scheduler and connector they can also look into.
     python -m kvmesh.bench.vllm_instance MODEL --role kv_producer --cpu 0 [--connector kvmesh|example|none]
                                                [--data-port N] [--settings JSON]
                                                [--prefix-caching] [--kv-bytes N] [--max-model-len N]
+                                               [--kvmesh-scheduler JSON]
 
 Between commands the engine steps while it has work, as a server's loop does. Answers are JSON
 lines prefixed with "@@ " on stdout (other output is vLLM's):
   {"op": "generate", "prompts": [[ids]], "max_tokens": N, "params": [kv_transfer_params | null]}
       -> {"outputs": [[ids]], "kv_transfer_params": [...]}              (all at once, then answers)
-  {"op": "add", "id": ID, "prompt": [ids], "max_tokens": N, "params": kv_transfer_params | null}
+  {"op": "add", "id": ID, "prompt": [ids], "max_tokens": N, "params": kv_transfer_params | null,
+   "targets": {SLOs, predicted lengths} | null, "stop_after": N | null}
       -> later, when it ends: {"done": ID, "added": wall-clock s, "token_times": [...], "token_ids": [...],
                                "cached_tokens": N
                                (prompt tokens not computed here), "kv_transfer_params": ...}
+      (`targets` reach KVMeshScheduler's policies as the engine service passes them; `stop_after`
+      ends the request after that many tokens, as if it sampled EOS, while its policies see max_tokens)
+  {"op": "policies", "policies": {hook: name}} -> {"policies": {...}}: KVMeshScheduler's, switched
+  {"op": "scheduler"} -> {"preemptions": N, "allocations_grown": {...}}: KVMeshScheduler's counts, all time
   {"op": "blocks"} -> {"free": N, "total": N}: vLLM's own block pool
   {"op": "digest", "blocks": [ids]} -> {"digest": hex}: sha256 of those blocks in every layer
   {"op": "pulled", "request": remote request id} -> {"blocks": [local ids], "bytes": N}: its latest pull
@@ -37,6 +43,7 @@ import sys
 import time
 
 BLOCK_SIZE = 32
+SCHEDULER = "kvmesh.services.engine.vllm_backend.scheduler.KVMeshScheduler"
 CONNECTORS = {
     "kvmesh": dict(kv_connector="KVMeshConnector",
                    kv_connector_module_path="kvmesh.services.engine.vllm_backend.connector"),
@@ -57,6 +64,8 @@ def main() -> None:
     parser.add_argument("--prefix-caching", action="store_true", help="vLLM's own prefix cache on the device")
     parser.add_argument("--kv-bytes", type=int, default=0, help="the KV cache's size (default: 1 GiB)")
     parser.add_argument("--max-model-len", type=int, default=2048, help="at most what the KV cache holds")
+    parser.add_argument("--kvmesh-scheduler", metavar="JSON",
+                        help='KVMeshScheduler with this additional_config["kvmesh"] ({"policies": ..., "allocation": ...})')
     args = parser.parse_args()
     # One torch thread: vLLM binds its OMP threads to --cpu, but torch's intra-op pool still starts one
     # thread per core, and two instances side by side then fight over both cores (`kvmesh bench vllm`,
@@ -77,7 +86,9 @@ def main() -> None:
                                     if args.connector == "kvmesh" else json.loads(args.settings))
     llm = LLM(args.model, dtype="float32", block_size=BLOCK_SIZE, enforce_eager=True, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.prefix_caching, kv_transfer_config=transfer,
-              kv_cache_memory_bytes=args.kv_bytes or None)
+              kv_cache_memory_bytes=args.kv_bytes or None,
+              **(dict(scheduler_cls=SCHEDULER, additional_config={"kvmesh": json.loads(args.kvmesh_scheduler)})
+                 if args.kvmesh_scheduler else {}))
     Driver(llm).serve()
     llm.llm_engine.engine_core.shutdown()   # the connector's too: its data plane closes
     sys.stdout.flush()
@@ -91,6 +102,7 @@ class Driver:
         self.scheduler = self.engine.engine_core.engine_core.scheduler
         self.token_times: dict[str, list[float]] = {}   # of requests added with "add"
         self.added: dict[str, float] = {}                # and when each was
+        self.stop_after: dict[str, int] = {}             # and how many tokens each ends at
 
     def serve(self) -> None:
         reply({"ready": True})
@@ -110,9 +122,18 @@ class Driver:
 
     def _add(self, command: dict) -> None:
         self.engine.add_request(command["id"], {"prompt_token_ids": command["prompt"]},
-                                sampling(command["max_tokens"], command.get("params")))
+                                sampling(command["max_tokens"], command.get("params"), command.get("targets")))
         self.token_times[command["id"]] = []
         self.added[command["id"]] = time.time()
+        if command.get("stop_after"):
+            self.stop_after[command["id"]] = command["stop_after"]
+
+    def _policies(self, command: dict) -> dict:
+        self.scheduler.set_policies(command["policies"])
+        return {"policies": self.scheduler.policy_names}
+
+    def _scheduler(self, command: dict) -> dict:
+        return {"preemptions": self.scheduler.preemptions, "allocations_grown": self.scheduler.ledger.grown}
 
     def _blocks(self, command: dict) -> dict:
         pool = self.scheduler.kv_cache_manager.block_pool
@@ -178,18 +199,25 @@ class Driver:
             if times is None:
                 continue
             times += [now] * (len(output.outputs[0].token_ids) - len(times))
-            if output.finished:
+            stop = self.stop_after.get(output.request_id, len(times))
+            if len(times) >= stop and not output.finished:   # its `stop_after`: as if it sampled EOS
+                self.engine.abort_request([output.request_id])
+            if output.finished or len(times) >= stop:
                 del self.token_times[output.request_id]
-                reply({"done": output.request_id, "added": self.added.pop(output.request_id), "token_times": times,
-                       "token_ids": list(output.outputs[0].token_ids),
+                self.stop_after.pop(output.request_id, None)
+                reply({"done": output.request_id, "added": self.added.pop(output.request_id),
+                       "token_times": times[:stop], "token_ids": list(output.outputs[0].token_ids)[:stop],
                        "cached_tokens": output.num_cached_tokens, "kv_transfer_params": output.kv_transfer_params})
 
 
-def sampling(max_tokens: int, kv_transfer_params: dict | None):
+def sampling(max_tokens: int, kv_transfer_params: dict | None, targets: dict | None = None):
     from vllm import SamplingParams
 
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                          extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None)
+    from kvmesh.services.engine.vllm_backend.policy_hooks import TARGETS
+
+    extra = {**({"kv_transfer_params": kv_transfer_params} if kv_transfer_params else {}),
+             **({TARGETS: targets} if targets else {})}
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra or None)
 
 
 def reply(answer: dict) -> None:

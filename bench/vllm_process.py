@@ -24,13 +24,15 @@ class VllmProcess:
 
     def __init__(self, checkpoint: Path, role: str, cpu: str, log: Path, connector: str = "kvmesh",
                  data_port: int = 0, prefix_caching: bool = False, kv_bytes: int = 0, max_model_len: int = 2048,
-                 **settings: object):
+                 max_num_seqs: int = 8, scheduler: dict | None = None, **settings: object):
+        """`scheduler`: run KVMeshScheduler with this additional_config["kvmesh"]; `settings`: the connector's."""
         self.role, self.log, self.data_port = role, log, data_port
         self.process = subprocess.Popen(
             [PYTHON, "-m", "kvmesh.bench.vllm_instance", str(checkpoint), "--role", role, "--cpu", cpu,
              "--connector", connector, "--data-port", str(data_port), "--settings", json.dumps(settings),
-             "--kv-bytes", str(kv_bytes), "--max-model-len", str(max_model_len),
-             *(["--prefix-caching"] if prefix_caching else [])],
+             "--kv-bytes", str(kv_bytes), "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+             *(["--prefix-caching"] if prefix_caching else []),
+             *(["--kvmesh-scheduler", json.dumps(scheduler)] if scheduler is not None else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"), text=True, cwd=ROOT)
 
     def ready(self) -> None:
