@@ -199,10 +199,11 @@ class Driver:
             if times is None:
                 continue
             times += [now] * (len(output.outputs[0].token_ids) - len(times))
-            stop = self.stop_after.get(output.request_id, len(times))
-            if len(times) >= stop and not output.finished:   # its `stop_after`: as if it sampled EOS
+            stop = self.stop_after.get(output.request_id)   # None: it runs to max_tokens
+            reached = stop is not None and len(times) >= stop
+            if reached and not output.finished:   # as if it sampled EOS there
                 self.engine.abort_request([output.request_id])
-            if output.finished or len(times) >= stop:
+            if output.finished or reached:
                 del self.token_times[output.request_id]
                 self.stop_after.pop(output.request_id, None)
                 reply({"done": output.request_id, "added": self.added.pop(output.request_id),

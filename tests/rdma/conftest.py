@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvmesh.libs.rdma.backends import BACKENDS, open_endpoint, unavailable_reason
@@ -38,16 +39,31 @@ async def endpoints(backend):
         await endpoint.close()
 
 
+def private_buffer(nbytes: int) -> np.ndarray:
+    return np.zeros(nbytes, dtype=np.uint8)
+
+
+MEMORY = {"shared": shared_buffer, "private": private_buffer}
+
+
+@pytest.fixture(params=list(MEMORY))
+def memory(request) -> str:
+    """Where registered buffers live: a shared file (the native engine's pools; shm maps it) or
+    private memory (vLLM's KV cache; shm reads it by cross-memory attach)."""
+    return request.param
+
+
 @pytest.fixture
-def buffer():
-    """Memory every backend can register (shared memory, which shm needs and the others accept)."""
-    return shared_buffer
+def buffer(memory):
+    """Allocates the test's buffers in that memory."""
+    return MEMORY[memory]
 
 
 class PeerProcess:
-    def __init__(self, backend: str, nbytes: int, seed: int):
+    def __init__(self, backend: str, nbytes: int, seed: int, memory: str):
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.rdma.peer", backend, TOKEN, str(nbytes), str(seed)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.rdma.peer", backend, TOKEN, str(nbytes), str(seed),
+                                      memory],
                                      stdout=subprocess.PIPE, cwd=ROOT, env=env, text=True)
         line = self.proc.stdout.readline()
         if not line:
@@ -62,11 +78,12 @@ class PeerProcess:
 
 
 @pytest.fixture
-def peer_process():
+def peer_process(memory):
+    """Starts peers whose pool is in the test's kind of memory."""
     started: list[PeerProcess] = []
 
     def start(backend: str, nbytes: int, seed: int = 0) -> PeerProcess:
-        started.append(PeerProcess(backend, nbytes, seed))
+        started.append(PeerProcess(backend, nbytes, seed, memory))
         return started[-1]
 
     yield start

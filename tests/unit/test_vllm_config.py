@@ -22,7 +22,6 @@ def vllm_engine(**settings) -> EngineConfig:
     ({"prefix_cache_cxl": True, "prefix_cache_sparsify": True}, "prefix_cache_sparsify are the native engine's"),
     ({"layer_staging_blocks": 8}, "layer_staging_blocks are the native engine's"),
     ({"policies": {"preemption_strategy": "swap"}}, "preemption_strategy are the native engine's"),
-    ({"dataplane": "shm"}, "shm data plane"),
     ({"block_size": 16}, "multiple of 32"),
 ])
 def test_what_only_the_native_engine_has_is_a_config_error(settings, message):

@@ -25,12 +25,14 @@ def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def pair(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmProcess, VllmProcess]]:
-    """A prefill (producer) and a decode (consumer) instance, one core each, started side by side."""
+    """A prefill (producer) and a decode (consumer) instance, one core each, started side by side, on the
+    shm data plane: vLLM's KV cache is private memory, which the consumer reads by cross-memory attach
+    (the engine service's tests run the tcp one)."""
     logs = tmp_path_factory.mktemp("vllm-logs")
     cores = sorted(os.sched_getaffinity(0))
     producer = VllmProcess(vllm_model, "kv_producer", str(cores[0]), logs / "producer.log", data_port=free_port(),
-                           lease_s=3.0)
-    consumer = VllmProcess(vllm_model, "kv_consumer", str(cores[-1]), logs / "consumer.log")
+                           lease_s=3.0, backend="shm")
+    consumer = VllmProcess(vllm_model, "kv_consumer", str(cores[-1]), logs / "consumer.log", backend="shm")
     try:
         producer.ready()
         consumer.ready()

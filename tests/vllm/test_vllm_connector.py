@@ -1,5 +1,5 @@
 """The kvmesh KV connector between two stock vLLM instances (vLLM's CPU build): prefill on one,
-decode on the other, the prompt's KV pulled one-sided over the tcp data plane."""
+decode on the other, the prompt's KV pulled one-sided over the shm data plane (conftest's `pair`)."""
 
 from __future__ import annotations
 

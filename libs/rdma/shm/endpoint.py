@@ -1,5 +1,7 @@
 """The shm backend: the tcp backend's connection and two-sided messages, with one-sided work done
-by the requester itself: it maps the owner's registered file once and a READ or WRITE is a copy.
+by the requester itself. Memory in a shared file (the native engine's pools) the requester maps once,
+and a READ or WRITE is a copy; private memory (vLLM's KV cache) it reaches by cross-memory attach
+(cma.py), the kernel copying between the two processes.
 
 The owner keeps control of its memory: a peer learns where region `rkey` lives only by asking
 (QUERY), which the owner refuses (and counts) for an unknown key, and a peer's access outside a
@@ -10,6 +12,7 @@ the connection, as a NIC would.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import socket
 import threading
 from pathlib import Path
@@ -23,6 +26,7 @@ from ..work import Completion, ConnectRefused, Opcode, RegistrationError, Segmen
 from ..tcp.endpoint import TcpEndpoint
 from ..tcp.queue_pair import TcpQueuePair
 from ..tcp.wire import Kind, header, recv_exact
+from . import cma
 from .copy import copy_segments
 from .shared import FileSpan, file_span
 
@@ -37,7 +41,8 @@ def host_identity() -> str:
 
 class ShmQueuePair(TcpQueuePair):
     def __init__(self, endpoint: ShmEndpoint, peer: str, cq, sock):
-        self._mapped: dict[int, tuple[RemoteRegion, memoryview]] = {}
+        # by rkey: the peer's region and its bytes here (a mapping of its file), or its pid (cma)
+        self._mapped: dict[int, tuple[RemoteRegion, memoryview | int]] = {}
         self._queries: dict[int, concurrent.futures.Future] = {}
         self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"shm-{peer}")
         self._posting = threading.Lock()
@@ -95,13 +100,21 @@ class ShmQueuePair(TcpQueuePair):
             self.fail(f"refused a local {opcode.name}: {reason}")
             return
         mine = local.view
-        if opcode is Opcode.READ:
+        if isinstance(peer_view, int):   # the peer's private memory, by its pid
+            move = cma.read if opcode is Opcode.READ else cma.write
+            try:
+                move(peer_view, mine, segments.local_offsets, segments.remote_addrs, segments.lengths)
+            except cma.CmaError as exc:
+                self.cq.deliver(Completion(wr_id, opcode, Status.TRANSPORT_ERROR, 0, str(exc)))
+                self.fail(str(exc))
+                return
+        elif opcode is Opcode.READ:
             copy_segments(mine, segments.local_offsets, peer_view, remote_offsets, segments.lengths)
         else:
             copy_segments(peer_view, remote_offsets, mine, segments.local_offsets, segments.lengths)
         self.cq.deliver(Completion(wr_id, opcode, Status.SUCCESS, segments.total_bytes))
 
-    def _peer_region(self, rkey: int) -> tuple[RemoteRegion | None, memoryview | None]:
+    def _peer_region(self, rkey: int) -> tuple[RemoteRegion | None, memoryview | int | None]:
         if rkey not in self._mapped:
             future = self._queries[rkey] = concurrent.futures.Future()
             self.link.send([header(Kind.QUERY, key=rkey)])
@@ -109,8 +122,14 @@ class ShmQueuePair(TcpQueuePair):
             if info is None:
                 return None, None
             region = RemoteRegion(addr=info["addr"], length=info["length"], rkey=rkey)
-            mapping = np.memmap(info["path"], dtype=np.uint8, mode="r+", offset=info["offset"], shape=(info["length"],))
-            self._mapped[rkey] = (region, memoryview(mapping))
+            if "pid" in info:
+                if info["pid_namespace"] != cma.pid_namespace():
+                    raise ValueError("the peer's private memory is in another pid namespace")
+                self._mapped[rkey] = (region, info["pid"])
+            else:
+                mapping = np.memmap(info["path"], dtype=np.uint8, mode="r+", offset=info["offset"],
+                                    shape=(info["length"],))
+                self._mapped[rkey] = (region, memoryview(mapping))
         return self._mapped[rkey]
 
     # frames (reader thread)
@@ -118,13 +137,15 @@ class ShmQueuePair(TcpQueuePair):
     def _serve_query(self, status: int, rkey: int, wr_id: int, n: int) -> None:
         span = self.endpoint.spans.get(rkey)
         region = self.endpoint.regions.get(rkey)
-        if span is None or region is None:
+        if rkey not in self.endpoint.spans or region is None:
             reason = f"unknown remote key {rkey}"
             self.endpoint.refuse_access(self.peer, reason)
             self.link.send([header(Kind.REGION, key=rkey, status=Status.REMOTE_ACCESS_ERROR)],
                            after=lambda: self.fail(f"refused the peer's access: {reason}"))
             return
-        body = msgpack.packb({"addr": region.addr, "length": region.length, "path": span.path, "offset": span.offset})
+        where = ({"path": span.path, "offset": span.offset} if span is not None
+                 else {"pid": os.getpid(), "pid_namespace": cma.pid_namespace()})
+        body = msgpack.packb({"addr": region.addr, "length": region.length, **where})
         self.link.send([header(Kind.REGION, key=rkey, n=len(body)), body])
 
     def _land_region(self, status: int, rkey: int, wr_id: int, n: int) -> None:
@@ -150,16 +171,19 @@ class ShmEndpoint(TcpEndpoint):
 
     def __init__(self, token: str, host: str = "127.0.0.1", port: int = 0):
         super().__init__(token, host, port)
-        self.spans: dict[int, FileSpan] = {}
+        self.spans: dict[int, FileSpan | None] = {}   # by rkey: its shared file, None for private memory
 
     def _register(self, region: MemoryRegion) -> MemoryRegion:
-        region = super()._register(region)
         span = file_span(region.addr, region.length)
         if span is None:
-            raise RegistrationError(
-                "the shm backend registers only memory in a shared file mapping (allocate it with "
-                "kvmesh.libs.rdma.shm.shared.shared_tensor/shared_buffer, or torch.from_file(path, shared=True)); "
-                f"the buffer at {region.addr:#x} is private memory")
+            reason = cma.unavailable_reason()
+            if reason is not None:
+                raise RegistrationError(
+                    f"the buffer at {region.addr:#x} is private memory, which peers read by cross-memory attach, "
+                    f"not possible here ({reason}); allocate it in a shared file instead "
+                    "(kvmesh.libs.rdma.shm.shared.shared_tensor/shared_buffer, or torch.from_file(path, shared=True))")
+            cma.allow_peers()
+        region = super()._register(region)
         self.spans[region.rkey] = span
         return region
 

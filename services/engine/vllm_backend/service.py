@@ -319,9 +319,6 @@ def check_config(config: EngineConfig) -> None:
     if config.prefix_cache_cxl and not config.prefix_caching:
         raise ConfigError("prefix_cache_cxl keeps prefix blocks vLLM's device cache lets go in the cxl tier: it "
                           "needs prefix_caching")
-    if config.dataplane == "shm":
-        raise ConfigError("backend vllm: the shm data plane needs the KV cache in a shared file, which vLLM's "
-                          "allocator does not make; use tcp or verbs")
     if config.device == "cpu" and config.block_size % CPU_BLOCK_MULTIPLE:
         raise ConfigError(f"backend vllm: vLLM on the CPU needs block_size a multiple of {CPU_BLOCK_MULTIPLE}, "
                           f"got {config.block_size}")
