@@ -79,6 +79,7 @@ def run(quick: bool) -> BenchResult:
     requests = trace.requests(n, seed=1)
     blocks = _pool_blocks(trace)
     runs: dict[tuple[str, float], RunStats] = {}
+    planned: dict[str, int] = {}   # by method@rate: preemptions the allocation plan named
     LOGS.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as workdir, Progress(transient=True) as progress:
         task = progress.add_task("predictor", total=None)
@@ -106,6 +107,7 @@ def run(quick: bool) -> BenchResult:
                                for e, t, b in zip(lengths, *slos.ms())]
                     runs[method.name, rate] = driver.serve(method, requests, poisson_arrivals(n, rate, seed=2),
                                                            targets, trace.output.high, lambda: progress.advance(task))
+                    planned[f"{method.name}@{rate:.1f}"] = driver.planned
                 if method.name == SLO_UNAWARE[-1]:
                     slos.calibrate([runs[m, r] for m in SLO_UNAWARE for r in rates])
         finally:
@@ -129,7 +131,8 @@ def run(quick: bool) -> BenchResult:
         config={"trace": TRACE, "requests_per_run": n, "train_requests": n_train, "model": MODEL, "dtype": "float32",
                 "block_size": BLOCK_SIZE, "pool_blocks": blocks, "reserved_blocks": RESERVED_BLOCKS,
                 "capacity_req_s": capacity, "rate_fractions_of_capacity": list(fractions),
-                "sustained_req_s": summary["sustained"], "compared_at_req_s": at, "sustain_factor": SUSTAIN_FACTOR,
+                "sustained_req_s": summary["sustained"], "planned_preemptions": planned, "compared_at_req_s": at,
+                "sustain_factor": SUSTAIN_FACTOR,
                 "methods": {m.name: {"policies": m.policies, "estimate": m.estimate} for m in METHODS}},
         rows=rows, plots=[plot_sweep({TRACE: summary}, methods=METHODS, path=PLOT)],
         headline=(f"vLLM at {at:.1f} req/s: P99 TBT {ratios['p99_tbt_ratio_block_vs_cacheopt']:.2f}x and P99 TTFT "
@@ -163,6 +166,7 @@ class _Driver:
     def __init__(self, instance: VllmProcess):
         self.instance = instance
         self.answers: queue.Queue = queue.Queue()
+        self.planned = 0   # the last run's preemptions the allocation plan named (the rest: vLLM's, out of blocks)
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -179,7 +183,7 @@ class _Driver:
     def serve(self, method: Method, requests, arrivals: np.ndarray, targets: list[dict | None], max_tokens: int,
               advance) -> RunStats:
         self.ask("policies", policies=method.policies)
-        before = self.ask("scheduler")["preemptions"]
+        before = self.ask("scheduler")
         start = time.time() + 0.2
         times: dict[int, list[float]] = {}
         sent = 0
@@ -198,6 +202,8 @@ class _Driver:
                                    f"{STALL_S:g} s") from None
             times[int(answer["done"])] = answer["token_times"]
             advance()
-        preempted = self.ask("scheduler")["preemptions"] - before
+        after = self.ask("scheduler")
+        preempted = after["preemptions"] - before["preemptions"]
+        self.planned = after["planned_preemptions"] - before["planned_preemptions"]
         served = [Served(start + arrivals[i], times[i], 0) for i in range(len(requests))]
         return RunStats(served, {"recompute": preempted}, max(s.times[-1] for s in served) - start)

@@ -19,7 +19,8 @@ lines prefixed with "@@ " on stdout (other output is vLLM's):
       (`targets` reach KVMeshScheduler's policies as the engine service passes them; `stop_after`
       ends the request after that many tokens, as if it sampled EOS, while its policies see max_tokens)
   {"op": "policies", "policies": {hook: name}} -> {"policies": {...}}: KVMeshScheduler's, switched
-  {"op": "scheduler"} -> {"preemptions": N, "allocations_grown": {...}}: KVMeshScheduler's counts, all time
+  {"op": "scheduler"} -> {"preemptions": N, "planned_preemptions": N, "allocations_grown": {...}}:
+      KVMeshScheduler's counts, all time (planned: victims its allocation plan named, not vLLM)
   {"op": "blocks"} -> {"free": N, "total": N}: vLLM's own block pool
   {"op": "digest", "blocks": [ids]} -> {"digest": hex}: sha256 of those blocks in every layer
   {"op": "pulled", "request": remote request id} -> {"blocks": [local ids], "bytes": N}: its latest pull
@@ -65,7 +66,8 @@ def main() -> None:
     parser.add_argument("--kv-bytes", type=int, default=0, help="the KV cache's size (default: 1 GiB)")
     parser.add_argument("--max-model-len", type=int, default=2048, help="at most what the KV cache holds")
     parser.add_argument("--kvmesh-scheduler", metavar="JSON",
-                        help='KVMeshScheduler with this additional_config["kvmesh"] ({"policies": ..., "allocation": ...})')
+                        help='KVMeshScheduler with this additional_config["kvmesh"]: {"policies": ..., '
+                             '"allocation": ...}')
     args = parser.parse_args()
     # One torch thread: vLLM binds its OMP threads to --cpu, but torch's intra-op pool still starts one
     # thread per core, and two instances side by side then fight over both cores (`kvmesh bench vllm`,
@@ -133,7 +135,8 @@ class Driver:
         return {"policies": self.scheduler.policy_names}
 
     def _scheduler(self, command: dict) -> dict:
-        return {"preemptions": self.scheduler.preemptions, "allocations_grown": self.scheduler.ledger.grown}
+        return {"preemptions": self.scheduler.preemptions, "planned_preemptions": self.scheduler.planned_preemptions,
+                "allocations_grown": self.scheduler.ledger.grown}
 
     def _blocks(self, command: dict) -> dict:
         pool = self.scheduler.kv_cache_manager.block_pool

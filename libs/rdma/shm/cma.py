@@ -64,12 +64,14 @@ def allow_peers() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_ptracer, ctypes.c_ulong(pr_set_ptracer_any), 0, 0, 0)
 
 
-def read(pid: int, local: memoryview, local_offsets: np.ndarray, remote_addrs: np.ndarray, lengths: np.ndarray) -> None:
+def read(pid: int, local: memoryview, local_offsets: np.ndarray, remote_addrs: np.ndarray,
+         lengths: np.ndarray) -> None:
     """local[local_offsets[i] : +lengths[i]] = process `pid`'s bytes at remote_addrs[i], for every i."""
     _transfer(_calls()[0], pid, local, local_offsets, remote_addrs, lengths)
 
 
-def write(pid: int, local: memoryview, local_offsets: np.ndarray, remote_addrs: np.ndarray, lengths: np.ndarray) -> None:
+def write(pid: int, local: memoryview, local_offsets: np.ndarray, remote_addrs: np.ndarray,
+          lengths: np.ndarray) -> None:
     """Process `pid`'s bytes at remote_addrs[i] = local[local_offsets[i] : +lengths[i]], for every i."""
     _transfer(_calls()[1], pid, local, local_offsets, remote_addrs, lengths)
 

@@ -63,6 +63,7 @@ class KVMeshScheduler(Scheduler):
         self.last_token_at: dict[str, tuple[int, float]] = {}   # tokens out so far, and when the last came
         self.held_back = 0   # all time: waiting requests kept out of a step by the admission or allocation policy
         self.preemptions = 0  # all time
+        self.planned_preemptions = 0   # of them, victims the allocation plan named before a step
         self.recent_preemptions: deque[str] = deque(maxlen=RECENT)   # the latest victims, first first
         # when each request was first scheduled (unix seconds), for its trace: read once it finishes,
         # the oldest forgotten past SCHEDULED_KEPT (requests aborted before they finished)
@@ -217,6 +218,7 @@ class KVMeshScheduler(Scheduler):
         """Preempt a running request before the step, as vLLM does within it (its id reaches the step's output)."""
         self.running.remove(victim)
         self._preempt_request(victim, time.monotonic())
+        self.planned_preemptions += 1
 
     def _take(self, requests) -> list:
         """Out of vLLM's waiting queue for this step."""
