@@ -14,8 +14,8 @@ Methods (engine policies; what the request's estimated length is):
   s3         s3, fcfs, recompute                               upper bound of its 50-token bucket (scaled)
   cacheopt   cacheopt, cacheopt order, sweet_spot (1 reserved) Eq. 3-4 padding in the predicted direction
   /CKA /RSA /PA /GR /PP /PSS: cacheopt without one part (section 5.2): 10% padding; FCFS selection
-  with RLP allocation; m = 0; no reservation; FCFS preemption order; recompute always. /VG:
-  without kvmesh's victim guard (policies/allocation/cacheopt.py), CacheOpt as printed.
+  with RLP allocation; m = 0; no reservation; FCFS preemption order; recompute always. +VG:
+  with kvmesh's victim guard (cacheopt_guarded, policies/allocation/cacheopt.py).
 The baselines hold no global reservation. Every method runs the `tiny` model (bfloat16 where the CPU
 computes it natively, else float32) with a KV pool that holds about `POOL_REQUESTS` mean requests
 and at least two of the longest, so KV is what they compete for.
@@ -89,7 +89,7 @@ ABLATIONS = (Method("/CKA", COOPT, "cka", RESERVED),
              Method("/GR", COOPT, "ours", {"kv_reserved_blocks": 0}),
              Method("/PP", {**COOPT, "preemption_order": "fcfs"}, "ours", RESERVED),
              Method("/PSS", {**COOPT, "preemption_strategy": "recompute"}, "ours", RESERVED),
-             Method("/VG", {**COOPT, "kv_allocation": "cacheopt_as_printed"}, "ours", RESERVED))
+             Method("+VG", {**COOPT, "kv_allocation": "cacheopt_guarded"}, "ours", RESERVED))
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ Methods (KVMeshScheduler's policies; the request's estimated length):
   block      block_at_a_time, latest arrival preempted first   vLLM's own; no estimate read
   rlp        estimate, the same order                          predicted + 100 tokens (scaled)
   cacheopt   cacheopt allocation and preemption order          Eq. 3-4 padding in the predicted direction
-  as_printed the same without kvmesh's victim guard            the same
+  guarded    the same with kvmesh's victim guard               the same
   oracle     as cacheopt                                       the true length: the ceiling of allocation
                                                                by estimate
 The ledger keeps one block (32 tokens, 2-4% of the pool) as CacheOpt's global reservation.
@@ -66,7 +66,7 @@ COOPT = {"kv_allocation": "cacheopt", "preemption_order": "cacheopt", "prefill_a
 METHODS = (Method("block", {"kv_allocation": "block_at_a_time", **VLLM_ORDER}, "none"),
            Method("rlp", {"kv_allocation": "estimate", **VLLM_ORDER}, "rlp"),
            Method("cacheopt", COOPT, "ours"),
-           Method("as_printed", {**COOPT, "kv_allocation": "cacheopt_as_printed"}, "ours"),
+           Method("guarded", {**COOPT, "kv_allocation": "cacheopt_guarded"}, "ours"),
            Method("oracle", COOPT, "oracle"))
 SLO_UNAWARE = ("block", "rlp")
 

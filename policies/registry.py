@@ -11,7 +11,7 @@ HOOKS: dict[str, dict[str, Callable]] = {
     "prefill_admission": {"fcfs": admission.fcfs, "layerkv": scheduling.layerkv, "car": scheduling.car},
     "kv_allocation": {"block_at_a_time": allocation.block_at_a_time, "estimate": allocation.estimate,
                       "rlp": allocation.estimate, "s3": allocation.s3, "cacheopt": allocation.cacheopt,
-                      "cacheopt_as_printed": allocation.cacheopt_as_printed},
+                      "cacheopt_guarded": allocation.cacheopt_guarded},
     "preemption_order": {"latest_arrival_first": preemption.latest_arrival_first,
                          "fcfs": preemption.latest_arrival_first, "srtf": preemption.srtf,
                          "lkvo": preemption.lkvo, "cacheopt": preemption.cacheopt},

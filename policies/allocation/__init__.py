@@ -2,9 +2,9 @@
 (CacheOpt 3.3 and its baselines). `plan` has the contract."""
 
 from .block import block_at_a_time
-from .cacheopt import cacheopt, cacheopt_as_printed
+from .cacheopt import cacheopt, cacheopt_guarded
 from .estimate import estimate, s3
 from .plan import AllocationInput, AllocationParams, AllocationPlan, Grant
 
 __all__ = ["AllocationInput", "AllocationParams", "AllocationPlan", "Grant", "block_at_a_time", "cacheopt",
-           "cacheopt_as_printed", "estimate", "s3"]
+           "cacheopt_guarded", "estimate", "s3"]

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from kvmesh.policies.allocation import (AllocationInput, AllocationParams, Grant, block_at_a_time, cacheopt,
-                                        cacheopt_as_printed, estimate, s3)
+                                        cacheopt_guarded, estimate, s3)
 from kvmesh.policies.allocation.cacheopt import (amortised_cut, choose_host, critical_demand, cut_weights,
                                                  embedding_start, spread_hosts)
 from kvmesh.policies.allocation.plan import critical_time, demand
@@ -121,14 +121,14 @@ def test_cacheopt_critical_requests_get_their_basic_need_even_by_preemption():
     assert plan.grants[0] == Grant("u", 108)  # its basic requirement, nothing left for anyone else
 
 
-def test_cacheopt_never_preempts_for_a_critical_request_one_whose_own_deadline_is_as_close():
+def test_the_guarded_cacheopt_never_preempts_for_a_critical_request_one_whose_deadline_is_as_close():
     # u is critical (RT 20 ms, T_I^max 20 ms); the victims are r (next token due in 30 ms, under
     # 2 x T_I^max: it would miss it once preempted) and loose (due in 500 ms).
     urgent = req("u", prompt=100, ttft_slo_ms=20.0, estimate_len=50)
     running = [req("r", generated=5, allocation=53, tbt_slo_ms=30.0, last_token_at=0.0),
                req("loose", generated=5, allocation=53, tbt_slo_ms=500.0, last_token_at=0.0)]
     step = batch([urgent], running=running, unallocated=60)
-    guarded, printed = cacheopt(step), cacheopt_as_printed(step)
+    guarded, printed = cacheopt_guarded(step), cacheopt(step)
     assert guarded.preempt_tokens == printed.preempt_tokens == 48
     assert guarded.critical == {"u", "r"} and printed.critical == {"u"}
 
