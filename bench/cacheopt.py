@@ -223,10 +223,15 @@ def _predictor_rows(name: str, trace: Trace, requests: list[TraceRequest], predi
 
 # -- serving --------------------------------------------------------------------------------------
 
-def _engine(trace: Trace, method: Method):
+def pool_blocks(trace: Trace, block_size: int) -> int:
+    """A KV pool of about POOL_REQUESTS mean requests of the trace, and at least LONGEST_IN_POOL of its longest."""
     mean_total = trace.prompt.mean + trace.output.mean
     longest = trace.prompt.high + trace.output.high
-    blocks = max(math.ceil(POOL_REQUESTS * mean_total / BLOCK_SIZE), math.ceil(LONGEST_IN_POOL * longest / BLOCK_SIZE))
+    return max(math.ceil(POOL_REQUESTS * mean_total / block_size), math.ceil(LONGEST_IN_POOL * longest / block_size))
+
+
+def _engine(trace: Trace, method: Method):
+    blocks = pool_blocks(trace, BLOCK_SIZE)
     return build_engine(EngineConfig(model="tiny", dtype=fastest_dtype("cpu"), block_size=BLOCK_SIZE, device_blocks=blocks * 4,
                                      cxl_blocks=blocks * 8, prefix_caching=False, policies=method.policies,
                                      swap_profile_repeats=1, **method.overrides))

@@ -5,7 +5,7 @@ in one run.
 The ShareGPT trace of `kvmesh bench cacheopt` (CacheOpt Table 1, lengths scaled by 1/4) with that
 bench's embedding predictor (trained on 1,000 requests, 400 with --quick). One vLLM instance (its CPU
 build from .venv-vllm, one core, the `tiny` model in float32, 32-token blocks) runs KVMeshScheduler
-over a KV pool of about POOL_REQUESTS mean requests, at least two of the longest; the policies are
+over `bench cacheopt`'s KV pool (about 3 mean requests, at least 2 of the longest); the policies are
 switched between runs. A request ends at its trace length (the instance aborts it there, as if it
 sampled EOS) while its max_tokens is the trace's longest output, so no policy reads its length. The
 block baseline's capacity is measured with every request there at once; each method then serves
@@ -29,7 +29,6 @@ slo_attainment_block, preemptions_block, preemptions_cacheopt; the oracle's in t
 
 from __future__ import annotations
 
-import math
 import queue
 import tempfile
 import threading
@@ -42,13 +41,14 @@ from rich.progress import Progress
 from kvmesh.services.engine.models import PRESETS, save_preset_checkpoint
 from kvmesh.services.predictor.encoder import encoder
 
-from .cacheopt import (POOL_REQUESTS, SUSTAIN_FACTOR, Method, Slos, estimates, metrics_of, plot_sweep, predictions,
+from .cacheopt import (SUSTAIN_FACTOR, Method, Slos, estimates, metrics_of, plot_sweep, pool_blocks, predictions,
                        summary_at_rates)
 from .cacheopt_serving import RunStats, Served
 from .cacheopt_traces import TRACES, Trace
 from .loadgen import poisson_arrivals
 from .report import BenchResult, Row
 from .vllm_instance import BLOCK_SIZE
+from .vllm import read_answers
 from .vllm_process import VllmProcess, vllm_missing
 
 MODEL = "tiny"
@@ -56,7 +56,6 @@ TRACE = "sharegpt"
 LOGS = Path("bench-results/vllm-logs")
 PLOT = Path("bench-results/vllm_cacheopt.png")
 RATE_FRACTIONS = (0.6, 0.9, 1.2)
-LONGEST_IN_POOL = 2
 RESERVED_BLOCKS = 1
 MAX_NUM_SEQS = 64  # well past what the pool holds: KV, not the sequence limit, is what the methods compete for
 STALL_S = 120.0    # a run with no request ending for this long has hung
@@ -79,7 +78,7 @@ def run(quick: bool) -> BenchResult:
     n, n_train = (60, 400) if quick else (150, 1000)
     fractions = RATE_FRACTIONS[::2] if quick else RATE_FRACTIONS
     requests = trace.requests(n, seed=1)
-    blocks = _pool_blocks(trace)
+    blocks = pool_blocks(trace, BLOCK_SIZE)
     runs: dict[tuple[str, float], RunStats] = {}
     planned: dict[str, int] = {}   # by method@rate: preemptions the allocation plan named
     LOGS.mkdir(parents=True, exist_ok=True)
@@ -148,13 +147,6 @@ def _block_bytes() -> int:
     return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * BLOCK_SIZE * 4   # K and V, float32
 
 
-def _pool_blocks(trace: Trace) -> int:
-    """About POOL_REQUESTS mean requests, and at least LONGEST_IN_POOL of the longest."""
-    mean_total = trace.prompt.mean + trace.output.mean
-    longest = trace.prompt.high + trace.output.high
-    return max(math.ceil(POOL_REQUESTS * mean_total / BLOCK_SIZE), math.ceil(LONGEST_IN_POOL * longest / BLOCK_SIZE))
-
-
 def _capacity(driver: _Driver, trace: Trace, requests, advance) -> float:
     """Requests per second vLLM's block allocation completes with every request there at once."""
     stats = driver.serve(METHODS[0], requests, np.zeros(len(requests)), [None] * len(requests), trace.output.high,
@@ -169,18 +161,11 @@ class _Driver:
         self.instance = instance
         self.answers: queue.Queue = queue.Queue()
         self.planned = 0   # the last run's preemptions the allocation plan named (the rest: vLLM's, out of blocks)
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        try:
-            while True:
-                self.answers.put(self.instance.answer())
-        except (RuntimeError, ValueError):   # it exited
-            return
+        threading.Thread(target=read_answers, args=(instance, 0, self.answers), daemon=True).start()
 
     def ask(self, op: str, **fields: object) -> dict:
         self.instance.send(op, **fields)
-        return self.answers.get(timeout=STALL_S)
+        return self.answers.get(timeout=STALL_S)[1]
 
     def serve(self, method: Method, requests, arrivals: np.ndarray, targets: list[dict | None], max_tokens: int,
               advance) -> RunStats:
@@ -196,7 +181,7 @@ class _Driver:
                                    targets=targets[sent], stop_after=request.output_len)
                 sent += 1
             try:
-                answer = self.answers.get(timeout=0.002 if sent < len(requests) else STALL_S)
+                _, answer = self.answers.get(timeout=0.002 if sent < len(requests) else STALL_S)
             except queue.Empty:
                 if sent < len(requests):
                     continue

@@ -74,9 +74,8 @@ class Ledger:
         unallocated; False, and nothing changed, if it does not."""
         if grant.tokens is None:
             return True
-        holders = {r.request_id: r for r in self.holders()}
         if grant.hosts:
-            hosts = [(holders.get(host_id), tokens) for host_id, tokens in grant.hosts]
+            hosts = [(self._holder(host_id), tokens) for host_id, tokens in grant.hosts]
             if any(h is None or h.allocation is None or h.allocation - tokens < h.num_tokens for h, tokens in hosts):
                 return False
             for host, tokens in hosts:
@@ -86,12 +85,12 @@ class Ledger:
         else:
             more = self.promised(request, grant.tokens) - self.promised(request, request.allocation)
             # With nobody holding a place nobody would ever free KV: then the reservation may go too.
-            others = any(r is not request for r in holders.values())
+            others = any(r is not request for r in self.holders())
             room = self.unallocated_tokens() if others else self.headroom() * self.block_size
             if more > 0 and more * self.block_size > room:
                 return False
         request.allocation = grant.tokens
-        lender = holders.get(grant.lender) if grant.lender else None
+        lender = self._holder(grant.lender) if grant.lender else None
         if lender is not None:
             lender.passes.append((request.request_id, grant.lent))
         return True
@@ -133,9 +132,11 @@ class Ledger:
 
     def settle(self, request: Allottee) -> None:
         """The request ends or loses its place: hand on the allocation it owes, drop its own."""
-        holders = {r.request_id: r for r in self.holders()}
         for request_id, tokens in request.passes:
-            beneficiary = holders.get(request_id)
+            beneficiary = self._holder(request_id)
             if beneficiary is not None and beneficiary.allocation is not None:
                 beneficiary.allocation += tokens
         request.allocation, request.passes, request.guests = None, [], []
+
+    def _holder(self, request_id: str) -> Allottee | None:
+        return next((r for r in self.holders() if r.request_id == request_id), None)

@@ -58,7 +58,6 @@ class Scheduler:
         self.policies = policies
         self.max_num_seqs = max_num_seqs
         self.token_budget = token_budget
-        self.allocation = allocation
         # LayerKV: blocks a layer of a step may stage (half the runner's staging area; 0: none), and
         # how many of them this step's chunks use.
         self.staging_half = staging_half
@@ -171,7 +170,7 @@ class Scheduler:
         if request.tier != "device":
             promised += max(0, blocks_for(request.allocation, self.blocks.block_size) - request.blocks_per_layer) \
                 if request.allocation is not None else 0
-        reserved = self.allocation.reserved_blocks if self.allots_ahead else 0
+        reserved = self.ledger.params.reserved_blocks if self.allots_ahead else 0
         return free_after >= 0 and free_after // layers - promised >= reserved
 
     def _stages(self, request: Request, n: int) -> bool:
@@ -189,7 +188,7 @@ class Scheduler:
         batch = AllocationInput(waiting=self._admission_order(now),
                                 running=[view(r) for r in self.running], unallocated=self.ledger.grantable_tokens(),
                                 token_budget=self.token_budget - running_tokens,
-                                max_iteration_s=max(self.iteration_s, default=0.0), now=now, params=self.allocation)
+                                max_iteration_s=max(self.iteration_s, default=0.0), now=now, params=self.ledger.params)
         allocation: AllocationPlan = self.policies.kv_allocation(batch)
         by_id = {r.request_id: r for r in self.running}
         for grant in allocation.grants:
@@ -231,7 +230,7 @@ class Scheduler:
             request = self.swapped[0]
             n = min(request.num_tokens - request.num_computed, budget)
             target = blocks_for(request.num_computed + n, self.blocks.block_size)
-            room = self.ledger.headroom() - (self.allocation.reserved_blocks if self.allots_ahead else 0)
+            room = self.ledger.headroom() - (self.ledger.params.reserved_blocks if self.allots_ahead else 0)
             if room < max(target, request.blocks_per_layer):
                 break
             self.blocks.swap_in(request)

@@ -107,8 +107,9 @@ class KVMeshScheduler(Scheduler):
         finally:
             if held:
                 self._put_back(held)
-        for request in list(self.waiting):   # granted a place it did not get: the allotment goes back
-            self._settle(request)
+        if self.allotments:   # granted a place it did not get: the allotment goes back
+            for request in list(self.waiting):
+                self._settle(request)
         for new in output.scheduled_new_reqs:
             self.scheduled_at.setdefault(new.req_id, now)
         while len(self.scheduled_at) > SCHEDULED_KEPT:
