@@ -2,13 +2,12 @@
 
 The `small` model (8 layers, bfloat16 where the CPU computes it natively, else float32; 2 torch
 threads) serves in-process: real compute, with idle time before an arrival skipped
-(cacheopt_serving.replay). `small` rather than `tiny`: a half of the staging area (by default a
-quarter of the device tier) runs one layer of each request a step stages, so it runs L/4 times the
-requests the tier holds with every layer: twice for 8 layers, no gain for tiny's 4. Every method
-gets the same device tier, sized so that it holds DEVICE_HOLDS of the longest requests with every
-layer (so the baseline runs one at a time and queues the next for blocks, LayerKV 2.2), and a cxl
-tier that holds them all. LayerKV's staging area is carved out of that device tier, so LayerKV has
-half the room there for KV kept resident.
+(cacheopt_serving.replay). `small` rather than `tiny`: LayerKV stages offloaded layers in free
+device blocks, two for each block of one layer of each request a step stages, so with every layer
+offloaded the tier runs L/2 times the requests it holds with every layer resident: 4 times for 8
+layers, twice for tiny's 4. Every method gets the same device tier, sized so that it holds
+DEVICE_HOLDS of the longest requests with every layer (so the baseline runs one at a time and
+queues the next for blocks, LayerKV 2.2), and a cxl tier that holds them all.
 
 Methods (engine policies):
   fcfs           prefill_admission fcfs, layer_offload none          (vLLM)
@@ -195,10 +194,10 @@ def _engine(method: str, profile: list[LayerProfile]) -> Engine:
         engine.layer_profile = profile[0]
         engine.blocks.use_layer_costs(profile[0].prefill_cost, profile[0].offload_cost)
     # A request with an offloaded layer runs only when that layer's whole context fits in a half of
-    # the staging area: a longer one, once offloaded, would never be scheduled again.
+    # the staging area: a longer one would keep every layer.
     longest = blocks_for(LONGEST + OUTPUT_LEN, BLOCK_SIZE)
-    if engine.runner.staging is not None and engine.runner.staging.half < longest:
-        raise AssertionError(f"the staging area's halves hold {engine.runner.staging.half} blocks, less than one "
+    if engine.scheduler.layered and engine.scheduler.staging_cap < longest:
+        raise AssertionError(f"the staging area's halves hold {engine.scheduler.staging_cap} blocks, less than one "
                              f"layer of the longest request ({longest})")
     return engine
 

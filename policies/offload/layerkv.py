@@ -66,7 +66,7 @@ def layerkv(inp: OffloadInput) -> OffloadPlan:
     """x per admitted request from Eq. 3 and 4; under a forecast shortfall, halve the device layers
     of the most recently scheduled running requests first, and if that is not enough take them all
     to none (3.1.1: "starting with x/2 layers. If this proves insufficient, the full offloading");
-    with room to spare above the threshold, bring offloaded layers back."""
+    with room to spare above the threshold and nobody waiting, bring offloaded layers back."""
     pool = inp.pool
     retain = {}
     if pool.prefill_cost is not None and pool.offload_cost is not None:
@@ -79,7 +79,14 @@ def layerkv(inp: OffloadInput) -> OffloadPlan:
                                                                           inp.params.horizon_stages, pool.block_size))
     if short > 0:
         return OffloadPlan(retain=retain, shrink=_shrink(inp.running, pool.num_layers, short))
-    return OffloadPlan(retain=retain, restore=_restore(inp.running, pool.num_layers, -short, inp.params.horizon_stages))
+    if inp.admitting:  # free blocks stage the requests about to be admitted before they keep anyone's layers
+        return OffloadPlan(retain=retain)
+    # Each step, every request with an offloaded layer borrows two blocks (the staging area's halves)
+    # for each block of a layer: room a restore must leave.
+    staging = 2 * sum(r.blocks_per_layer for r in inp.running
+                      if r.device_layers is not None and r.device_layers < pool.num_layers)
+    return OffloadPlan(retain=retain, restore=_restore(inp.running, pool.num_layers, -short - staging,
+                                                       inp.params.horizon_stages))
 
 
 def _restore(running: Sequence[RequestView], num_layers: int, slack: int, horizon: int) -> dict[str, int]:

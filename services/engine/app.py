@@ -168,9 +168,9 @@ def build_service(config: EngineConfig) -> Service:
     async def set_policy(request: web.Request, body: PolicyNames) -> PolicyNames:
         """Switch engine-level policies by name, between two steps."""
         def switch() -> tuple[dict[str, str], list[Frame]]:
-            if body.policies.get("layer_offload", "none") != "none" and not engine.scheduler.staging_half:
-                raise KeyError("layer_offload needs a staging area in the device tier: start the engine with "
-                               "a cxl tier and layer_staging_blocks > 0, or with a layer_offload policy configured")
+            if body.policies.get("layer_offload", "none") != "none" and not engine.scheduler.staging_cap:
+                raise KeyError("layer_offload needs a cxl tier to offload to: start the engine with cxl_blocks "
+                               "or cxl_bytes")
             engine.scheduler.policies.set(body.policies)
             return dict(engine.scheduler.policies.names), []
         try:

@@ -486,6 +486,15 @@ class BlockManager:
         request.cached_nodes = []
         request.num_committed = 0
 
+    def lend(self, n: int) -> list[int]:
+        """n device blocks for one step's LayerKV staging, held by no request (see give_back)."""
+        return self._take(n)
+
+    def give_back(self, blocks: Iterable[int]) -> None:
+        """Return blocks lent for a step."""
+        for block in blocks:
+            self._drop(self.device, block)
+
     def _shared(self, block: int) -> bool:
         return block in self._named["device"] or self.device.refs(block) > 1
 

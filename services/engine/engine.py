@@ -259,10 +259,11 @@ class Engine:
         pushing = [c.request for c in sampling if c.request.push is not None]
         self.runner.model.after_layer = self._pusher(pushing) if pushing else None
         try:
-            logits = self.runner.run(plan.chunks, self.blocks.layer_loads())
+            logits = self.runner.run(plan.chunks, self.blocks.layer_loads(), plan.staging)
         finally:
             self.runner.model.after_layer = None
             self.blocks.loads_done()
+            self.blocks.give_back([*plan.staging[0], *plan.staging[1]])
         failed = {r.request_id: error for r in pushing if (error := r.push.wait()) is not None}
         tokens, logprobs = sample(logits, [c.request.sampling for c in sampling],
                                   [c.request.generator for c in sampling]) if sampling else ([], [])

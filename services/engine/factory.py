@@ -81,9 +81,8 @@ class EngineConfig(ServiceConfig, kw_only=True):
     swap_profile: Literal["auto", "on", "off"] = "auto"
     swap_profile_lengths: list[int] = []  # tokens; empty: 5 spaced geometrically from one block to the context
     swap_profile_repeats: Annotated[int, msgspec.Meta(ge=1)] = 3  # timings at each length; the median counts
-    # LayerKV: offloaded layers are computed in a staging area carved from the device tier.
-    layer_staging_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: half the device tier when a layer_offload
-                                                                  # policy is configured; else none
+    # LayerKV: offloaded layers are computed in a staging area each step lends from the free device blocks.
+    layer_staging_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0  # the most a step may lend; 0: the device tier
     layer_free_threshold: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.1  # Eq. 5: offload retained layers when
                                                                   # free device blocks are forecast below this share
     layer_forecast_stages: Annotated[int, msgspec.Meta(ge=1)] = 8  # how far ahead Eq. 5 looks, in stages of
@@ -128,6 +127,7 @@ def build_engine(config: EngineConfig) -> Engine:
     device_blocks = config.device_blocks or shape.blocks_in(config.device_bytes)
     cxl_blocks = config.cxl_blocks or shape.blocks_in(config.cxl_bytes)
     staging = staging_blocks(config, device_blocks, cxl_blocks)
+    layerkv = bool(config.layer_staging_blocks) or uses_layerkv(config, "layer_offload")
     if config.prefix_cache_cxl and not (cxl_blocks and config.prefix_caching):
         raise ConfigError("prefix_cache_cxl keeps prefix-cache nodes in the cxl tier: it needs prefix_caching and a "
                           "cxl tier (cxl_blocks or cxl_bytes)")
@@ -137,24 +137,21 @@ def build_engine(config: EngineConfig) -> Engine:
         # A decode engine pulls whole blocks: the slots a sparsified node dropped would reach it unmasked.
         raise ConfigError("prefix_cache_sparsify is for engines that decode what they cache (role both or decode), "
                           "not role prefill")
-    if staging >= device_blocks:
-        raise ConfigError(f"layer_staging_blocks ({staging}) leaves nothing of the device tier's {device_blocks} "
-                          "blocks for KV; give the device tier more room or the staging area less")
-    pools = {"device": KVPool("device", device_blocks - staging, shape, config.device,
-                              shared.get("device"), staging_blocks=staging)}
+    pools = {"device": KVPool("device", device_blocks, shape, config.device, shared.get("device"))}
     if cxl_blocks:
         pools["cxl"] = KVPool("cxl", cxl_blocks, shape, "cpu", config.cxl_path or shared.get("cxl"))
     policies = Policies(config.policies)
     blocks = BlockManager(pools, spec.num_layers, policies, model=config.model, prefix_caching=config.prefix_caching,
                           cache_cxl=config.prefix_cache_cxl, high_water=config.cache_high_water)
     scheduler = Scheduler(blocks, policies, config.max_num_seqs, config.token_budget, allocation_params(config),
-                          staging_half=staging // 2, offload=OffloadParams(
+                          staging_cap=staging // 2, offload=OffloadParams(
                               threshold_blocks=int(config.layer_free_threshold * pools["device"].num_blocks),
                               horizon_stages=config.layer_forecast_stages),
                           reuse=Reuse(blocks, WindowParams(config.car_window, config.car_max_wait_ms / 1e3)))
+    if layerkv:  # LayerKV 3.1.3: copies between the tiers in chunks, each after a check of the link
+        blocks.copy = ChunkedCopier(chunk_blocks=config.layer_copy_chunk_blocks)
     layer_staging = None
     if staging:
-        blocks.copy = ChunkedCopier(chunk_blocks=config.layer_copy_chunk_blocks)
         layer_staging = LayerStaging(pools["device"], pools["cxl"], blocks.copy, config.layer_copy_thread)
     reloads = None
     if blocks.cache_cxl:  # CaR: reloads at a request's turn copy layer by layer inside its step
@@ -192,16 +189,19 @@ def uses_layerkv(config: EngineConfig, hook: str) -> bool:
 
 
 def staging_blocks(config: EngineConfig, device_blocks: int, cxl_blocks: int) -> int:
-    """LayerKV's staging area: as configured, or half the device tier when a layer_offload policy
-    is configured. A half of the area holds one layer of every request a step stages, so a quarter
-    of the tier there runs L/4 times the requests the whole tier holds with every layer on it (the
-    other half keeps retained layers, and requests too long to stage)."""
-    if not (config.layer_staging_blocks or uses_layerkv(config, "layer_offload")):
-        return 0
+    """The most device blocks a step may lend for LayerKV's staging area: as configured, else the
+    whole device tier (its free blocks bound it then); none without a cxl tier. A half of the area
+    holds one layer of every request the step stages, so with every layer offloaded a tier of free
+    blocks runs L/2 times the requests it holds with every layer on it."""
     if not cxl_blocks:
-        raise ConfigError("layer-wise offloading (layer_offload, layer_staging_blocks) needs a cxl tier to offload "
-                          "to: set cxl_blocks or cxl_bytes")
-    return config.layer_staging_blocks or device_blocks // 2
+        if config.layer_staging_blocks or uses_layerkv(config, "layer_offload"):
+            raise ConfigError("layer-wise offloading (layer_offload, layer_staging_blocks) needs a cxl tier to "
+                              "offload to: set cxl_blocks or cxl_bytes")
+        return 0
+    if config.layer_staging_blocks > device_blocks or config.layer_staging_blocks == 1:
+        raise ConfigError(f"layer_staging_blocks ({config.layer_staging_blocks}) is lent from the device tier's "
+                          f"{device_blocks} blocks in two halves: at least 2 and at most the tier")
+    return config.layer_staging_blocks or device_blocks
 
 
 def wants_layer_profile(config: EngineConfig) -> bool:

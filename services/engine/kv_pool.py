@@ -35,16 +35,14 @@ class BlockShape:
 
 
 class KVPool:
-    """`num_blocks` blocks to allocate; past them, `staging_blocks` more that the allocator never
-    hands out: LayerKV's staging area, where offloaded layers' KV is computed and read in place."""
+    """`num_blocks` blocks of one tier, with their free list and reference counts."""
 
     def __init__(self, tier: str, num_blocks: int, shape: BlockShape, device: torch.device | str = "cpu",
-                 path: str | Path | None = None, staging_blocks: int = 0):
+                 path: str | Path | None = None):
         if num_blocks <= 0:
             raise ValueError(f"the {tier} pool needs at least one block, got {num_blocks}")
         self.tier, self.shape, self.num_blocks = tier, shape, num_blocks
-        self.staging = range(num_blocks, num_blocks + staging_blocks)
-        dims = (num_blocks + staging_blocks, 2, shape.block_size, shape.num_kv_heads, shape.head_dim)
+        dims = (num_blocks, 2, shape.block_size, shape.num_kv_heads, shape.head_dim)
         if path is not None:
             numel = dims[0] * 2 * shape.block_size * shape.num_kv_heads * shape.head_dim
             self.tensor = torch.from_file(str(path), shared=True, size=numel, dtype=shape.dtype).view(dims)
@@ -63,8 +61,7 @@ class KVPool:
         self.sparse: dict[int, int] = {}
 
     def track_tokens(self, scores: bool) -> None:
-        """Keep a per-slot mask of present KV, and per-slot attention scores if `scores` (every
-        block: staging too)."""
+        """Keep a per-slot mask of present KV, and per-slot attention scores if `scores`."""
         rows = (self.tensor.shape[0], self.shape.block_size)
         self.valid = torch.ones(rows, dtype=torch.bool, device=self.tensor.device)
         self.scores = torch.zeros(rows, dtype=torch.float32, device=self.tensor.device) if scores else None

@@ -1,9 +1,9 @@
 """LayerKV's execution side (3.1.2, 4): running layers whose KV lives in the cxl tier.
 
 The attention kernel reads KV in place from the device pool, so an offloaded layer is computed in a
-staging area at the end of that pool (KVPool.staging). Each step, every request with offloaded
-layers gets the same slice of staging blocks in each such layer; the layers take turns between the
-two halves of the area. Around each staged layer's attention:
+staging area of device blocks the scheduler lends for the step from the free ones (Plan.staging).
+Each step, every request with offloaded layers gets the same slice of staging blocks in each such
+layer; the layers take turns between the two halves of the area. Around each staged layer's attention:
 
 - before: wait for this layer's load (its context, cxl -> staging) and start the next staged
   layer's load into the other half, so it overlaps this layer's compute;
@@ -187,17 +187,16 @@ class LayerLoads:
 
 
 class LayerStaging:
-    """The staging area of a device pool and the copies in and out of it."""
+    """The copies in and out of a step's staging area in a device pool."""
 
     def __init__(self, device: KVPool, cxl: KVPool, copier: ChunkedCopier, thread: bool = False):
-        if len(device.staging) < 2:
-            raise ValueError(f"LayerKV's staging area needs at least 2 blocks, got {len(device.staging)}")
         self.device, self.cxl, self.copier = device, cxl, copier
-        self.half = len(device.staging) // 2   # blocks per half: what one staged layer of a step may use
         self.side = SideCopies(device.tensor.device, copier, thread)
 
-    def prepare(self, chunks: Sequence[ScheduledChunk], tables: np.ndarray) -> StagedStep | None:
-        """The step's staged layers, or None when no request in it has an offloaded layer."""
+    def prepare(self, chunks: Sequence[ScheduledChunk], tables: np.ndarray,
+                area: tuple[list[int], list[int]]) -> StagedStep | None:
+        """The step's staged layers in `area` (the two halves lent for the step), or None when no
+        request in the step has an offloaded layer."""
         block_size = self.device.shape.block_size
         offsets, used = [], 0   # each staged sequence's first block within a half
         for chunk in chunks:
@@ -206,8 +205,9 @@ class LayerStaging:
                 used += chunk.request.blocks_per_layer
         if used == 0:
             return None
-        if used > self.half:
-            raise AssertionError(f"the step stages {used} blocks a layer, the staging area holds {self.half}")
+        if used > min(map(len, area)):
+            raise AssertionError(f"the step stages {used} blocks a layer, its staging area's halves hold "
+                                 f"{[len(half) for half in area]}")
         tables = tables.copy()  # the runner keeps its tables across steps
         # Staged layers alternate between the halves in the order they compute.
         halves = {layer: i % 2 for i, layer in enumerate(sorted({l for c in chunks for l in c.request.offloaded}))}
@@ -219,8 +219,7 @@ class LayerStaging:
             loaded = blocks_for(request.num_computed, block_size)      # blocks holding context already computed
             written = request.num_computed // block_size                # first block this step writes into
             for layer in request.offloaded:
-                first = self.device.staging[halves[layer] * self.half + offsets[s]]
-                staged = list(range(first, first + request.blocks_per_layer))
+                staged = area[halves[layer]][offsets[s]:offsets[s] + request.blocks_per_layer]
                 cxl_blocks = request.layers[layer].blocks
                 tables[layer, s, :len(staged)] = staged
                 loads[layer][0].extend(cxl_blocks[:loaded])

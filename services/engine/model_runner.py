@@ -38,9 +38,11 @@ class ModelRunner:
         self._tables: tuple[list[np.ndarray], np.ndarray] = ([], np.zeros(0))  # last step's rows and tables
 
     @torch.inference_mode()
-    def run(self, chunks: Sequence[ScheduledChunk], reloads: list[Copy] | None = None) -> torch.Tensor:
+    def run(self, chunks: Sequence[ScheduledChunk], reloads: list[Copy] | None = None,
+            staging: tuple[list[int], list[int]] = ([], [])) -> torch.Tensor:
         """Compute every chunk; logits [n, vocab] (float32) of the chunks that sample, in order.
-        `reloads`: one copy a layer into the device pool, each made before that layer's attention."""
+        `reloads`: one copy a layer into the device pool, each made before that layer's attention;
+        `staging`: the device blocks lent for the step's staging area, its two halves (LayerKV)."""
         requests = [c.request for c in chunks]
         lengths = [c.num_tokens for c in chunks]
         query_start = np.array([0, *accumulate(lengths)], dtype=np.int32)
@@ -49,7 +51,7 @@ class ModelRunner:
         # Token t of sequence s sits at position starts[s] + (t - query_start[s]).
         positions = np.repeat(starts - query_start[:-1], lengths) + np.arange(num_tokens)
         tables = self._block_tables(requests)
-        staged = self.staging.prepare(chunks, tables) if self.staging is not None else None
+        staged = self.staging.prepare(chunks, tables, staging) if self.staging is not None else None
         if staged is not None:
             tables = staged.tables
         seq_of_token = np.repeat(np.arange(len(chunks)), lengths)
@@ -61,7 +63,8 @@ class ModelRunner:
         block_tables = torch.from_numpy(tables).to(device)
         attention = StepAttention(self.pool.tensor, block_tables, torch.from_numpy(slots).to(device),
                                   torch.from_numpy((starts + lengths).astype(np.int32)).to(device),
-                                  torch.from_numpy(query_start).to(device), self.scale, valid=self._valid())
+                                  torch.from_numpy(query_start).to(device), self.scale,
+                                  valid=self._valid(staged is not None))
         if self.probe is not None:
             attention = self.probe.wrap(attention, block_tables, self._observed(chunks, starts + lengths, query_start))
         around = []   # the copies each layer's attention waits for, and their ends
@@ -81,11 +84,11 @@ class ModelRunner:
             hidden = hidden[torch.from_numpy(last.astype(np.int64)).to(device)]
         return self.model.logits(hidden)
 
-    def _valid(self) -> torch.Tensor | None:
+    def _valid(self, stages: bool) -> torch.Tensor | None:
         """The pool's slot mask when some block may be sparsified (CaR III-D): one of the device
         tier's, or one a staged layer loads this step; else none, and attention takes its unmasked path."""
         pool = self.pool
-        return pool.valid if pool.sparse or (pool.valid is not None and self.staging is not None) else None
+        return pool.valid if pool.sparse or (pool.valid is not None and stages) else None
 
     def _observed(self, chunks: Sequence[ScheduledChunk], ends: np.ndarray,
                   query_start: np.ndarray) -> list[tuple[int, int, int]]:

@@ -48,19 +48,22 @@ class Plan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[tuple[Request, str]] = field(default_factory=list)
     pulls: list[Request] = field(default_factory=list)  # decode role: given blocks, their KV to pull now
+    # LayerKV: device blocks lent for this step's staging area, its two halves (the engine gives them back).
+    staging: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
 
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, policies: Policies, max_num_seqs: int, token_budget: int,
-                 allocation: AllocationParams = AllocationParams(), staging_half: int = 0,
+                 allocation: AllocationParams = AllocationParams(), staging_cap: int = 0,
                  offload: OffloadParams = OffloadParams(), reuse: Reuse | None = None):
         self.blocks = blocks
         self.policies = policies
         self.max_num_seqs = max_num_seqs
         self.token_budget = token_budget
-        # LayerKV: blocks a layer of a step may stage (half the runner's staging area; 0: none), and
-        # how many of them this step's chunks use.
-        self.staging_half = staging_half
+        # LayerKV: the most blocks a staged layer of a step may use (0: no layer-wise offloading), and
+        # how many this step's chunks use. A step's staging area is lent from the device tier's free
+        # blocks, two of these a block: staged layers alternate between two halves.
+        self.staging_cap = staging_cap
         self.offload = offload
         self.reuse = reuse  # CaR: the Shuffled Window, scores and prefetch (services/engine/reuse.py)
         self._staged = 0
@@ -77,7 +80,7 @@ class Scheduler:
     @property
     def layered(self) -> bool:
         """Whether layer-wise offloading is on: a layer_offload policy and a staging area to run it in."""
-        return self.staging_half > 0 and self.policies.layer_offload is not no_offload
+        return self.staging_cap > 0 and self.policies.layer_offload is not no_offload
 
     @property
     def allots_ahead(self) -> bool:
@@ -174,12 +177,12 @@ class Scheduler:
         return free_after >= 0 and free_after // layers - promised >= reserved
 
     def _stages(self, request: Request, n: int) -> bool:
-        """Whether the staging area has room for this step's `n` tokens of the request (always, for
-        a request with every layer on the device)."""
-        if not (self.staging_half and request.offloaded):
+        """Whether a staging area can be lent for this step's `n` tokens of the request (always, for
+        a request with every layer on the device): within the cap, from the free device blocks."""
+        if not (self.staging_cap and request.offloaded):
             return True
         need = max(request.blocks_per_layer, blocks_for(request.num_computed + n, self.blocks.block_size))
-        return self._staged + need <= self.staging_half
+        return self._staged + need <= self.staging_cap and 2 * need <= self.blocks.free("device")
 
     def _plan_allocation(self, plan: Plan, now: float) -> list[Grant]:
         """Ask the allocation policy for this step's plan, apply its grants to running requests,
@@ -205,13 +208,10 @@ class Scheduler:
         return [g for g in allocation.grants if g.request_id not in by_id]
 
     def _schedule_running(self, plan: Plan, budget: int) -> int:
-        pending, kept, unstaged = list(self.running), [], []
+        pending, reserved = list(self.running), []
         while pending and budget > 0:
             request = pending.pop(0)
             n = min(request.num_tokens - request.num_computed, budget)
-            if not self._stages(request, n):  # no staging room this step: it goes first next step
-                unstaged.append(request)
-                continue
             while not self._reserve(request, n):
                 victim = self._pick_victim(pending + [request], short=request)
                 self._preempt(victim, plan)
@@ -219,10 +219,20 @@ class Scheduler:
                     break
                 pending.remove(victim)
             if request.status is Status.RUNNING:
+                reserved.append((request, n))
+                budget -= n
+        # Staging is lent once every running request has its blocks: it never costs one its place.
+        kept, unstaged = [], []
+        for request, n in reserved:
+            if self._stages(request, n):
                 self._chunk(request, n, plan)
                 kept.append(request)
-                budget -= n
+            else:  # no staging room this step: it goes first next step
+                unstaged.append(request)
+                budget += n
         self.running = unstaged + kept + pending
+        if unstaged and not kept:  # nothing runs that would free the blocks its staging waits for
+            self._preempt(unstaged[0], plan)
         return budget
 
     def _resume_swapped(self, plan: Plan, budget: int) -> int:
@@ -277,7 +287,7 @@ class Scheduler:
             n = min(request.num_tokens - request.num_computed, budget)
             if not cached and request.push is None and request.request_id in retain:
                 self._place(request, retain[request.request_id], n)
-            if not self._reserve(request, n):
+            if not self._reserve(request, n) or not self._stages(request, n):
                 self.blocks.release(request)  # give back the prefix it was lent; it waits its turn
                 self.ledger.settle(request)
                 request.num_computed = 0
@@ -318,8 +328,12 @@ class Scheduler:
         self._chunk(request, n, plan)
 
     def _chunk(self, request: Request, n: int, plan: Plan) -> None:
-        if self.staging_half and request.offloaded:
-            self._staged += request.blocks_per_layer
+        if self.staging_cap and request.offloaded:
+            need = request.blocks_per_layer
+            lent = self.blocks.lend(2 * need)
+            plan.staging[0].extend(lent[:need])
+            plan.staging[1].extend(lent[need:])
+            self._staged += need
         plan.chunks.append(ScheduledChunk(request, n))
 
     def _reserve(self, request: Request, n: int) -> bool:

@@ -54,7 +54,7 @@ def make(strategy: str = "recompute", device_blocks: int = 24, cxl_blocks: int =
          car: bool = False, sparsify: bool = False):
     """car: CaR's two-tier prefix cache, its admission (a window of 2) and score replacement;
     sparsify: and nodes that keep part of their tokens in the cxl tier (III-D)."""
-    pools = {"device": KVPool("device", device_blocks, SHAPE, staging_blocks=8 if offload != "none" else 0),
+    pools = {"device": KVPool("device", device_blocks, SHAPE),
              "cxl": KVPool("cxl", cxl_blocks, SHAPE)}
     policies = Policies({"preemption_strategy": strategy, "kv_allocation": allocation, "preemption_order": order,
                          "layer_offload": offload, **({"prefill_admission": "car", "cache_policy": "car"} if car else {})})
@@ -64,7 +64,7 @@ def make(strategy: str = "recompute", device_blocks: int = 24, cxl_blocks: int =
             pool.track_tokens(scores=tier == "device")
         blocks.keep_tokens = [BLOCK // 2, 1] + [BLOCK] * (LAYERS - 2)
     return blocks, Scheduler(blocks, policies, max_num_seqs=4, token_budget=budget, allocation=SMALL,
-                             staging_half=4 if offload != "none" else 0,
+                             staging_cap=4 if offload != "none" else 0,
                              reuse=Reuse(blocks, WindowParams(size=2, max_wait_s=3.0)))
 
 
@@ -77,6 +77,7 @@ def random_targets(rng: random.Random) -> Targets:
 def simulate_step(scheduler: Scheduler, now: float, rng: random.Random) -> None:
     """What the engine does after the model ran: advance, commit full blocks, append a token."""
     plan = scheduler.schedule(now)
+    scheduler.blocks.give_back([*plan.staging[0], *plan.staging[1]])  # lent for the model run only
     for chunk in plan.chunks:
         request = chunk.request
         samples = chunk.samples

@@ -159,13 +159,29 @@ async def test_policies_switch_at_run_time_and_unknown_ones_are_refused(client):
     await client.call("PUT", "/v1/policy", {"policies": {"preemption_strategy": "recompute"}})
 
 
-async def test_layer_offload_needs_the_staging_area_the_engine_started_without(client):
-    with pytest.raises(RemoteError) as refused:
-        await client.call("PUT", "/v1/policy", {"policies": {"layer_offload": "layerkv"}})
-    assert refused.value.status == 400 and "staging" in refused.value.message
-    names = await client.call("PUT", "/v1/policy", {"policies": {"prefill_admission": "layerkv"}}, into=dict)
-    assert names["policies"]["layer_offload"] == "none" and names["policies"]["prefill_admission"] == "layerkv"
-    await client.call("PUT", "/v1/policy", {"policies": {"prefill_admission": "fcfs"}})
+async def test_layer_offload_switches_on_at_run_time_and_keeps_greedy_output(client):
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9], "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    before = await generate(client, **prompt)
+    names = await client.call("PUT", "/v1/policy", {"policies": {"layer_offload": "layerkv"}}, into=dict)
+    assert names["policies"]["layer_offload"] == "layerkv"
+    try:
+        after = await generate(client, **prompt)
+    finally:
+        await client.call("PUT", "/v1/policy", {"policies": {"layer_offload": "none"}})
+    assert [f.token_ids for f in after] == [f.token_ids for f in before]
+
+
+async def test_layer_offload_needs_a_cxl_tier(tiny_checkpoint: Path, tmp_path: Path):
+    child = start_engine(tmp_path, tiny_checkpoint, KVMESH_ENGINE_CXL_BYTES="0")
+    try:
+        async with ServiceClient(child.url, token=TOKEN) as client:
+            with pytest.raises(RemoteError) as refused:
+                await client.call("PUT", "/v1/policy", {"policies": {"layer_offload": "layerkv"}})
+            assert refused.value.status == 400 and "cxl tier" in refused.value.message
+            names = await client.call("PUT", "/v1/policy", {"policies": {"prefill_admission": "layerkv"}}, into=dict)
+            assert names["policies"]["layer_offload"] == "none" and names["policies"]["prefill_admission"] == "layerkv"
+    finally:
+        child.stop()
 
 
 async def test_engine_registers_with_kvmeta_and_reports_its_load(kvmeta: Kvmeta, tiny_checkpoint: Path,

@@ -103,9 +103,9 @@ def test_layer_offload_without_a_cxl_tier_is_a_config_error(tiny_checkpoint):
         engine_for(tiny_checkpoint, policies=LAYERKV, cxl_blocks=0, cxl_bytes=0, layer_profile="off")
 
 
-def test_a_staging_area_as_big_as_the_device_tier_is_a_config_error(tiny_checkpoint):
+def test_a_staging_area_bigger_than_the_device_tier_is_a_config_error(tiny_checkpoint):
     with pytest.raises(ConfigError, match="staging"):
-        engine_for(tiny_checkpoint, device_blocks=64, layer_staging_blocks=64, layer_profile="off")
+        engine_for(tiny_checkpoint, device_blocks=64, layer_staging_blocks=65, layer_profile="off")
 
 
 def test_chunked_copier_splits_copies(tiny_checkpoint):
@@ -127,7 +127,7 @@ def test_chunked_copier_splits_copies(tiny_checkpoint):
 def test_the_eq5_forecast_offloads_retained_layers_under_a_memory_squeeze(tiny_checkpoint, reference):
     # No profile: admitted requests keep every layer, so only the forecast moves any. 90% of the
     # device tier as the threshold: with three 60-token requests in 96 blocks the forecast runs below it.
-    engine = engine_for(tiny_checkpoint, policies=LAYERKV, layer_profile="off", device_blocks=96 + 16,
+    engine = engine_for(tiny_checkpoint, policies=LAYERKV, layer_profile="off", device_blocks=96,
                         layer_staging_blocks=16, layer_free_threshold=0.9, prefix_caching=False)
     check(run_all(engine, prompts(3, seed=9, lengths=(50, 60)), GREEDY), reference)
     moved = engine.scheduler.layers_offloaded

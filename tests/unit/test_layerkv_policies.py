@@ -198,13 +198,21 @@ def test_room_above_the_threshold_brings_offloaded_layers_back_earliest_first():
                view("b", device_layers=0, blocks_per_layer=1, scheduled_at=3.0, predicted_output_median=90)]
     roomy = OffloadInput(admitting=[], running=running, pool=pool(free=100), now=0.0,
                          params=OffloadParams(threshold_blocks=10, horizon_stages=3))
-    # forecast 100 - 2 a stage: low 94, 84 above the threshold; a layer back costs its blocks and 3
-    # stages of growth: b (first scheduled) 4 x (1 + 3) = 16, then a 2 x (3 + 3) = 12
+    # forecast 100 - 2 a stage: low 94, 84 above the threshold, less 2 x (3 + 1) blocks the two
+    # stage each step: 76; a layer back costs its blocks and 3 stages of growth: b (first scheduled)
+    # 4 x (1 + 3) = 16, then a 2 x (3 + 3) = 12
     assert layerkv(roomy).restore == {"b": 4, "a": 2} and not layerkv(roomy).shrink
     tight = OffloadInput(admitting=[], running=running, pool=pool(free=100), now=0.0,
-                         params=OffloadParams(threshold_blocks=85, horizon_stages=3))
-    # 9 to spare: 2 of b's layers (4 each); then a's first costs 6: no room, and nobody overtakes a
+                         params=OffloadParams(threshold_blocks=77, horizon_stages=3))
+    # 17 above the threshold, 9 past the staging: 2 of b's layers (4 each); then a's first costs 6:
+    # no room, and nobody overtakes a
     assert layerkv(tight).restore == {"b": 2}
+    staged_only = OffloadInput(admitting=[], running=running, pool=pool(free=100), now=0.0,
+                               params=OffloadParams(threshold_blocks=87, horizon_stages=3))
+    assert layerkv(staged_only).restore == {}  # 7 above the threshold: the staging's 8 take it all
+    queued = OffloadInput(admitting=[view("w")], running=running, pool=pool(free=100), now=0.0,
+                          params=OffloadParams(threshold_blocks=10, horizon_stages=3))
+    assert layerkv(queued).restore == {}  # a request about to be admitted gets the room first
 
 
 def test_free_blocks_below_the_threshold_now_offload_even_if_the_forecast_recovers():
