@@ -9,7 +9,6 @@ default changed in the code moves the manifests with it when they are generated 
 
 from __future__ import annotations
 
-import importlib
 import tempfile
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -19,6 +18,7 @@ from typing import Any
 import tomli_w
 
 from kvmesh.libs.controlplane import ServiceConfig, load_config
+from kvmesh.services.configs import config_class
 
 NAMESPACE = "kvmesh"
 SERVICES = ("kvmeta", "predictor", "scheduler", "engine", "admission")  # every kvmesh service, in start order
@@ -63,7 +63,7 @@ class Settings:
 
     def config(self, service: str) -> ServiceConfig:
         """The service's config as the service itself reads it from this file (no environment)."""
-        cls = importlib.import_module(f"kvmesh.services.{service}.app").Config
+        cls = config_class(service)
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "kvmesh.toml"
             path.write_text(self.toml(service))

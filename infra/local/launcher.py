@@ -14,7 +14,6 @@ run directory reaches every admission and engine started after it.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import os
 import signal
@@ -27,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvmesh.libs.controlplane import ServiceConfig, load_config
+from kvmesh.services.configs import config_class
 
 from .processes import Child, StartError, port_in_use, redis_child, service_child, vllm_python
 from .state import ChildState, ClusterState, api_key, cluster_token, pid_alive, read_state, state_path, write_state
@@ -97,11 +97,14 @@ class _Cluster:
         self.python = vllm_python() if backend == "vllm" else sys.executable  # before anything starts
         self.backend = backend
 
-    def start(self, child: Child) -> None:
-        console.print(f"kvmesh: starting {child.name} ...")
-        self.children.append(child)
-        self.run(child)
-        child.wait_ready(timeout=120)
+    def start(self, *children: Child) -> None:
+        """Start the children side by side, then wait until each is ready."""
+        for child in children:
+            console.print(f"kvmesh: starting {child.name} ...")
+            self.children.append(child)
+            self.run(child)
+        for child in children:
+            child.wait_ready(timeout=120)
 
     def run(self, child: Child) -> None:
         """Start (or restart) the child's process, told of the policy swaps made so far."""
@@ -134,6 +137,7 @@ class _Cluster:
         threads = base.torch_threads or max(1, (os.cpu_count() or 1) // max(1, len(wanted)))
         taken = {int(c.url.rsplit(":", 1)[1]) for c in self.children if c.url.startswith("http")}
         cores = sorted(os.sched_getaffinity(0))
+        starting = []
         for index, spec in enumerate(wanted.values()):
             if spec.name in running:
                 continue
@@ -145,8 +149,9 @@ class _Cluster:
                    "KVMESH_ENGINE_PORT": str(port), "KVMESH_ENGINE_TORCH_THREADS": str(threads)}
             if self.backend == "vllm":
                 env.update(_vllm_engine_env(base, cores[index % len(cores)], threads))
-            self.start(service_child("engine", self.run_dir, f"http://{base.host}:{port}", env, self.config,
-                                     name=spec.name, python=self.python))
+            starting.append(service_child("engine", self.run_dir, f"http://{base.host}:{port}", env, self.config,
+                                          name=spec.name, python=self.python))
+        self.start(*starting)  # engines are independent of each other: they load their models at once
 
     def save(self, token_file: Path) -> None:
         write_state(self.run_dir, ClusterState(
@@ -155,7 +160,7 @@ class _Cluster:
                       for c in self.children]))
 
     def _config(self, name: str) -> ServiceConfig:
-        return load_config(importlib.import_module(f"kvmesh.services.{name}.app").Config, name, self.config,
+        return load_config(config_class(name), name, self.config,
                            env={**os.environ, **self.env})
 
 

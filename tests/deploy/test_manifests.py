@@ -6,7 +6,6 @@ are checked against what each service reads (its Config, through its own load_co
 
 from __future__ import annotations
 
-import importlib
 import json
 import tomllib
 from pathlib import Path
@@ -21,6 +20,7 @@ from kvmesh.infra.k8s.generate import generated_files, stale
 from kvmesh.infra.k8s.render import K8S, REPO, build, kustomize_command, overlays, render
 from kvmesh.infra.k8s.workloads import IMPLEMENTATION
 from kvmesh.libs.controlplane import ServiceConfig, load_config
+from kvmesh.services.configs import config_class
 
 from .manifests import (by_kind, env_of, kvmesh_containers, mounted_config_map, named, pod_templates,
                         selects)
@@ -69,10 +69,6 @@ def test_names_are_unique_and_namespaced(overlay):
     assert all(d["metadata"].get("namespace") == cluster.NAMESPACE for d in documents if d["kind"] != "Namespace")
 
 
-def _config_class(service: str) -> type[ServiceConfig]:
-    return importlib.import_module(f"kvmesh.services.{service}.app").Config
-
-
 def _loaded(documents: list[dict[str, Any]], item, tmp_path: Path) -> tuple[ServiceConfig, dict[str, str]]:
     """The container's config as its service will load it: the mounted TOML file and its env."""
     config_map = named(documents, "ConfigMap", mounted_config_map(item, cluster.CONFIG_DIR))
@@ -80,7 +76,7 @@ def _loaded(documents: list[dict[str, Any]], item, tmp_path: Path) -> tuple[Serv
     path = tmp_path / f"{item.workload['metadata']['name']}.toml"
     path.write_text(config_map["data"]["kvmesh.toml"])
     assert env["KVMESH_CONFIG"] == f"{cluster.CONFIG_DIR}/kvmesh.toml"
-    return load_config(_config_class(item.service), item.service, path, env=env), env
+    return load_config(config_class(item.service), item.service, path, env=env), env
 
 
 def test_each_service_reads_its_env_and_config_file(overlay, tmp_path):
@@ -89,7 +85,7 @@ def test_each_service_reads_its_env_and_config_file(overlay, tmp_path):
     items = kvmesh_containers(documents)
     assert {i.service for i in items} == set(cluster.SERVICES)
     for item in items:
-        fields = set(_config_class(item.service).__struct_fields__)
+        fields = set(config_class(item.service).__struct_fields__)
         config, env = _loaded(documents, item, tmp_path)
         for variable in env:
             if not variable.startswith("KVMESH_") or variable == "KVMESH_CONFIG":
