@@ -62,7 +62,7 @@ class Plan:
     rate: float | None    # requests/s; None: half the colocated saturation rate, calibrated in the run
 
 
-QUICK = Plan(pairs=4, window_s=3, drain_s=20, rate=8.0)
+QUICK = Plan(pairs=2, window_s=3, drain_s=20, rate=8.0)
 FULL = Plan(pairs=12, window_s=10, drain_s=30, rate=None)
 
 
