@@ -3,9 +3,9 @@
 The `small` model (8 layers, bfloat16 where the CPU computes it natively, else float32; 2 torch
 threads) serves in-process: real compute, with idle time before an arrival skipped
 (cacheopt_serving.replay). `small` rather than `tiny`: LayerKV stages offloaded layers in free
-device blocks, two for each block of one layer of each request a step stages, so with every layer
-offloaded the tier runs L/2 times the requests it holds with every layer resident: 4 times for 8
-layers, twice for tiny's 4. Every method gets the same device tier, sized so that it holds
+device blocks, two for each block of one layer of each request a step stages, at most half the tier
+by default, so it runs L/4 times the requests the tier holds with every layer resident: twice for 8
+layers, no gain for tiny's 4. Every method gets the same device tier, sized so that it holds
 DEVICE_HOLDS of the longest requests with every layer (so the baseline runs one at a time and
 queues the next for blocks, LayerKV 2.2), and a cxl tier that holds them all.
 

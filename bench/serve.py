@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,25 +151,38 @@ def run(quick: bool, target: str | None = None) -> BenchResult:
             sweeps = {w: runner.run(_calibrate(target, api_key, w, plan, progress, "target")) for w in plan.workloads}
             return _target_result(target, plan, quick, sweeps)
         sweeps, measured = {}, {}
-        with tempfile.TemporaryDirectory(prefix="kvmesh-bench-serve-") as tmp:
-            with _started(COLOCATED, Path(tmp), progress) as cluster:
-                for w in plan.workloads:
-                    sweeps[w] = runner.run(_calibrate(cluster.url, cluster.api_key, w, plan, progress, COLOCATED.label))
-                    measured[(COLOCATED.key, w)] = sweeps[w][-1]
+        # Every cluster starts up front and waits idle for its turn: one start-up on the clock, not one per setup.
+        with (tempfile.TemporaryDirectory(prefix="kvmesh-bench-serve-") as tmp,
+              started_together((COLOCATED, *plan.setups), Path(tmp), progress) as clusters):
+            colocated = clusters[COLOCATED.key]
+            for w in plan.workloads:
+                sweeps[w] = runner.run(_calibrate(colocated.url, colocated.api_key, w, plan, progress,
+                                                  COLOCATED.label))
+                measured[(COLOCATED.key, w)] = sweeps[w][-1]
             for setup in plan.setups:
-                with _started(setup, Path(tmp), progress) as cluster:
-                    for w in plan.workloads:
-                        measured[(setup.key, w)] = runner.run(_load(
-                            cluster.url, cluster.api_key, w, 2 * sweeps[w][-1].rate, plan, progress, setup.label))
+                cluster = clusters[setup.key]
+                for w in plan.workloads:
+                    measured[(setup.key, w)] = runner.run(_load(
+                        cluster.url, cluster.api_key, w, 2 * sweeps[w][-1].rate, plan, progress, setup.label))
     return _result(plan, quick, sweeps, measured)
 
 
 @contextlib.contextmanager
-def _started(setup: Setup, tmp: Path, progress: Progress) -> Iterator[LocalCluster]:
-    task = progress.add_task(f"starting {setup.label}", total=None)
-    with LocalCluster(setup, tmp / setup.key) as cluster:
+def started_together(setups: tuple[Setup, ...], tmp: Path, progress: Progress) -> Iterator[dict[str, LocalCluster]]:
+    """The clusters, started in parallel (each start mostly waits on its children), stopped at the end."""
+    task = progress.add_task(f"starting {' and '.join(s.label for s in setups)}", total=None)
+    clusters = {s.key: LocalCluster(s, tmp / s.key) for s in setups}
+    with contextlib.ExitStack() as stack:
+        with ThreadPoolExecutor(len(clusters)) as pool:
+            starts = {key: pool.submit(cluster.__enter__) for key, cluster in clusters.items()}
+        for key, start in starts.items():
+            if start.exception() is None:
+                stack.callback(clusters[key].__exit__)
+        failed = [start.exception() for start in starts.values() if start.exception() is not None]
+        if failed:
+            raise failed[0]
         progress.remove_task(task)
-        yield cluster
+        yield clusters
 
 
 async def _load(url: str, api_key: str | None, workload: str, rate: float, plan: Plan, progress: Progress,

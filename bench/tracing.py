@@ -19,12 +19,9 @@ reads the span file: its breakdown goes in the config, its plots next to the fil
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import tempfile
 from collections import Counter
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,7 +73,7 @@ def run(quick: bool) -> BenchResult:
           tempfile.TemporaryDirectory(prefix="kvmesh-bench-tracing-") as tmp):
         saturation = None if plan.rate is not None else _saturation_rate(runner, Path(tmp), progress)
         rate = plan.rate or saturation / 2
-        with _started_together((UNTRACED, traced), Path(tmp), progress) as clusters:
+        with serve.started_together((UNTRACED, traced), Path(tmp), progress) as clusters:
             loads = runner.run(_rounds(clusters, rate, plan, progress))
     return _result(plan, quick, rate, saturation, loads)  # the clusters have stopped: every span is written
 
@@ -87,24 +84,6 @@ def _saturation_rate(runner: asyncio.Runner, tmp: Path, progress: Progress) -> f
         sweep = runner.run(serve._calibrate(cluster.url, cluster.api_key, "arxiv", serve.QUICK, progress,
                                             COLOCATED.label))
     return sweep[-1].rate
-
-
-@contextlib.contextmanager
-def _started_together(setups: tuple[Setup, ...], tmp: Path, progress: Progress) -> Iterator[dict[str, LocalCluster]]:
-    """The clusters, started in parallel (each start mostly waits on its children), stopped at the end."""
-    task = progress.add_task(f"starting {' and '.join(s.label for s in setups)}", total=None)
-    clusters = {s.key: LocalCluster(s, tmp / s.key) for s in setups}
-    with contextlib.ExitStack() as stack:
-        with ThreadPoolExecutor(len(clusters)) as pool:
-            starts = {key: pool.submit(cluster.__enter__) for key, cluster in clusters.items()}
-        for key, start in starts.items():
-            if start.exception() is None:
-                stack.callback(clusters[key].__exit__)
-        failed = [start.exception() for start in starts.values() if start.exception() is not None]
-        if failed:
-            raise failed[0]
-        progress.remove_task(task)
-        yield clusters
 
 
 async def _rounds(clusters: dict[str, LocalCluster], rate: float, plan: Plan,

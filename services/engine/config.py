@@ -56,7 +56,7 @@ class EngineConfig(ServiceConfig, kw_only=True):
     swap_profile_lengths: list[int] = []  # tokens; empty: 5 spaced geometrically from one block to the context
     swap_profile_repeats: Annotated[int, msgspec.Meta(ge=1)] = 3  # timings at each length; the median counts
     # LayerKV: offloaded layers are computed in a staging area each step lends from the free device blocks.
-    layer_staging_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0  # the most a step may lend; 0: the device tier
+    layer_staging_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0  # the most a step may lend; 0: half the tier
     layer_free_threshold: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.1  # Eq. 5: offload retained layers when
                                                                   # free device blocks are forecast below this share
     layer_forecast_stages: Annotated[int, msgspec.Meta(ge=1)] = 8  # how far ahead Eq. 5 looks, in stages of

@@ -113,10 +113,10 @@ def uses_layerkv(config: EngineConfig, hook: str) -> bool:
 
 
 def staging_blocks(config: EngineConfig, device_blocks: int, cxl_blocks: int) -> int:
-    """The most device blocks a step may lend for LayerKV's staging area: as configured, else the
-    whole device tier (its free blocks bound it then); none without a cxl tier. A half of the area
-    holds one layer of every request the step stages, so with every layer offloaded a tier of free
-    blocks runs L/2 times the requests it holds with every layer on it."""
+    """The most device blocks a step may lend for LayerKV's staging area: as configured, else half
+    the device tier; none without a cxl tier. A half of the area holds one layer of every request the
+    step stages, so by default L/4 times the requests the tier holds with every layer on it. More
+    buys concurrency with copies every step that TPOT pays for on a CPU (docs/benchmarks.md)."""
     if not cxl_blocks:
         if config.layer_staging_blocks or uses_layerkv(config, "layer_offload"):
             raise ConfigError("layer-wise offloading (layer_offload, layer_staging_blocks) needs a cxl tier to "
@@ -125,7 +125,7 @@ def staging_blocks(config: EngineConfig, device_blocks: int, cxl_blocks: int) ->
     if config.layer_staging_blocks > device_blocks or config.layer_staging_blocks == 1:
         raise ConfigError(f"layer_staging_blocks ({config.layer_staging_blocks}) is lent from the device tier's "
                           f"{device_blocks} blocks in two halves: at least 2 and at most the tier")
-    return config.layer_staging_blocks or device_blocks
+    return config.layer_staging_blocks or device_blocks // 2
 
 
 def wants_layer_profile(config: EngineConfig) -> bool:

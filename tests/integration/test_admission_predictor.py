@@ -27,7 +27,7 @@ from .test_predictor_embedding import ENV as EMBEDDING_ENV
 from .test_predictor_embedding import LONG, SHORT, UNSEEN
 
 KEY = "sk-predictor-test"
-trained = embedding_tests.trained  # the fixture: `kvmesh predictor train` on 300 examples, once for this module
+trained = embedding_tests.trained  # the fixture: `kvmesh predictor train` on 300 examples, once a session
 
 
 @pytest.fixture(scope="module")

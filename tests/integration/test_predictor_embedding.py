@@ -49,7 +49,7 @@ def examples(n: int, seed: int) -> list[dict]:
             for wording, subject in rng.sample(prompts, n)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # read only: the predictor's tests and admission's share one training
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
     """`kvmesh predictor train` on 300 examples: the model directory, its meta and what it printed."""
     root = tmp_path_factory.mktemp("embedding")
