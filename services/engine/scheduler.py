@@ -293,6 +293,7 @@ class Scheduler:
                 request.num_computed = 0
                 return
             self.waiting.remove(request)
+            self.layers_offloaded["admitted"] += len(request.offloaded)
             if request.scheduled_at is None and self.reuse is not None:
                 self.reuse.admitted(request)
             request.scheduled_at = request.scheduled_at or now
@@ -312,15 +313,13 @@ class Scheduler:
         return True
 
     def _place(self, request: Request, keep: int, n: int) -> None:
-        """Keep `keep` of the request's layers on the device, interleaved across depth, if the
-        staging area can run the others this step; else it keeps them all."""
+        """Keep `keep` of the request's layers on the device, interleaved across depth; all of them if
+        its layers are too long ever to be staged. One that finds no staging room this step waits."""
         layers = self.blocks.num_layers
         if keep >= layers or not self.blocks.place(request, interleaved(layers, max(0, keep))):
             return
-        if not self._stages(request, n):
+        if blocks_for(request.num_computed + n, self.blocks.block_size) > self.staging_cap:
             self.blocks.place(request, range(layers))
-            return
-        self.layers_offloaded["admitted"] += layers - request.device_layers
 
     def _run(self, request: Request, n: int, plan: Plan) -> None:
         request.status = Status.RUNNING
