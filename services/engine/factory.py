@@ -50,8 +50,8 @@ def build_engine(config: EngineConfig) -> Engine:
     shared = shm_pool_paths(config)
     device_blocks = config.device_blocks or shape.blocks_in(config.device_bytes)
     cxl_blocks = config.cxl_blocks or shape.blocks_in(config.cxl_bytes)
-    staging = staging_blocks(config, device_blocks, cxl_blocks)
     layerkv = bool(config.layer_staging_blocks) or uses_layerkv(config, "layer_offload")
+    staging = staging_blocks(config, layerkv, device_blocks, cxl_blocks)
     if config.prefix_cache_cxl and not (cxl_blocks and config.prefix_caching):
         raise ConfigError("prefix_cache_cxl keeps prefix-cache nodes in the cxl tier: it needs prefix_caching and a "
                           "cxl tier (cxl_blocks or cxl_bytes)")
@@ -112,13 +112,13 @@ def uses_layerkv(config: EngineConfig, hook: str) -> bool:
     return config.policies.get(hook, registry.DEFAULTS[hook]) not in ("none", "fcfs")
 
 
-def staging_blocks(config: EngineConfig, device_blocks: int, cxl_blocks: int) -> int:
+def staging_blocks(config: EngineConfig, layerkv: bool, device_blocks: int, cxl_blocks: int) -> int:
     """The most device blocks a step may lend for LayerKV's staging area: as configured, else half
-    the device tier; none without a cxl tier. A half of the area holds one layer of every request the
+    the device tier; none without a cxl tier (an error if `layerkv`, LayerKV's offloading, is configured). A half of the area holds one layer of every request the
     step stages, so by default L/4 times the requests the tier holds with every layer on it. More
     buys concurrency with copies every step that TPOT pays for on a CPU (docs/benchmarks.md)."""
     if not cxl_blocks:
-        if config.layer_staging_blocks or uses_layerkv(config, "layer_offload"):
+        if layerkv:
             raise ConfigError("layer-wise offloading (layer_offload, layer_staging_blocks) needs a cxl tier to "
                               "offload to: set cxl_blocks or cxl_bytes")
         return 0

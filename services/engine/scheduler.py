@@ -231,8 +231,8 @@ class Scheduler:
                 unstaged.append(request)
                 budget += n
         self.running = unstaged + kept + pending
-        if unstaged and not kept:  # nothing runs that would free the blocks its staging waits for
-            self._preempt(unstaged[0], plan)
+        if unstaged and not kept:  # nothing runs that would free the blocks their staging waits for
+            self._preempt(self._pick_victim(unstaged), plan)
         return budget
 
     def _resume_swapped(self, plan: Plan, budget: int) -> int:
@@ -286,7 +286,7 @@ class Scheduler:
                 request.num_cached = cached
             n = min(request.num_tokens - request.num_computed, budget)
             if not cached and request.push is None and request.request_id in retain:
-                self._place(request, retain[request.request_id], n)
+                self._place(request, retain[request.request_id])
             if not self._reserve(request, n) or not self._stages(request, n):
                 self.blocks.release(request)  # give back the prefix it was lent; it waits its turn
                 self.ledger.settle(request)
@@ -312,13 +312,15 @@ class Scheduler:
         plan.pulls.append(request)
         return True
 
-    def _place(self, request: Request, keep: int, n: int) -> None:
+    def _place(self, request: Request, keep: int) -> None:
         """Keep `keep` of the request's layers on the device, interleaved across depth; all of them if
-        its layers are too long ever to be staged. One that finds no staging room this step waits."""
+        its layers could outgrow a half of the staging area (at its longest: its prompt and max_tokens).
+        One that finds no staging room this step waits."""
         layers = self.blocks.num_layers
         if keep >= layers or not self.blocks.place(request, interleaved(layers, max(0, keep))):
             return
-        if blocks_for(request.num_computed + n, self.blocks.block_size) > self.staging_cap:
+        longest = len(request.prompt_ids) + request.sampling.max_tokens
+        if blocks_for(longest, self.blocks.block_size) > self.staging_cap:
             self.blocks.place(request, range(layers))
 
     def _run(self, request: Request, n: int, plan: Plan) -> None:
