@@ -128,13 +128,19 @@ class Scheduler:
         retain = self._plan_offload(now) if self.layered else {}
         grants = self._plan_allocation(plan, now) if self.allots_ahead else None
         planned = len(plan.preempted)
-        budget = self._schedule_running(plan, self.token_budget)
+        reserved, budget = self._reserve_running(plan, self.token_budget)
+        # LayerKV runs prefills first, as vLLM (which it is built on) does: a decode gets the staging
+        # area they leave, and Algorithm 1 is what bounds them. Otherwise decodes are staged first.
+        if not self.layered:
+            budget = self._stage_running(plan, reserved, budget)
         if len(plan.preempted) == planned:  # nobody lost their place for want of blocks
             if not planned:  # room the plan made is for its waiting requests, not for the swapped ones
                 budget = self._resume_swapped(plan, budget)
             if self.reuse is not None and self.waiting and self.policies.names["prefill_admission"] == "car":
                 self.reuse.before_admission(list(self.waiting), self.running, now, views, self._tpop_s())
             self._admit_waiting(plan, budget, now, grants, retain)
+        if self.layered:
+            self._stage_running(plan, reserved, budget)
         return plan
 
     def _tpop_s(self) -> float:
@@ -207,7 +213,9 @@ class Scheduler:
             self._preempt(self._pick_victim(victims), plan)
         return [g for g in allocation.grants if g.request_id not in by_id]
 
-    def _schedule_running(self, plan: Plan, budget: int) -> int:
+    def _reserve_running(self, plan: Plan, budget: int) -> tuple[list[tuple[Request, int]], int]:
+        """Blocks for this step's tokens of each running request, in order, preempting by the policy
+        when they run short; the requests served and their token counts, and the budget left."""
         pending, reserved = list(self.running), []
         while pending and budget > 0:
             request = pending.pop(0)
@@ -221,17 +229,22 @@ class Scheduler:
             if request.status is Status.RUNNING:
                 reserved.append((request, n))
                 budget -= n
-        # Staging is lent once every running request has its blocks: it never costs one its place.
-        kept, unstaged = [], []
+        return reserved, budget
+
+    def _stage_running(self, plan: Plan, reserved: list[tuple[Request, int]], budget: int) -> int:
+        """Schedule the running requests that reserved their blocks, lending each the staging area its
+        offloaded layers need. Staging is lent once every running request has its blocks: it never
+        costs one its place. One with no room waits and goes first next step."""
+        unstaged = []
         for request, n in reserved:
             if self._stages(request, n):
                 self._chunk(request, n, plan)
-                kept.append(request)
-            else:  # no staging room this step: it goes first next step
+            else:
                 unstaged.append(request)
                 budget += n
-        self.running = unstaged + kept + pending
-        if unstaged and not kept:  # nothing runs that would free the blocks their staging waits for
+        waits = {id(r) for r in unstaged}
+        self.running = unstaged + [r for r in self.running if id(r) not in waits]
+        if unstaged and not plan.chunks:  # nothing runs that would free the blocks their staging waits for
             self._preempt(self._pick_victim(unstaged), plan)
         return budget
 

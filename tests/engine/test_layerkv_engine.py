@@ -98,6 +98,25 @@ def test_a_request_too_long_for_the_staging_area_keeps_every_layer(tiny_checkpoi
     assert_all_blocks_free(engine)
 
 
+def test_a_prefill_takes_the_staging_area_before_the_decodes(tiny_checkpoint, reference, monkeypatch):
+    monkeypatch.setitem(registry.HOOKS["layer_offload"], "keep", keep(0))
+    # Halves of 4 blocks: the decoding request's 2 and the new prompt's 3 do not fit in one step.
+    engine = engine_for(tiny_checkpoint, policies={"layer_offload": "keep"}, layer_profile="off",
+                        layer_staging_blocks=8, prefix_caching=False)
+    first_prompt, late_prompt = prompts(1, seed=11, lengths=(20, 20))[0], prompts(1, seed=12, lengths=(40, 40))[0]
+    first = engine.add("first", first_prompt, GREEDY)
+    engine.step()
+    engine.step()
+    late = engine.add("late", late_prompt, GREEDY)
+    engine.step()
+    # vLLM's order, which LayerKV is built on: the prefill runs, the decode waits a step
+    assert (len(first.output_ids), len(late.output_ids)) == (2, 1)
+    while engine.scheduler.has_work():
+        engine.step()
+    check([first, late], reference)
+    assert_all_blocks_free(engine)
+
+
 def test_layer_offload_without_a_cxl_tier_is_a_config_error(tiny_checkpoint):
     with pytest.raises(ConfigError, match="cxl tier"):
         engine_for(tiny_checkpoint, policies=LAYERKV, cxl_blocks=0, cxl_bytes=0, layer_profile="off")
