@@ -63,30 +63,50 @@ def none(inp: OffloadInput) -> OffloadPlan:
 
 
 def layerkv(inp: OffloadInput) -> OffloadPlan:
-    """x per admitted request from Eq. 3 and 4; under a forecast shortfall, halve the device layers
-    of the most recently scheduled running requests first, and if that is not enough take them all
-    to none (3.1.1: "starting with x/2 layers. If this proves insufficient, the full offloading");
-    with room to spare above the threshold and nobody waiting, bring offloaded layers back."""
+    """Per admitted request, every layer while the forecast has room for them, else x from Eq. 3
+    and 4 (3.1.2: the layers kept follow "available device memory and the total token count");
+    under a forecast shortfall, halve the device layers of the most recently scheduled running
+    requests first, and if that is not enough take them all to none (3.1.1: "starting with x/2
+    layers. If this proves insufficient, the full offloading"); with room to spare above the
+    threshold and nobody waiting, bring offloaded layers back."""
     pool = inp.pool
-    retain = {}
-    if pool.prefill_cost is not None and pool.offload_cost is not None:
-        for r in inp.admitting:
-            seqlen = r.num_tokens - r.num_computed
-            retain[r.request_id] = retained_layers(seqlen, prefill_time_s(seqlen, pool.prefill_cost), pool.offload_cost)
     free = pool.free.get("device", 0)
     # Below the threshold now, or at any stage of the horizon
     short = inp.params.threshold_blocks - min(free, *forecast_free_blocks(free, inp.running, pool.num_layers,
                                                                           inp.params.horizon_stages, pool.block_size))
-    if short > 0:
-        return OffloadPlan(retain=retain, shrink=_shrink(inp.running, pool.num_layers, short))
-    if inp.admitting:  # free blocks stage the requests about to be admitted before they keep anyone's layers
-        return OffloadPlan(retain=retain)
     # Each step, every request with an offloaded layer borrows two blocks (the staging area's halves)
-    # for each block of a layer: room a restore must leave.
+    # for each block of a layer: room that keeping or restoring layers must leave.
     staging = 2 * sum(r.blocks_per_layer for r in inp.running
                       if r.device_layers is not None and r.device_layers < pool.num_layers)
+    retain = _retain(inp, -short - staging)
+    if short > 0:
+        return OffloadPlan(retain=retain, shrink=_shrink(inp.running, pool.num_layers, short))
+    if inp.admitting:  # free blocks go to the requests about to be admitted before they keep anyone's layers
+        return OffloadPlan(retain=retain)
     return OffloadPlan(retain=retain, restore=_restore(inp.running, pool.num_layers, -short - staging,
                                                        inp.params.horizon_stages))
+
+
+def _retain(inp: OffloadInput, slack: int) -> dict[str, int]:
+    """Of each request about to be admitted, in order, the layers it keeps: all of them while
+    `slack` (forecast room above the threshold) holds its prompt and a block a stage of the horizon
+    on every layer; otherwise x (Eq. 4), and the two blocks per block of a layer its staging
+    borrows. Without a profile, every layer (absent)."""
+    pool, retain = inp.pool, {}
+    if pool.prefill_cost is None or pool.offload_cost is None:
+        return retain
+    for r in inp.admitting:
+        blocks = -(-r.num_tokens // pool.block_size)
+        per_layer = blocks + inp.params.horizon_stages
+        if pool.num_layers * per_layer <= slack:
+            retain[r.request_id] = pool.num_layers
+            slack -= pool.num_layers * per_layer
+            continue
+        seqlen = r.num_tokens - r.num_computed
+        x = retained_layers(seqlen, prefill_time_s(seqlen, pool.prefill_cost), pool.offload_cost)
+        retain[r.request_id] = x
+        slack -= x * per_layer + (2 * blocks if x < pool.num_layers else 0)
+    return retain
 
 
 def _restore(running: Sequence[RequestView], num_layers: int, slack: int, horizon: int) -> dict[str, int]:

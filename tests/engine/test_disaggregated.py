@@ -31,10 +31,11 @@ def cluster(request, tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFac
                                  KVMESH_ENGINE_ENGINE_ID="p0", **common),
         "decode": launch_engine(run_dir / "decode", tiny_checkpoint, KVMESH_ENGINE_ROLE="decode",
                                 KVMESH_ENGINE_ENGINE_ID="d0", KVMESH_ENGINE_DEVICE_BLOCKS="320", **common),
-        # LayerKV: on a CPU a copy to the cxl tier hides under any prefill (Eq. 4 gives x = 0), so the
-        # prompts' KV is held in the cxl tier and the decode engine pulls it from there.
+        # LayerKV: on a CPU a copy to the cxl tier hides under any prefill (Eq. 4 gives x = 0), and the
+        # whole device tier as the threshold leaves no room to keep a layer there, so the prompts'
+        # KV is held in the cxl tier and the decode engine pulls it from there.
         "prefill_layerkv": launch_engine(run_dir / "prefill-layerkv", tiny_checkpoint, KVMESH_ENGINE_ROLE="prefill",
-                                         KVMESH_ENGINE_ENGINE_ID="p1",
+                                         KVMESH_ENGINE_ENGINE_ID="p1", KVMESH_ENGINE_LAYER_FREE_THRESHOLD="1",
                                          KVMESH_ENGINE_POLICIES='{"layer_offload": "layerkv"}', **common),
     }
     try:

@@ -36,16 +36,29 @@ def test_offloaded_layers_keep_greedy_output_identical(tiny_checkpoint, referenc
     assert_all_blocks_free(engine)
 
 
-def test_layerkv_offloads_every_layer_when_the_link_hides_under_prefill(tiny_checkpoint, reference):
-    engine = engine_for(tiny_checkpoint, policies=LAYERKV, layer_profile="off")
-    # Eq. 4 with an unbounded link costs nothing to hide: x = 0 for every prompt.
+def layerkv_engine(tiny_checkpoint, **overrides):
+    """A LayerKV engine whose Eq. 4 has an unbounded link: it costs nothing to hide, x = 0 for every prompt."""
+    engine = engine_for(tiny_checkpoint, policies=LAYERKV, layer_profile="off", **overrides)
     engine.blocks.use_layer_costs(PrefillCost(alpha=1.0, num_params=10**6, hidden_size=256, flops_per_s=1e9),
                                   OffloadCost(beta=1.0, num_layers=4, head_dim=64, num_kv_heads=2, bytes_per_element=4,
                                               bandwidth_bytes_per_s=float("inf")))
+    return engine
+
+
+def test_layerkv_offloads_every_layer_the_device_has_no_room_for(tiny_checkpoint, reference):
+    # 153 of 256 blocks held back as the threshold leave 103. Prompts of 33, 36, 40 and 59 tokens
+    # need 3, 3, 3 and 4 blocks a layer and 8 stages of growth: 44 blocks for every layer of each of
+    # the first two (15 left), then the last two offload every layer (x = 0); back once room returns.
+    engine = layerkv_engine(tiny_checkpoint, device_blocks=256, layer_free_threshold=0.6)
     check(run_all(engine, prompts(4, seed=4), GREEDY), reference)
-    # every layer starts in the cxl tier; the device has room, so the forecast brings them back
-    assert engine.scheduler.layers_offloaded["admitted"] == 4 * 4
-    assert engine.scheduler.layers_offloaded["restored"] == 4 * 4
+    assert engine.scheduler.layers_offloaded == {"admitted": 2 * 4, "forecast": 0, "restored": 2 * 4}
+    assert_all_blocks_free(engine)
+
+
+def test_layerkv_keeps_every_layer_while_the_device_has_room(tiny_checkpoint, reference):
+    engine = layerkv_engine(tiny_checkpoint)
+    check(run_all(engine, prompts(4, seed=4), GREEDY), reference)
+    assert engine.scheduler.layers_offloaded == {"admitted": 0, "forecast": 0, "restored": 0}
     assert_all_blocks_free(engine)
 
 

@@ -187,6 +187,24 @@ def test_no_shortfall_no_offloading_and_x_for_each_admitted_request():
     assert plan.retain == {"w": retained_layers(1000, prefill_time_s(1000, PREFILL), OFFLOAD)}
 
 
+def test_a_request_keeps_every_layer_while_the_forecast_has_room_for_them():
+    admitting = [view("w1"), view("w2"), view("w3", num_tokens=1000), view("w4")]
+
+    def retain(threshold: int, running: list[RequestView]) -> dict[str, int]:
+        return layerkv(OffloadInput(admitting=admitting, running=running, pool=pool(free=100), now=0.0,
+                                    params=OffloadParams(threshold_blocks=threshold, horizon_stages=3))).retain
+
+    # 90 above the threshold; a 100-token prompt keeps its 7 blocks and 3 stages of growth on every
+    # layer: 4 x 10 = 40. w1 and w2 take 80; w3 (63 + 3 blocks a layer) does not fit in 10 and keeps
+    # x = 0 (Eq. 4: its 5.0 s prefill hides a 4 ms offload), its staging takes 2 x 63; w4 then gets x.
+    assert retain(10, []) == {"w1": 4, "w2": 4, "w3": 0, "w4": 0}
+    # A running request with every layer offloaded stages 5 blocks a layer each step: 2 x 5 less room.
+    # 100 - 20 - 10 = 70: w1 takes 40, w2's 40 no longer fits.
+    staged = view("s", device_layers=0, blocks_per_layer=5, predicted_output_median=90)
+    assert retain(20, [staged]) == {"w1": 4, "w2": 0, "w3": 0, "w4": 0}
+    assert retain(20, []) == {"w1": 4, "w2": 4, "w3": 0, "w4": 0}
+
+
 def test_without_a_profile_every_layer_is_retained_and_none_offloads_nothing():
     unprofiled = OffloadInput(admitting=[view("w")], running=[], pool=pool(prefill=None), now=0.0)
     assert layerkv(unprofiled).retain == {}
