@@ -11,7 +11,7 @@ queues the next for blocks, LayerKV 2.2), and a cxl tier that holds them all.
 
 Methods (engine policies):
   fcfs           prefill_admission fcfs, layer_offload none          (vLLM)
-  layerkv-noslo  layer_offload layerkv: x of Eq. 4, Eq. 5 forecast   (LayerKV without its scheduler)
+  layerkv-noslo  layer_offload layerkv: every layer or x (Eq. 4, 5), prefills first  (LayerKV without its scheduler)
   layerkv        both: and Algorithm 1's SLO-aware prefill admission
 
 A, the context sweep (Fig. 4): prompts of CONTEXTS tokens, outputs of 128 (512 scaled by 1/4),
