@@ -68,7 +68,7 @@ def layerkv(inp: OffloadInput) -> OffloadPlan:
     under a forecast shortfall, halve the device layers of the most recently scheduled running
     requests first, and if that is not enough take them all to none (3.1.1: "starting with x/2
     layers. If this proves insufficient, the full offloading"); with room to spare above the
-    threshold and nobody waiting, bring offloaded layers back."""
+    threshold once the requests about to be admitted have theirs, bring offloaded layers back."""
     pool = inp.pool
     free = pool.free.get("device", 0)
     # Below the threshold now, or at any stage of the horizon
@@ -78,35 +78,34 @@ def layerkv(inp: OffloadInput) -> OffloadPlan:
     # for each block of a layer: room that keeping or restoring layers must leave.
     staging = 2 * sum(r.blocks_per_layer for r in inp.running
                       if r.device_layers is not None and r.device_layers < pool.num_layers)
-    retain = _retain(inp, -short - staging)
+    retain, slack = _retain(inp, -short - staging)
     if short > 0:
         return OffloadPlan(retain=retain, shrink=_shrink(inp.running, pool.num_layers, short))
-    if inp.admitting:  # free blocks go to the requests about to be admitted before they keep anyone's layers
-        return OffloadPlan(retain=retain)
-    return OffloadPlan(retain=retain, restore=_restore(inp.running, pool.num_layers, -short - staging,
+    # the requests about to be admitted have had their room: restores get what is left
+    return OffloadPlan(retain=retain, restore=_restore(inp.running, pool.num_layers, slack,
                                                        inp.params.horizon_stages))
 
 
-def _retain(inp: OffloadInput, slack: int) -> dict[str, int]:
+def _retain(inp: OffloadInput, slack: int) -> tuple[dict[str, int], int]:
     """Of each request about to be admitted, in order, the layers it keeps: all of them while
     `slack` (forecast room above the threshold) holds its prompt and a block a stage of the horizon
     on every layer; otherwise x (Eq. 4), and the two blocks per block of a layer its staging
-    borrows. Without a profile, every layer (absent)."""
+    borrows. Without a profile every layer is kept (absent from the plan). And the slack left."""
     pool, retain = inp.pool, {}
-    if pool.prefill_cost is None or pool.offload_cost is None:
-        return retain
+    profiled = pool.prefill_cost is not None and pool.offload_cost is not None
     for r in inp.admitting:
         blocks = -(-r.num_tokens // pool.block_size)
         per_layer = blocks + inp.params.horizon_stages
-        if pool.num_layers * per_layer <= slack:
-            retain[r.request_id] = pool.num_layers
+        if not profiled or pool.num_layers * per_layer <= slack:
+            if profiled:
+                retain[r.request_id] = pool.num_layers
             slack -= pool.num_layers * per_layer
             continue
         seqlen = r.num_tokens - r.num_computed
         x = retained_layers(seqlen, prefill_time_s(seqlen, pool.prefill_cost), pool.offload_cost)
         retain[r.request_id] = x
         slack -= x * per_layer + (2 * blocks if x < pool.num_layers else 0)
-    return retain
+    return retain, slack
 
 
 def _restore(running: Sequence[RequestView], num_layers: int, slack: int, horizon: int) -> dict[str, int]:

@@ -228,9 +228,17 @@ def test_room_above_the_threshold_brings_offloaded_layers_back_earliest_first():
     staged_only = OffloadInput(admitting=[], running=running, pool=pool(free=100), now=0.0,
                                params=OffloadParams(threshold_blocks=87, horizon_stages=3))
     assert layerkv(staged_only).restore == {}  # 7 above the threshold: the staging's 8 take it all
-    queued = OffloadInput(admitting=[view("w")], running=running, pool=pool(free=100), now=0.0,
-                          params=OffloadParams(threshold_blocks=10, horizon_stages=3))
-    assert layerkv(queued).restore == {}  # a request about to be admitted gets the room first
+    # A request about to be admitted gets the room first. At a threshold of 40, 46 are above it and
+    # past the staging; w's 100 tokens on every layer take 4 x (7 + 3) = 40: one of b's layers fits
+    # in the 6 left. Without w, all of b's (16) and both of a's (12).
+    def queued(admitting) -> dict[str, int]:
+        return layerkv(OffloadInput(admitting=admitting, running=running, pool=pool(free=100), now=0.0,
+                                    params=OffloadParams(threshold_blocks=40, horizon_stages=3))).restore
+    assert queued([view("w")]) == {"b": 1}
+    assert queued([]) == {"b": 4, "a": 2}
+    # unprofiled, w keeps every layer all the same: the room it takes is the same
+    assert layerkv(OffloadInput(admitting=[view("w")], running=running, pool=pool(free=100, prefill=None), now=0.0,
+                                params=OffloadParams(threshold_blocks=40, horizon_stages=3))).restore == {"b": 1}
 
 
 def test_free_blocks_below_the_threshold_now_offload_even_if_the_forecast_recovers():
