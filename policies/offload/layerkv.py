@@ -94,17 +94,15 @@ def _retain(inp: OffloadInput, slack: int) -> tuple[dict[str, int], int]:
     pool, retain = inp.pool, {}
     profiled = pool.prefill_cost is not None and pool.offload_cost is not None
     for r in inp.admitting:
-        blocks = -(-r.num_tokens // pool.block_size)
+        blocks = pool.blocks_for(r.num_tokens)
         per_layer = blocks + inp.params.horizon_stages
-        if not profiled or pool.num_layers * per_layer <= slack:
-            if profiled:
-                retain[r.request_id] = pool.num_layers
-            slack -= pool.num_layers * per_layer
-            continue
-        seqlen = r.num_tokens - r.num_computed
-        x = retained_layers(seqlen, prefill_time_s(seqlen, pool.prefill_cost), pool.offload_cost)
-        retain[r.request_id] = x
-        slack -= x * per_layer + (2 * blocks if x < pool.num_layers else 0)
+        keep = pool.num_layers
+        if profiled and keep * per_layer > slack:
+            seqlen = r.num_tokens - r.num_computed
+            keep = retained_layers(seqlen, prefill_time_s(seqlen, pool.prefill_cost), pool.offload_cost)
+        if profiled:
+            retain[r.request_id] = keep
+        slack -= keep * per_layer + (2 * blocks if keep < pool.num_layers else 0)
     return retain, slack
 
 

@@ -114,9 +114,10 @@ def uses_layerkv(config: EngineConfig, hook: str) -> bool:
 
 def staging_blocks(config: EngineConfig, layerkv: bool, device_blocks: int, cxl_blocks: int) -> int:
     """The most device blocks a step may lend for LayerKV's staging area: as configured, else half
-    the device tier; none without a cxl tier (an error if `layerkv`, LayerKV's offloading, is configured). A half of the area holds one layer of every request the
-    step stages, so by default L/4 times the requests the tier holds with every layer on it. More
-    buys concurrency with copies every step that TPOT pays for on a CPU (docs/benchmarks.md)."""
+    the device tier; none without a cxl tier (an error if `layerkv`, LayerKV's offloading, is
+    configured). A half of the area holds one layer of every request the step stages, so by default
+    L/4 times the requests the tier holds with every layer on it. More buys concurrency with copies
+    every step that TPOT pays for on a CPU (docs/benchmarks.md)."""
     if not cxl_blocks:
         if layerkv:
             raise ConfigError("layer-wise offloading (layer_offload, layer_staging_blocks) needs a cxl tier to "
