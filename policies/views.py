@@ -28,6 +28,7 @@ class RequestView:
     ttft_slo_ms: float | None = None         # SLO_tft; None: the request has none
     allocation: int | None = None            # a_i, tokens of KV allotted (CacheOpt 3.3); None: blocks as it goes
     last_token_at: float | None = None       # when its last token came out (engine clock); None: none yet
+    last_token_gap_s: float | None = None    # the time between its last two tokens; None: fewer than two
     first_token_at: float | None = None      # when its first token came out (engine clock); None: none yet
     scheduled_at: float | None = None        # when it first got blocks (engine clock); None: still queued
     predicted_output_low: int | None = None     # lower bound of the predicted output-length range (LayerKV 3.1)

@@ -54,15 +54,24 @@ def allowance_s(request: RequestView, now: float) -> float | None:
     """Eq. 1 for one running request; None when it is not decoding or has no TPOT SLO.
 
     Decoding starts with the first token, so N_past counts the tokens after it and T_past the time
-    since it (the wait for decode steps included); the current TPOT is T_past / N_past, or the SLO
-    itself before a second token exists (the allowance is then about nil: conservative)."""
+    since it (the wait for decode steps included). T_future is the current TPOT times N_future; the
+    current TPOT is the time its latest token took, or the time it has waited for the next when
+    that is longer, not T_past / N_past. The average would make Eq. 1 (TPOT_slo - average) (N_past +
+    N_future), whose sign no prediction could change: one prefill that stalled a young request would
+    hold every other until the request's average recovered. Read as the rate decoding goes at now,
+    N_future spreads the stall over the tokens still to come, as the paper's prediction is there to.
+    Before a second token there is no rate yet: it is taken to be the SLO (an allowance of about
+    nil: conservative)."""
     if request.first_token_at is None or request.tbt_slo_ms is None:
         return None
     slo = request.tbt_slo_ms / 1e3
     n_past = max(0, request.num_generated - 1)
     t_past = max(0.0, now - request.first_token_at)
     n_future = future_tokens(n_past, request.predicted_output_low)
-    tpot = t_past / n_past if n_past else slo
+    if request.last_token_gap_s is None or request.last_token_at is None:
+        tpot = slo
+    else:
+        tpot = max(request.last_token_gap_s, now - request.last_token_at)
     return allowed_prefill_s(slo, n_past, n_future, t_past, tpot * n_future)
 
 

@@ -397,6 +397,8 @@ def view(request: Request) -> RequestView:
                        predicted_output_len=request.targets.predicted_output_len,
                        ttft_slo_ms=request.targets.ttft_slo_ms, allocation=request.allocation,
                        last_token_at=request.output_times[-1] if request.output_times else None,
+                       last_token_gap_s=(request.output_times[-1] - request.output_times[-2]
+                                         if len(request.output_times) > 1 else None),
                        first_token_at=request.output_times[0] if request.output_times else None,
                        scheduled_at=request.scheduled_at, predicted_output_low=request.targets.predicted_output_low,
                        predicted_output_median=request.targets.predicted_output_median,

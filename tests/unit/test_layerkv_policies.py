@@ -58,21 +58,34 @@ def test_algorithm_1_counts_leading_prefills_strictly_under_the_allowance():
     assert max_prefills([], 1.0) == 0
 
 
-def decoding(tbt_slo_ms: float | None, **fields) -> RequestView:
-    # first token at t = 10, now t = 12: 11 generated is 10 past the first, in 2 s (TPOT 0.2 s)
-    return view("d", first_token_at=10.0, num_generated=11, num_tokens=111, num_computed=110,
-                tbt_slo_ms=tbt_slo_ms, predicted_output_low=30, **fields)
+def decoding(tbt_slo_ms: float | None, gap: float = 0.1, **fields) -> RequestView:
+    # first token at t = 10, the last at t = 12: 11 generated is 10 past the first in 2 s (0.2 s on
+    # average), the latest of them `gap` after the one before
+    return view("d", first_token_at=10.0, last_token_at=12.0, last_token_gap_s=gap, num_generated=11,
+                num_tokens=111, num_computed=110, tbt_slo_ms=tbt_slo_ms, predicted_output_low=30, **fields)
 
 
 def test_admission_admits_what_the_tightest_tpot_budget_allows_in_fcfs_order():
     waiting = [view("w2", arrival=2.0), view("w1", arrival=1.0), view("w3", arrival=3.0)]
-    # N_future = 30 - 10 = 20, T_future = 0.2 * 20 = 4 s; with a 220 ms SLO:
-    # 0.22 * 30 - (2 + 4) = 0.6 s, and one 100-token prefill takes 0.41 s, two 0.82 s
-    assert admit(waiting, [decoding(220.0)], pool(), now=12.0) == ["w1"]
-    # 250 ms: 7.5 - 6 = 1.5 s > 1.23 s: all three
-    assert admit(waiting, [decoding(250.0)], pool(), now=12.0) == ["w1", "w2", "w3"]
+    # N_future = 30 - 10 = 20 at the current TPOT of 0.1 s: T_future = 2 s; with a 150 ms SLO:
+    # 0.15 * 30 - (2 + 2) = 0.5 s, and one 100-token prefill takes 0.41 s, two 0.82 s
+    assert admit(waiting, [decoding(150.0)], pool(), now=12.0) == ["w1"]
+    # 180 ms: 5.4 - 4 = 1.4 s > 1.23 s: all three
+    assert admit(waiting, [decoding(180.0)], pool(), now=12.0) == ["w1", "w2", "w3"]
     # the tightest of two decides
-    assert admit(waiting, [decoding(250.0), decoding(220.0)], pool(), now=12.0) == ["w1"]
+    assert admit(waiting, [decoding(180.0), decoding(150.0)], pool(), now=12.0) == ["w1"]
+
+
+def test_the_current_tpot_spreads_a_past_stall_over_the_tokens_to_come():
+    waiting = [view("w1", arrival=1.0)]
+    # behind its SLO on average (0.2 s > 0.15 s), but decoding at 0.1 s now: 0.5 s, one prefill
+    # (the average as T_future's rate would give 0.15 * 30 - (2 + 4) < 0: none)
+    assert admit(waiting, [decoding(150.0)], pool(), now=12.0) == ["w1"]
+    # under its SLO on average (0.2 s < 0.25 s), but decoding at 0.3 s now: 7.5 - (2 + 6) < 0, none
+    assert admit(waiting, [decoding(250.0, gap=0.3)], pool(), now=12.0) == []
+    # waiting for its next token longer than its latest took: that wait is the current TPOT,
+    # 0.15 * 30 - (2.5 + 0.5 * 20) < 0
+    assert admit(waiting, [decoding(150.0)], pool(), now=12.5) == []
 
 
 def test_admission_without_a_tpot_slo_a_decoding_request_or_a_profile_is_fcfs():

@@ -60,7 +60,8 @@ class KVMeshScheduler(Scheduler):
         self.set_policies({**{hook: registry.DEFAULTS[hook] for hook in HOOKS}, **settings.get("policies", {})})
         self.prefill_cost: PrefillCost | None = None   # set by the engine service once profiled
         self.first_token_at: dict[str, float] = {}
-        self.last_token_at: dict[str, tuple[int, float]] = {}   # tokens out so far, and when the last came
+        # tokens out so far, when the last came, and the time per token since the step before (None: the first)
+        self.last_token_at: dict[str, tuple[int, float, float | None]] = {}
         self.held_back = 0   # all time: waiting requests kept out of a step by the admission or allocation policy
         self.preemptions = 0  # all time
         self.planned_preemptions = 0   # of them, victims the allocation plan named before a step
@@ -127,8 +128,10 @@ class KVMeshScheduler(Scheduler):
             out = request.num_output_tokens
             if out and request.request_id not in self.first_token_at:
                 self.first_token_at[request.request_id] = now
-            if out and self.last_token_at.get(request.request_id, (0, 0.0))[0] != out:
-                self.last_token_at[request.request_id] = (out, now)
+            last = self.last_token_at.get(request.request_id)
+            if out and (last is None or out > last[0]):
+                gap = None if last is None else (now - last[1]) / (out - last[0])
+                self.last_token_at[request.request_id] = (out, now, gap)
         return outputs
 
     def _free_request(self, request, *args: Any, **kwargs: Any):
@@ -275,5 +278,6 @@ class KVMeshScheduler(Scheduler):
             num_generated=request.num_output_tokens, max_tokens=request.max_tokens,
             blocks_per_layer=blocks_for(request.num_computed_tokens, self.block_size), tier="device",
             preemptions=request.num_preemptions, first_token_at=self.first_token_at.get(request.request_id),
-            last_token_at=last[1] if last else None, allocation=allotment.allocation if allotment else None,
+            last_token_at=last[1] if last else None, last_token_gap_s=last[2] if last else None,
+            allocation=allotment.allocation if allotment else None,
             **{name: targets.get(name) for name in TARGET_FIELDS})
