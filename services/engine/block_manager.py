@@ -32,6 +32,7 @@ from kvmesh.policies.scheduling.layerkv import PrefillCost
 from kvmesh.policies.swap_recompute import SwapCurves
 from kvmesh.policies.views import CachedBlockView, PoolView
 
+from .attention.block_copy import copy_rows
 from .kv_pool import KVPool
 from .policy_set import Policies
 from .request import Request
@@ -583,7 +584,8 @@ def _copy_present(source: KVPool, source_blocks: list[int], target_blocks: list[
 
 
 def _copy_whole(source: KVPool, source_blocks: list[int], target_blocks: list[int], *, target: KVPool) -> None:
-    copy_block_rows(source.tensor, source_blocks, target.tensor, target_blocks)
+    if not copy_rows(source.tensor, source_blocks, target.tensor, target_blocks):
+        copy_block_rows(source.tensor, source_blocks, target.tensor, target_blocks)
 
 
 def copy_block_rows(source: torch.Tensor, source_blocks: Sequence[int], target: torch.Tensor,

@@ -1,6 +1,6 @@
-"""The engine's C++ CPU kernels (csrc/: paged attention, and the elementwise steps of a decoder
-layer), built and loaded by kvmesh.libs.native; setup builds them once with
-`python -m kvmesh.services.engine.attention.build`.
+"""The engine's C++ CPU kernels (csrc/: paged attention, the elementwise steps of a decoder layer,
+and whole-block copies between KV pools), built and loaded by kvmesh.libs.native; setup builds them
+once with `python -m kvmesh.services.engine.attention.build`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from kvmesh.libs import native
 
 NAME = "kvmesh_paged_attention"
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp")
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "block_copy.cpp")
 
 
 def load_extension() -> ModuleType | None:

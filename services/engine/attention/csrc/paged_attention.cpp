@@ -19,6 +19,7 @@
 // Needs GCC >= 12 or Clang (vector extensions with __builtin_shufflevector), little-endian.
 #include <torch/extension.h>
 
+#include "block_copy.h"
 #include "layer_ops.h"
 #include "vec.h"
 
@@ -797,4 +798,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &kvmesh::rms_norm, "RMSNorm of each row", py::call_guard<py::gil_scoped_release>());
   m.def("rotary", &kvmesh::rotary, "Rotary embedding of q and k", py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &kvmesh::silu_mul, "silu(gate) * up", py::call_guard<py::gil_scoped_release>());
+  m.def("copy_rows", &kvmesh::copy_rows, "Copy rows (KV blocks) of one tensor into rows of another",
+        py::arg("source"), py::arg("source_rows"), py::arg("target"), py::arg("target_rows"),
+        py::call_guard<py::gil_scoped_release>());
 }
