@@ -224,7 +224,9 @@ async def test_an_slo_header_that_is_not_a_number_is_a_400(stack):
 
 
 async def test_slos_from_body_and_headers_are_measured(stack, client):
-    await client.completions.create(model=MODEL, prompt="slo", max_tokens=3, extra_body={"ttft_ms": 60_000},
+    # Three tokens for sure (greedy, EOS ignored): a TBT needs two, and sampling could end at the first.
+    await client.completions.create(model=MODEL, prompt="slo", max_tokens=3, temperature=0,
+                                    extra_body={"ttft_ms": 60_000, "ignore_eos": True},
                                     extra_headers={"X-KVMesh-TBT-Ms": "60000"})
     async with aiohttp.ClientSession() as http:
         async with http.get(stack.admission.url + "/metrics") as r:
