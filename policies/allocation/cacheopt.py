@@ -5,8 +5,7 @@ returned ones that used up their allocation and are about to miss their TBT SLO 
 basic requirement first (s_i^p + B, or B), embedded in another request's allotted but unused KV
 where they fit (3.3.1), else from the unallocated KV, preempting to cover D_kvc; (2) what is left
 goes to everyone in the batch (critical, the other returned requests N'_r, the waiting requests the
-token budget reaches N'_w while their profiled prefill time keeps the step within every running
-request's next deadline, and the unfulfilled requests predicted to end within m steps, 3.3.3) up to
+token budget reaches N'_w, and the unfulfilled requests predicted to end within m steps, 3.3.3) up to
 each one's demand M_i, cut by weight when it does not stretch (the amortised cut); a request cut short
 borrows the allocation of a running request that ends shortly before it would run out (lending).
 
@@ -142,19 +141,13 @@ def _plan(batch: AllocationInput, guard_victims: bool) -> AllocationPlan:
     critical_w = [r for r in waiting if urgent(r)]
     critical_r = [r for r in returned if urgent(r)]
     budget = batch.token_budget - sum(r.num_tokens for r in critical_w)
-    prefill = sum(r.num_tokens - r.num_computed for r in critical_w)
-    deadline = step_deadline(batch.running, rt)
     chosen_w = []
     for r in waiting:  # N'_w: the waiting requests the token budget reaches, least remaining time first
         if budget <= 0:
             break
-        if r in critical_w:
-            continue
-        prefill += r.num_tokens - r.num_computed
-        if batch.prefill_s is not None and deadline is not None and batch.prefill_s(prefill) > deadline:
-            break  # this prefill would make the step late for a request in the batch
-        chosen_w.append(r)
-        budget -= r.num_tokens
+        if r not in critical_w:
+            chosen_w.append(r)
+            budget -= r.num_tokens
     hosts = {r.request_id: (r.allocation, r.num_computed) for r in batch.running
              if r.allocation is not None and r.tier == "device" and not exhausted(r)}
     embedded: dict[str, tuple[tuple[str, int], ...]] = {}
@@ -222,15 +215,6 @@ def _plan(batch: AllocationInput, guard_victims: bool) -> AllocationPlan:
              if guard_victims and rt[r.request_id] < RECOVERY_STEPS * batch.max_iteration_s}
     return AllocationPlan(grants=tuple(order), preempt_tokens=max(0, short),
                           critical=frozenset(r.request_id for r in critical) | tight)
-
-
-def step_deadline(running: Sequence[RequestView], rt: Mapping[str, float]) -> float | None:
-    """3.3: non-critical requests join the batch "until ... the SLO of any request in the batch is
-    violated": the step must end within the nearest deadline of a running request (its next token's,
-    RT; no_slo_rt_s for one without an SLO), so the waiting requests' prefill time, from the profiled
-    L_r, stops at it. Requests already past their deadline do not count (no step can bring their SLO
-    back); None: no deadline."""
-    return min((rt[r.request_id] for r in running if rt[r.request_id] > 0), default=None)
 
 
 def _trim(running: Sequence[RequestView], hosts: Mapping[str, tuple[int, int]], short: int, keep: set[str],

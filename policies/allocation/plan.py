@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..swap_recompute import RecomputeCurve
 from ..views import RequestView
 
 
@@ -44,8 +43,6 @@ class AllocationInput:
     max_iteration_s: float           # T_I^max, the longest recent step
     now: float                       # engine clock, seconds
     params: AllocationParams = AllocationParams()
-    # the profiled time of a prefill of S tokens (CacheOpt 3.5's L_r), 3.3's step-time estimate; None: not profiled
-    prefill_s: RecomputeCurve | None = None
 
 
 @dataclass(frozen=True, slots=True)

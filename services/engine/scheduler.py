@@ -194,12 +194,10 @@ class Scheduler:
         """Ask the allocation policy for this step's plan, apply its grants to running requests,
         preempt to make the room it asks for; the waiting requests' grants, in order."""
         running_tokens = sum(r.num_tokens - r.num_computed for r in self.running)
-        curves = self.blocks.swap_curves
         batch = AllocationInput(waiting=self._admission_order(now),
                                 running=[view(r) for r in self.running], unallocated=self.ledger.grantable_tokens(),
                                 token_budget=self.token_budget - running_tokens,
-                                max_iteration_s=max(self.iteration_s, default=0.0), now=now, params=self.ledger.params,
-                                prefill_s=curves.recompute if curves is not None else None)
+                                max_iteration_s=max(self.iteration_s, default=0.0), now=now, params=self.ledger.params)
         allocation: AllocationPlan = self.policies.kv_allocation(batch)
         by_id = {r.request_id: r for r in self.running}
         for grant in allocation.grants:

@@ -117,25 +117,6 @@ def test_no_request_starves_under_any_allocation_policy(tiny_checkpoint, allocat
     assert engine.scheduler.ledger.unallocated_tokens() == (96 // 4 - 8) * 16
 
 
-def test_a_prefill_that_would_make_the_step_late_waits_for_the_decoding_request(tiny_checkpoint):
-    """CacheOpt 3.3.2 adds requests until the SLO of one in the batch would break. Prefills profiled
-    at 10 s a token: while `decoding` (TBT SLO 60 s) runs, a 20-token prompt would make its step
-    late, so `late` (no TTFT SLO, never critical) starts only once `decoding` is done."""
-    engine = engine_for(tiny_checkpoint, policies={"kv_allocation": "cacheopt"}, swap_profile="off")
-    engine.blocks.use_swap_curves(SwapCurves.of(RecomputeCurve(a=0.0, b=1.01, k=10.0, e=0.0), SwapCurve(g=1e-6, d=0.0)))
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    decoding = engine.add("decoding", list(range(10, 30)), params, targets=Targets(tbt_slo_ms=60_000.0))
-    engine.step()  # its prefill, alone: no running request has a deadline yet
-    late = engine.add("late", list(range(40, 60)), params)
-    while not decoding.finished:
-        engine.step()
-        assert late.scheduled_at is None, "admitted though its prefill would make the step late"
-    while not late.finished:
-        engine.step()
-    assert late.scheduled_at >= decoding.output_times[-1] and len(late.output_ids) == 8
-    assert_all_blocks_free(engine)
-
-
 @pytest.mark.parametrize("allocation", ["estimate", "s3"])
 def test_a_request_estimated_past_the_unallocated_kv_runs_on_an_idle_engine(tiny_checkpoint, allocation):
     """Its prompt and estimate (100 + 200 tokens) exceed A'_kvc (16 blocks of 16 once the reservation

@@ -12,7 +12,6 @@ from kvmesh.policies.allocation import (AllocationInput, AllocationParams, Grant
 from kvmesh.policies.allocation.cacheopt import (amortised_cut, choose_host, critical_demand, cut_weights,
                                                  embedding_start, spread_hosts)
 from kvmesh.policies.allocation.plan import critical_time, demand
-from kvmesh.policies.swap_recompute import RecomputeCurve
 from kvmesh.policies.views import RequestView
 
 PARAMS = AllocationParams()  # B = 8 tokens, b = 8, m = 2, 8 reserved blocks
@@ -31,9 +30,9 @@ def req(request_id: str, prompt: int = 40, generated: int = 0, computed: int | N
 
 
 def batch(waiting=(), running=(), unallocated: int = 10_000, budget: int = 512, t_max: float = 0.02,
-          now: float = 0.0, params: AllocationParams = PARAMS, prefill: RecomputeCurve | None = None) -> AllocationInput:
+          now: float = 0.0, params: AllocationParams = PARAMS) -> AllocationInput:
     return AllocationInput(waiting=list(waiting), running=list(running), unallocated=unallocated,
-                           token_budget=budget, max_iteration_s=t_max, now=now, params=params, prefill_s=prefill)
+                           token_budget=budget, max_iteration_s=t_max, now=now, params=params)
 
 
 # -- equations ------------------------------------------------------------------------------------
@@ -192,34 +191,3 @@ def test_params_are_checked():
         AllocationParams(block_tokens=0)
     with pytest.raises(ValueError):
         AllocationParams(no_slo_rt_s=0)
-
-
-# -- the step's deadline (3.3: add requests "until ... the SLO of any request in the batch is violated")
-
-ONE_MS_A_TOKEN = RecomputeCurve(a=0.0, b=1.01, k=1e-3, e=0.0)   # L_r(S) = S ms
-
-
-def admitted(plan) -> set[str]:
-    return {g.request_id for g in plan.grants if g.request_id.startswith("w")}
-
-
-def test_waiting_requests_join_while_their_prefill_keeps_the_step_within_every_deadline():
-    # the running request's next token is due 50 ms after its last (t = 0); each prompt takes 30 ms
-    running = [req("r", generated=3, allocation=100, tbt_slo_ms=50.0, last_token_at=0.0)]
-    waiting = [req("w1", prompt=30), req("w2", prompt=30)]
-    # w1: 30 ms <= 50, joins; w1 and w2: 60 ms > 50, w2 waits for a later step
-    assert admitted(cacheopt(batch(waiting, running, prefill=ONE_MS_A_TOKEN))) == {"w1"}
-    # 15 ms later the deadline is 35 ms away: w1 still fits; 25 ms later, 25 ms away: nobody does
-    assert admitted(cacheopt(batch(waiting, running, now=0.015, prefill=ONE_MS_A_TOKEN))) == {"w1"}
-    assert admitted(cacheopt(batch(waiting, running, now=0.025, prefill=ONE_MS_A_TOKEN))) == set()
-    # no profile, or the request already past its deadline (no step brings it back): both join
-    assert admitted(cacheopt(batch(waiting, running))) == {"w1", "w2"}
-    assert admitted(cacheopt(batch(waiting, running, now=0.06, prefill=ONE_MS_A_TOKEN))) == {"w1", "w2"}
-
-
-def test_a_critical_request_joins_whatever_its_prefill_costs_and_leaves_the_others_waiting():
-    running = [req("r", generated=3, allocation=100, tbt_slo_ms=50.0, last_token_at=0.0)]
-    # due in 10 ms < T_I^max + epsilon = 25 ms: critical; its 60 ms prefill runs though the step is late
-    critical = req("w-critical", prompt=60, ttft_slo_ms=10.0)
-    assert admitted(cacheopt(batch([req("w1", prompt=30), critical], running, prefill=ONE_MS_A_TOKEN))) \
-        == {"w-critical"}
