@@ -43,6 +43,11 @@ class RequestView:
         return self.max_tokens - self.num_generated
 
     @property
+    def uncomputed_tokens(self) -> int:
+        """Tokens whose KV is still to compute: the rest of its prompt, or 1 while it decodes."""
+        return self.num_tokens - self.num_computed
+
+    @property
     def predicted_remaining_tokens(self) -> int:
         """Output tokens still to come by the prediction (capped by max_tokens), or by max_tokens
         when there is none; 0 once the request has outrun its prediction."""

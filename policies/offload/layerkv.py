@@ -98,7 +98,7 @@ def _retain(inp: OffloadInput, slack: int) -> tuple[dict[str, int], int]:
         per_layer = blocks + inp.params.horizon_stages
         keep = pool.num_layers
         if profiled and keep * per_layer > slack:
-            seqlen = r.num_tokens - r.num_computed
+            seqlen = r.uncomputed_tokens
             keep = retained_layers(seqlen, prefill_time_s(seqlen, pool.prefill_cost), pool.offload_cost)
         if profiled:
             retain[r.request_id] = keep

@@ -86,5 +86,5 @@ def layerkv(waiting: Sequence[RequestView], running: Sequence[RequestView], pool
     allowances = [a for a in (allowance_s(r, now) for r in running) if a is not None]
     if not allowances or pool.prefill_cost is None:
         return [r.request_id for r in order]
-    times = [prefill_time_s(r.num_tokens - r.num_computed, pool.prefill_cost) for r in order]
+    times = [prefill_time_s(r.uncomputed_tokens, pool.prefill_cost) for r in order]
     return [r.request_id for r in order[:max_prefills(times, min(allowances))]]
