@@ -25,6 +25,11 @@ the lowest rate; geometric mean over the traces): p99_tbt_ratio_block_vs_cacheop
 p99_ttft_ratio_block_vs_cacheopt (targets 2 and 1.5), slo_attainment_cacheopt (target 0.9; TTFT and
 TBT SLOs both met), slo_attainment_block, and predictor_mae_ratio_rlp_vs_ours (mean absolute error of
 RLP's estimated length over ours, all traces' requests).
+
+Ceiling: the same requests served one at a time, each alone in the engine, with the same SLOs
+(slo_attainment_alone). No batch can give a request a shorter prefill or shorter steps than it gets
+alone, so what fails its SLO there (a TBT SLO below the engine's own step time and its jitter) fails
+under any policy.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ POOL_REQUESTS = 3          # the device KV pool holds about this many mean reque
 LONGEST_IN_POOL = 2        # and at least this many of the longest (a pool that holds one makes it wait for all)
 RATE_FRACTIONS = (0.6, 0.9, 1.2)
 SUSTAIN_FACTOR = 2.0       # a rate is sustained while normalised latency stays within this of the lowest rate's
+ALONE_GAP_S = 1e3          # arrivals this far apart serve each request alone (the replay skips the idle time)
 
 BASELINE = {"preemption_order": "fcfs", "preemption_strategy": "recompute"}
 SLO_UNAWARE = ("block", "rlp", "s3")  # what they do does not depend on the SLOs
@@ -119,7 +125,7 @@ def run(quick: bool) -> BenchResult:
             task = progress.add_task(f"{name}: predictor", total=None)
             requests = trace.requests(n, seed=1)
             predicted = predictions(trace, requests, n_train, embed)
-            progress.update(task, description=f"{name}: capacity", total=len(methods) * len(fractions) * n + n)
+            progress.update(task, description=f"{name}: capacity", total=(len(methods) * len(fractions) + 2) * n)
             capacity = _capacity(trace, requests, progress, task)
             rates = [capacity * f for f in fractions]
             slos = Slos(trace, requests)
@@ -136,9 +142,16 @@ def run(quick: bool) -> BenchResult:
                                                        trace.output.high, lambda: progress.advance(task))
                 if method.name == SLO_UNAWARE[-1]:
                     slos.calibrate([runs[(m, r)] for m in SLO_UNAWARE for r in rates])
+            progress.update(task, description=f"{name}: each request alone")
+            alone = metrics_of(replay(_engine(trace, MAIN[0]), requests, ALONE_GAP_S * np.arange(len(requests)),
+                                      [Targets()] * len(requests), trace.output.high, lambda: progress.advance(task)), slos)
             progress.remove_task(task)
             metrics = {key: metrics_of(stats, slos) for key, stats in runs.items()}
-            per_trace[name] = summary_at_rates(name, rates, metrics, methods, rows)
+            per_trace[name] = summary_at_rates(name, rates, metrics, methods, rows) | {"alone": alone}
+            rows.append(Row(compared=f"{name}, each request alone", path="ceiling",
+                            cells={"p99 TTFT ms": alone.p99_ttft_ms, "p99 TBT ms": alone.p99_tbt_ms,
+                                   "TTFT SLO": alone.ttft_attainment, "TBT SLO": alone.tbt_attainment,
+                                   "SLO": alone.slo_attainment, "norm lat ms": alone.normalised_latency_ms}))
             rows += _predictor_rows(name, trace, requests, predicted, rates[-1], errors)
     ratios = {
         "p99_tbt_ratio_block_vs_cacheopt": _geomean([t["tbt_ratio"] for t in per_trace.values()]),
@@ -155,15 +168,17 @@ def run(quick: bool) -> BenchResult:
     return BenchResult(
         bench="cacheopt", quick=quick, ratios=ratios, targets=targets,
         meets={k: ratios[k] >= v for k, v in targets.items()},
-        ceilings={"oracle_estimate_mae_tokens": 0.0},
+        ceilings={"oracle_estimate_mae_tokens": 0.0,
+                  "slo_attainment_alone": float(np.mean([t["alone"].slo_attainment for t in per_trace.values()]))},
         config={"traces": traces, "requests_per_run": n, "train_requests": n_train, "scale": SCALE, "dtype": fastest_dtype("cpu"),
                 "rate_fractions_of_capacity": list(fractions), "pool_requests": POOL_REQUESTS,
-                "per_trace": {k: {kk: vv for kk, vv in v.items() if kk != "metrics"} for k, v in per_trace.items()},
+                "per_trace": {k: {kk: vv for kk, vv in v.items() if kk not in ("metrics", "alone")} for k, v in per_trace.items()},
                 "methods": {m.name: {"policies": m.policies, "estimate": m.estimate, **m.overrides} for m in methods}},
         rows=rows, plots=plots,
         headline=(f"at the block baseline's highest sustained rate: P99 TBT {ratios['p99_tbt_ratio_block_vs_cacheopt']:.2f}x "
                   f"and P99 TTFT {ratios['p99_ttft_ratio_block_vs_cacheopt']:.2f}x lower with CacheOpt; SLO attainment "
-                  f"{ratios['slo_attainment_cacheopt']:.2f} vs {ratios['slo_attainment_block']:.2f}; "
+                  f"{ratios['slo_attainment_cacheopt']:.2f} vs {ratios['slo_attainment_block']:.2f} "
+                  f"(each request alone: {np.mean([t['alone'].slo_attainment for t in per_trace.values()]):.2f}); "
                   f"estimated-length MAE {ratios['predictor_mae_ratio_rlp_vs_ours']:.2f}x lower than RLP's"))
 
 
@@ -315,6 +330,8 @@ def plot_sweep(per_trace: dict[str, dict], methods, path: Path) -> str:
             for method in methods:
                 ys = [getattr(summary["metrics"][f"{method.name}@{r:.2f}"], field_name) for r in summary["rates"]]
                 ax.plot(summary["rates"], ys, marker="o", label=method.name)
+            if "alone" in summary and field_name.endswith("attainment"):
+                ax.axhline(getattr(summary["alone"], field_name), color="grey", linestyle="--", label="each alone")
             ax.set_title(f"{name}: {label}", fontsize=9)
             ax.set_xlabel("arrival rate (req/s)")
     axes[0][0].legend(fontsize=8)
