@@ -24,7 +24,8 @@ ISTIO_SECURITY = "security.istio.io/v1"
 ISTIO_NETWORKING = "networking.istio.io/v1"
 IDEMPOTENT = ("GET", "PUT", "DELETE")
 # Routes that stream for as long as a request (or a watcher) lives: never a mesh timeout.
-STREAMS = {"kvmeta": [("GET", "/v1/workers/watch")], "engine": [("POST", "/v1/generate")]}
+STREAMS = {"kvmeta": [("GET", "/v1/workers/watch")],
+           "engine": [("POST", "/v1/generate"), ("POST", "/v1/prefill"), ("POST", "/v1/decode")]}
 RETRY = {"attempts": 2, "perTryTimeout": "2s", "retryOn": "connect-failure,refused-stream,reset,503"}
 IDEMPOTENT_TIMEOUT = "6s"
 # Which callers each workload admits, by ServiceAccount. Probes and Prometheus go to the sidecar

@@ -47,7 +47,7 @@ class EngineTimings(Struct, kw_only=True):
 
 
 class EngineFrame(Struct, kw_only=True):
-    """One streamed frame of `POST /v1/generate`: the new tokens of a request."""
+    """One streamed frame of an engine's `POST /v1/generate`, `/v1/prefill` or `/v1/decode`: the new tokens of a request."""
 
     token_ids: list[int]
     text: str = ""
@@ -60,7 +60,8 @@ class EngineFrame(Struct, kw_only=True):
 
 
 class GenerateBody(Struct, kw_only=True, omit_defaults=True):
-    """`POST /v1/generate` as admission sends it: always token ids, never text."""
+    """An engine's `POST /v1/generate` (or `/v1/prefill` with kv_transfer, `/v1/decode` with
+    kv_source) as admission sends it: always token ids, never text."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -111,7 +112,9 @@ class EngineClients:
     def generate(self, engine: EngineRef, body: GenerateBody, headers: dict[str, str] | None = None
                  ) -> AsyncIterator[EngineFrame]:
         """The request's frames; raises RemoteError (an error answer) or ServiceUnreachable (none)."""
-        return self.client(engine).frames("/v1/generate", body, EngineFrame, headers)
+        path = "/v1/prefill" if body.kv_transfer is not None else "/v1/decode" if body.kv_source is not None \
+            else "/v1/generate"
+        return self.client(engine).frames(path, body, EngineFrame, headers)
 
     async def reserve(self, engine: EngineRef, request_id: str, num_tokens: int, timeout: float) -> KVHandle:
         """Push mode: blocks on a decode engine for the prompt's KV (waits until its policy gives them)."""

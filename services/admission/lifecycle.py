@@ -1,8 +1,9 @@
 """A request's journey through the cluster, after admission has let it in and tokenized it.
 
     route -> colocated:      one engine's /v1/generate, relayed
-          -> disaggregated:  prefill (max_tokens 1, kv_transfer pull) -> first token to the client at
-                             once -> decode (prompt + first token, kv_source = the handle) relayed
+          -> disaggregated:  prefill engine's /v1/prefill (max_tokens 1, kv_transfer pull) -> first token
+                             to the client at once -> decode engine's /v1/decode (prompt + first
+                             token, kv_source = the handle) relayed
 
 An engine that fails before the first token reached the client (no answer, a 5xx, a stream that
 stops without finishing, no frame within `stall_timeout_s`) is excluded and the request routed

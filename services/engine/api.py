@@ -90,6 +90,36 @@ class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True):
                        predicted_output_median=median)
 
 
+class PrefillRequest(GenerateRequest, kw_only=True, forbid_unknown_fields=True):
+    """`POST /v1/prefill`: compute the prompt, sample its first token and keep the prompt's KV for a
+    decode engine (pulled from here, unless `kv_transfer` pushes it); the last frame has the handle."""
+
+    max_tokens: int = 1
+    kv_transfer: KVTransfer = field(default_factory=KVTransfer)
+
+    def __post_init__(self) -> None:
+        if self.kv_source is not None:
+            raise ValueError("a prefill computes its prompt's KV: kv_source (KV to load) belongs on /v1/decode")
+
+
+class DecodeRequest(GenerateRequest, kw_only=True, forbid_unknown_fields=True):
+    """`POST /v1/decode`: the prompt and the first token a prefill engine sampled, `kv_source` the
+    prompt's KV there; loads that KV and generates the rest."""
+
+    kv_source: KVHandle
+
+    def __post_init__(self) -> None:
+        if self.kv_transfer is not None:
+            raise ValueError("a decode loads its prompt's KV: kv_transfer (KV to keep for another engine) "
+                             "belongs on /v1/prefill")
+
+
+# Where each role's requests go; every backend serves all three with one handler.
+GENERATION_ROUTES = (("/v1/generate", GenerateRequest, "Generate from a prompt, or either phase of one (by its body)"),
+                     ("/v1/prefill", PrefillRequest, "Prefill a prompt and keep its KV for a decode engine"),
+                     ("/v1/decode", DecodeRequest, "Decode a prompt whose KV a prefill engine holds"))
+
+
 class AbortRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     request_id: Id
 

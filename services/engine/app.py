@@ -1,5 +1,6 @@
-"""The engine service: `POST /v1/generate` streams frames, `POST /v1/abort`, `GET /v1/state`,
-`PUT /v1/policy`; registers with kvmeta and heartbeats its load when configured."""
+"""The engine service: `POST /v1/generate` (and its two phases, `/v1/prefill` and `/v1/decode`)
+streams frames, `POST /v1/abort`, `GET /v1/state`, `PUT /v1/policy`; registers with kvmeta and
+heartbeats its load when configured."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from kvmesh.libs.kvmeta.client import KvmetaClient, WorkerPresence
 from kvmesh.libs.kvmeta.messages import BlockGeometry, Capacity, GpuNic, Load, WorkerInfo
 from kvmesh.observability import tracing
 
-from .api import (Aborted, AbortRequest, CacheEntry, CacheQuery, CacheTable, GenerateRequest, PolicyNames,
-                  TokenizerSpec)
+from .api import (GENERATION_ROUTES, Aborted, AbortRequest, CacheEntry, CacheQuery, CacheTable, GenerateRequest,
+                  PolicyNames, TokenizerSpec)
 from .cache_publisher import CachePublisher, native_journal
 from .engine import EngineLoop, EngineState, Frame
 from .frame_stream import write_frames
@@ -81,7 +82,6 @@ def build_service(config: EngineConfig) -> Service:
             return None, [frame for request_id in list(streams) for frame in engine.abort(request_id)]
         await asyncio.wrap_future(loop.call(abort_all))
 
-    @service.route("POST", "/v1/generate", body=GenerateRequest)
     async def generate(request: web.Request, body: GenerateRequest) -> web.StreamResponse:
         """Generate from a prompt; streams one frame per token (msgpack, or JSON lines on Accept: JSON)."""
         arrival = engine.clock()
@@ -124,6 +124,9 @@ def build_service(config: EngineConfig) -> Service:
             if last is None:  # the client went away: free the request's blocks now
                 loop.submit(lambda: engine.abort(request_id))
         return response
+
+    for path, body_type, summary in GENERATION_ROUTES:
+        service.route("POST", path, body=body_type, summary=summary)(generate)
 
     @service.route("POST", "/v1/abort", body=AbortRequest, response=Aborted)
     async def abort(request: web.Request, body: AbortRequest) -> Aborted:

@@ -1,5 +1,6 @@
-"""How `POST /v1/generate` answers on both backends: the request's frames written as they come, as
-msgpack values one after another, or as JSON lines when the client asks for JSON."""
+"""How the generation routes (`POST /v1/generate`, `/v1/prefill`, `/v1/decode`) answer on both
+backends: the request's frames written as they come, as msgpack values one after another, or as
+JSON lines when the client asks for JSON."""
 
 from __future__ import annotations
 

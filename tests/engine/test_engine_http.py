@@ -150,6 +150,25 @@ async def test_bad_input_is_400_with_a_reason(engine: Child, client, body, messa
     assert state.waiting == state.running == 0
 
 
+HANDLE = {"engine": "p", "data_address": "x:1", "request_id": "r", "num_tokens": 1, "block_size": 16,
+          "layers": [[0]] * 4}
+
+
+@pytest.mark.parametrize("path, body, message", [
+    ("/v1/prefill", {"prompt": "a", "kv_source": HANDLE}, "kv_source (KV to load) belongs on /v1/decode"),
+    ("/v1/prefill", {"prompt": "a", "max_tokens": 4}, "max_tokens 1"),
+    ("/v1/decode", {"prompt": "a b"}, "missing required field `kv_source`"),
+    ("/v1/decode", {"prompt": "a b", "kv_source": HANDLE, "kv_transfer": {}}, "belongs on /v1/prefill"),
+])
+async def test_each_phase_has_its_own_route_and_refuses_the_others_fields(engine: Child, client, path, body, message):
+    async with aiohttp.ClientSession() as http:
+        async with http.post(engine.url + path, json=body, headers=AUTH) as response:
+            error = (await response.json())["error"]
+    assert response.status == 400 and message in error["message"]
+    state = await client.call("GET", "/v1/state", into=EngineState)
+    assert state.waiting == state.running == 0
+
+
 async def test_policies_switch_at_run_time_and_unknown_ones_are_refused(client):
     names = await client.call("PUT", "/v1/policy", {"policies": {"preemption_strategy": "swap"}}, into=dict)
     assert names["policies"]["preemption_strategy"] == "swap"

@@ -391,15 +391,19 @@ async def test_both_engines_are_given_the_requests_slos(split_client, split_span
         "engine-p0": (60_000, 250), "engine-d0": (60_000, 250)}
 
 
+ENGINE_ROUTES = {"POST /v1/prefill", "POST /v1/decode", "POST /v1/generate"}
+
+
 async def _engine_calls(spans_file: Path, request_id: str, timeout: float = 10.0) -> dict[str, dict]:
-    """The attributes of each engine's `POST /v1/generate` span on the trace of admission's `request_id`."""
+    """The attributes of each engine's server span (`POST /v1/prefill`, `/v1/decode` or `/v1/generate`)
+    on the trace of admission's `request_id`."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         spans = [json.loads(line) for line in spans_file.read_text().splitlines()] if spans_file.exists() else []
         traces = {s["trace_id"] for s in spans
                   if s["name"] == "admission" and s["attributes"].get("kvmesh.request_id") == request_id}
         calls = {s["service"]: s["attributes"] for s in spans
-                 if s["trace_id"] in traces and s["name"] == "POST /v1/generate" and s["service"].startswith("engine")}
+                 if s["trace_id"] in traces and s["name"] in ENGINE_ROUTES and s["service"].startswith("engine")}
         if len(calls) == 2 or asyncio.get_running_loop().time() > deadline:
             return calls
         await asyncio.sleep(0.1)

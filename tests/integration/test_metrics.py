@@ -160,7 +160,7 @@ def test_the_scheduler_counts_routes_and_knows_both_engines(run: Run):
 
 def test_the_prefill_engine_counts_tokens_and_prefix_cache_hits(run: Run):
     prefill = run.metrics["engine-p0"]
-    assert prefill.value("kvmesh_http_requests_total", route="/v1/generate", status="200") == 3
+    assert prefill.value("kvmesh_http_requests_total", route="/v1/prefill", status="200") == 3
     assert prefill.value("kvmesh_engine_generated_tokens_total") == 3  # the first token of each
     cached = sum(s.cached_tokens for s in run.sent)
     assert cached == 2 * BLOCK_SIZE  # the repeated prompt's two full blocks
@@ -175,7 +175,7 @@ def test_the_prefill_engine_counts_tokens_and_prefix_cache_hits(run: Run):
 
 def test_the_decode_engine_counts_tokens_and_the_kv_it_pulled(run: Run):
     decode = run.metrics["engine-d0"]
-    assert decode.value("kvmesh_http_requests_total", route="/v1/generate", status="200") == 3
+    assert decode.value("kvmesh_http_requests_total", route="/v1/decode", status="200") == 3
     assert decode.value("kvmesh_engine_generated_tokens_total") == sum(s.max_tokens - 1 for s in run.sent)
     assert decode.value("kvmesh_engine_prompt_tokens_total", source="computed") == 3  # each first token's KV
     assert decode.value("kvmesh_engine_kv_transfer_seconds_count") == 3

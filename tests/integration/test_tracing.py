@@ -67,8 +67,8 @@ def one(spans: list[dict], name: str, service: str | None = None) -> dict:
     return found[0]
 
 
-PHASES = {"admission", "route", "POST /v1/route", "prefill", "decode", "POST /v1/generate", "prefill.queue",
-          "prefill.compute", "decode.queue", "kv.transfer", "decode.compute"}
+PHASES = {"admission", "route", "POST /v1/route", "prefill", "decode", "POST /v1/prefill", "POST /v1/decode",
+          "prefill.queue", "prefill.compute", "decode.queue", "kv.transfer", "decode.compute"}
 
 
 async def test_a_request_is_one_trace_across_every_service(traced):
@@ -89,7 +89,7 @@ async def test_a_request_is_one_trace_across_every_service(traced):
     route, prefill, decode = one(spans, "route"), one(spans, "prefill"), one(spans, "decode")
     assert parent(route) is parent(prefill) is parent(decode) is root
     assert parent(one(spans, "POST /v1/route", "scheduler")) is route
-    prefill_server, decode_server = one(spans, "POST /v1/generate", "engine-p0"), one(spans, "POST /v1/generate", "engine-d0")
+    prefill_server, decode_server = one(spans, "POST /v1/prefill", "engine-p0"), one(spans, "POST /v1/decode", "engine-d0")
     assert parent(prefill_server) is prefill and parent(decode_server) is decode
     for name in ("prefill.queue", "prefill.compute"):
         assert parent(one(spans, name, "engine-p0")) is prefill_server

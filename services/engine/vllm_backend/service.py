@@ -1,5 +1,5 @@
 """The engine service on stock vLLM (`backend = "vllm"`, docs/vllm.md): the native engine's HTTP API
-(`POST /v1/generate` with `kv_transfer` / `kv_source`, `/v1/abort`, `/v1/state`, `/v1/tokenizer`),
+(`POST /v1/generate`, `/v1/prefill` and `/v1/decode`, `/v1/abort`, `/v1/state`, `/v1/tokenizer`),
 its registration and heartbeats in kvmeta, so that admission and the scheduler cannot tell the
 backends apart. Prefill engines run vLLM with KVMeshConnector as producer, decode engines as
 consumer; the connector's kv_transfer_params travel as kvmesh's KVHandle.
@@ -38,7 +38,7 @@ from kvmesh.libs.kvmeta.client import KvmetaClient, WorkerPresence
 from kvmesh.libs.kvmeta.messages import BlockGeometry, CacheEntry, Capacity, GpuNic, Load, WorkerInfo
 from kvmesh.policies.scheduling import PrefillCost
 
-from ..api import Aborted, AbortRequest, GenerateRequest, PolicyNames, TokenizerSpec
+from ..api import GENERATION_ROUTES, Aborted, AbortRequest, GenerateRequest, PolicyNames, TokenizerSpec
 from ..cache_publisher import CacheJournal, CachePublisher
 from ..data_link import data_link
 from ..engine import Frame, Timings, TransferTotals, Usage
@@ -226,7 +226,6 @@ def build_service(config: EngineConfig) -> Service:
         dispatch(await asyncio.wrap_future(engine.call(lambda e: [f for r in list(streams)
                                                                   for f in _abort(e, r, counters.tracked)])))
 
-    @service.route("POST", "/v1/generate", body=GenerateRequest)
     async def generate(request: web.Request, body: GenerateRequest) -> web.StreamResponse:
         """Generate from a prompt; streams one frame per step's new tokens (msgpack, or JSON lines)."""
         arrival = time.time()
@@ -259,6 +258,9 @@ def build_service(config: EngineConfig) -> Service:
             if last is None:  # the client went away: free the request's blocks now
                 engine.call(lambda e: _abort(e, request_id, counters.tracked))
         return response
+
+    for path, body_type, summary in GENERATION_ROUTES:
+        service.route("POST", path, body=body_type, summary=summary)(generate)
 
     @service.route("POST", "/v1/abort", body=AbortRequest, response=Aborted)
     async def abort(request: web.Request, body: AbortRequest) -> Aborted:
