@@ -2,7 +2,8 @@
 
 For each trace of `cacheopt_traces` (CacheOpt Table 1, scaled): the embedding length predictor is
 trained on 1,000 requests of the trace (400 with --quick) and predicts the served ones; the block
-baseline is run with every request at once to measure the engine's capacity, and every method then
+baseline is run with every request at once to measure the engine's capacity (the best of two runs;
+--quick: one), and every method then
 serves the same requests at a sweep of Poisson rates (fractions of that capacity; --quick: 80
 requests, the lowest and highest fraction). The methods that do not read SLOs (block, RLP, S^3) run
 first: their mean TTFT and TBT over the sweep set the SLOs as CacheOpt section 5 does, mean x a
@@ -67,6 +68,7 @@ POOL_REQUESTS = 3          # the device KV pool holds about this many mean reque
 LONGEST_IN_POOL = 2        # and at least this many of the longest (a pool that holds one makes it wait for all)
 RATE_FRACTIONS = (0.6, 0.9, 1.2)
 SUSTAIN_FACTOR = 2.0       # a rate is sustained while normalised latency stays within this of the lowest rate's
+CAPACITY_RUNS = 2          # the block baseline's capacity is the best of this many runs (--quick: one)
 ALONE_GAP_S = 1e3          # arrivals this far apart serve each request alone (the replay skips the idle time)
 
 BASELINE = {"preemption_order": "fcfs", "preemption_strategy": "recompute"}
@@ -125,8 +127,10 @@ def run(quick: bool) -> BenchResult:
             task = progress.add_task(f"{name}: predictor", total=None)
             requests = trace.requests(n, seed=1)
             predicted = predictions(trace, requests, n_train, embed)
-            progress.update(task, description=f"{name}: capacity", total=(len(methods) * len(fractions) + 2) * n)
-            capacity = _capacity(trace, requests, progress, task)
+            repeats = 1 if quick else CAPACITY_RUNS
+            progress.update(task, description=f"{name}: capacity",
+                            total=(len(methods) * len(fractions) + repeats + 1) * n)
+            capacity = _capacity(trace, requests, repeats, progress, task)
             rates = [capacity * f for f in fractions]
             slos = Slos(trace, requests)
             runs: dict[tuple[str, float], RunStats] = {}
@@ -252,11 +256,15 @@ def _engine(trace: Trace, method: Method):
                                      swap_profile_repeats=1, **method.overrides))
 
 
-def _capacity(trace: Trace, requests: list[TraceRequest], progress: Progress, task) -> float:
-    """Requests per second the block baseline completes with every request there at once."""
-    stats = replay(_engine(trace, MAIN[0]), requests, np.zeros(len(requests)), [Targets()] * len(requests),
-                   trace.output.high, lambda: progress.advance(task))
-    return float(len(requests) / max(s.times[-1] - s.arrival for s in stats.served))
+def _capacity(trace: Trace, requests: list[TraceRequest], repeats: int, progress: Progress, task) -> float:
+    """Requests per second the block baseline completes with every request there at once, the best
+    of `repeats` runs (single runs of the same code measured 45 to 64 req/s on ShareGPT)."""
+    best = 0.0
+    for _ in range(repeats):
+        stats = replay(_engine(trace, MAIN[0]), requests, np.zeros(len(requests)), [Targets()] * len(requests),
+                       trace.output.high, lambda: progress.advance(task))
+        best = max(best, len(requests) / max(s.times[-1] - s.arrival for s in stats.served))
+    return float(best)
 
 
 class Slos:
