@@ -53,7 +53,7 @@ from kvmesh.services.engine.factory import EngineConfig, build_engine
 from kvmesh.services.engine.request import Targets
 from kvmesh.services.predictor.encoder import encoder
 
-from .cacheopt_serving import RunStats, replay
+from .cacheopt_serving import RunStats, capacity, replay
 from .cacheopt_traces import SCALE, TRACES, Trace, TraceRequest
 from .loadgen import poisson_arrivals
 from .report import BenchResult, Row
@@ -130,8 +130,9 @@ def run(quick: bool) -> BenchResult:
             repeats = 1 if quick else CAPACITY_RUNS
             progress.update(task, description=f"{name}: capacity",
                             total=(len(methods) * len(fractions) + repeats + 1) * n)
-            capacity = _capacity(trace, requests, repeats, progress, task)
-            rates = [capacity * f for f in fractions]
+            per_s = capacity(_engine(trace, MAIN[0]), requests, [Targets()] * len(requests), trace.output.high,
+                             repeats, lambda: progress.advance(task))
+            rates = [per_s * f for f in fractions]
             slos = Slos(trace, requests)
             runs: dict[tuple[str, float], RunStats] = {}
             # The SLO-unaware methods first: their mean TTFT and TBT set everyone's SLOs (section 5).
@@ -254,17 +255,6 @@ def _engine(trace: Trace, method: Method):
     return build_engine(EngineConfig(model="tiny", dtype=fastest_dtype("cpu"), block_size=BLOCK_SIZE, device_blocks=blocks * 4,
                                      cxl_blocks=blocks * 8, prefix_caching=False, policies=method.policies,
                                      swap_profile_repeats=1, **method.overrides))
-
-
-def _capacity(trace: Trace, requests: list[TraceRequest], repeats: int, progress: Progress, task) -> float:
-    """Requests per second the block baseline completes with every request there at once, the best
-    of `repeats` runs (single runs of the same code measured 45 to 64 req/s on ShareGPT)."""
-    best = 0.0
-    for _ in range(repeats):
-        stats = replay(_engine(trace, MAIN[0]), requests, np.zeros(len(requests)), [Targets()] * len(requests),
-                       trace.output.high, lambda: progress.advance(task))
-        best = max(best, len(requests) / max(s.times[-1] - s.arrival for s in stats.served))
-    return float(best)
 
 
 class Slos:

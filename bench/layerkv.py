@@ -59,7 +59,7 @@ from kvmesh.services.engine.layer_profile import LayerProfile
 from kvmesh.services.engine.models import PRESETS
 from kvmesh.services.engine.sampling import SamplingParams
 
-from .cacheopt_serving import RunStats, replay
+from .cacheopt_serving import RunStats, capacity, replay
 from .cacheopt_traces import TraceRequest
 from .layerkv_traces import OUTPUT_LEN, fixed, sharegpt, targets
 from .loadgen import poisson_arrivals
@@ -229,16 +229,12 @@ def _assert_all_blocks_free(engine: Engine, method: str) -> None:
 
 
 def _capacity(requests: list[TraceRequest], advance: Callable[[], None], repeats: int) -> float:
-    """Requests per second FCFS completes with every request there at once: the best of `repeats`
-    runs, since anything else on the machine only ever lowers it (and with it every rate of the run)."""
+    """Requests per second FCFS completes with every request there at once (the best of `repeats`)."""
     engine = build_engine(_config("fcfs"))
-    best = 0.0
-    for _ in range(repeats):
-        stats = replay(engine, requests, np.zeros(len(requests)), targets(requests, 1e9, 1e9),
-                       max(r.output_len for r in requests), advance)
-        _assert_all_blocks_free(engine, "capacity")
-        best = max(best, len(requests) / max(s.times[-1] - s.arrival for s in stats.served))
-    return float(best)
+    best = capacity(engine, requests, targets(requests, 1e9, 1e9), max(r.output_len for r in requests), repeats,
+                    advance)
+    _assert_all_blocks_free(engine, "capacity")
+    return best
 
 
 def _slos() -> Slos:
