@@ -112,6 +112,8 @@ def model_name(engines) -> str:
 
 @pytest.mark.parametrize("engine_id, body, message", [
     ("vllm-p0", {"prompt": "x", "max_tokens": 1, "kv_transfer": {"mode": "push"}}, "pull mode only"),
+    ("vllm-p0", {"prompt": "x", "max_tokens": 4, "route": "/v1/prefill"}, "max_tokens 1"),
+    ("vllm-d0", {"prompt": "x", "route": "/v1/decode"}, "missing required field `kv_source`"),
     ("vllm-d0", {"prompt": "x", "max_tokens": 1, "kv_transfer": {}}, "does not hand off KV"),
     ("vllm-p0", {"prompt_token_ids": [1, 2, 3], "kv_source": {
         "engine": "e", "data_address": "127.0.0.1:1", "request_id": "r", "num_tokens": 2, "block_size": 32,
@@ -124,9 +126,11 @@ def model_name(engines) -> str:
 ])
 async def test_what_the_vllm_backend_cannot_do_is_a_400(vllm_cluster, engine_id, body, message):
     _, engines = vllm_cluster
+    body = dict(body)
+    path = body.pop("route", "/v1/generate")   # the phase routes, /v1/prefill and /v1/decode, check their bodies too
     async with ServiceClient(engines[engine_id].url, token=TOKEN, retries=0) as client:
         with pytest.raises(RemoteError) as refused:
-            [f async for f in client.frames("/v1/generate", body, dict)]
+            [f async for f in client.frames(path, body, dict)]
         assert refused.value.status == 400 and message in refused.value.message
         state = await client.call("GET", "/v1/state", into=dict)
     assert state["free_blocks"] == state["total_blocks"]
