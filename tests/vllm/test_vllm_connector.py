@@ -5,17 +5,29 @@ from __future__ import annotations
 
 import time
 
+import pytest
 
 from kvmesh.bench.vllm_process import VllmProcess
 
+from .conftest import SYNC_LOAD_TOKENS
+
 BLOCK = 32
-PROMPTS = [list(range(10, 10 + n)) for n in (100, 40, 65, 33)]   # whole blocks, and a last one partly full
+# Whole blocks and a last one partly full; pulled while other steps go on (100, 65) and inside the
+# step that runs them (40, 33: up to conftest's SYNC_LOAD_TOKENS).
+PROMPTS = [list(range(10, 10 + n)) for n in (100, 40, 65, 33)]
 HOLD = {"do_remote_decode": True}
 
 
 def prefill(producer: VllmProcess, prompts: list[list[int]]) -> list[dict]:
     result = producer.generate(prompts, max_tokens=1, params=[HOLD] * len(prompts))
     return result["kv_transfer_params"]
+
+
+def pulled_blocks(prompt: list[int]) -> int:
+    """The prompt's blocks a decode instance pulls: all of them, but a pull inside the request's step
+    leaves out the KV of the last token (that step computes it again), so a block holding only it."""
+    kv_tokens = len(prompt) - 1 if len(prompt) <= SYNC_LOAD_TOKENS else len(prompt)
+    return -(-kv_tokens // BLOCK)
 
 
 def wait_for_free(instance: VllmProcess, timeout_s: float = 10.0) -> dict:
@@ -40,9 +52,9 @@ def test_1p1d_answers_as_one_instance_with_every_pulled_byte_in_place(pair):
     digests = [producer.ask("digest", blocks=p["remote_block_ids"][:n])["digest"] for p, n in zip(held, untouched)]
 
     decoded = consumer.generate(PROMPTS, max_tokens=8, params=held)
-    for params, n, digest in zip(held, untouched, digests):   # before another run reuses the freed blocks
+    for prompt, params, n, digest in zip(PROMPTS, held, untouched, digests):   # before the freed blocks are reused
         pulled = consumer.ask("pulled", request=params["remote_request_id"])
-        assert len(pulled["blocks"]) == len(params["remote_block_ids"]) and pulled["bytes"] > 0
+        assert len(pulled["blocks"]) == pulled_blocks(prompt) and pulled["bytes"] > 0
         assert consumer.ask("digest", blocks=pulled["blocks"][:n])["digest"] == digest
     assert decoded["outputs"] == consumer.generate(PROMPTS, max_tokens=8)["outputs"]   # one instance, colocated
     assert wait_for_free(producer)["free"] == blocks["total"]   # every COMPLETE freed its request's blocks
@@ -63,11 +75,12 @@ def test_kv_no_decode_instance_takes_is_freed_when_its_lease_runs_out(pair):
     assert wait_for_free(consumer)["free"] == consumer.ask("blocks")["total"]
 
 
-def test_a_pull_from_a_prefill_instance_that_is_gone_is_recomputed(pair):
+@pytest.mark.parametrize("prompt", [PROMPTS[0], PROMPTS[1]], ids=["pulled-beside-steps", "pulled-in-its-step"])
+def test_a_pull_from_a_prefill_instance_that_is_gone_is_recomputed(pair, prompt):
     producer, consumer = pair
-    held = prefill(producer, PROMPTS[:1])
+    held = prefill(producer, [prompt])
     wrong = [{**held[0], "remote_address": "127.0.0.1:1"}]   # nobody listens there
-    decoded = consumer.generate(PROMPTS[:1], max_tokens=8, params=wrong)
-    assert decoded["outputs"] == consumer.generate(PROMPTS[:1], max_tokens=8)["outputs"]
+    decoded = consumer.generate([prompt], max_tokens=8, params=wrong)
+    assert decoded["outputs"] == consumer.generate([prompt], max_tokens=8)["outputs"]
     assert wait_for_free(producer, timeout_s=6.0)["free"] == producer.ask("blocks")["total"]   # its lease ran out
     assert wait_for_free(consumer)["free"] == consumer.ask("blocks")["total"]

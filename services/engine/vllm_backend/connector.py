@@ -14,11 +14,13 @@ cache tensor to whoever CONNECTs; a COMPLETE for a held request releases it, and
 running out; either way get_finished reports it and vLLM frees the blocks.
 
 Decode instance (consumer). A request carrying those params reports its whole prompt as loaded from
-outside, asynchronously (vLLM computes the last token again, whose logits it samples from). Once
-vLLM has given them local blocks, the worker starts pulling the remote blocks into them with
-one-sided reads (coalesced per layer) and a COMPLETE, while the steps of other requests go on;
-get_finished reports the request when its pull is done, and vLLM schedules it. A failed pull reports
-its blocks as not loaded, and vLLM recomputes them (kv_load_failure_policy="recompute").
+outside (vLLM computes the last token again, whose logits it samples from). Once vLLM has given them
+local blocks, the worker pulls the remote blocks into them with one-sided reads (coalesced per
+layer) and a COMPLETE. A prompt of up to `sync_load_tokens` tokens is pulled inside the step that
+first runs the request, before its first layer, so its first token comes out of that step; a
+longer one is pulled while the steps of other requests go on, get_finished reports it when the pull
+is done, and vLLM schedules it then (a step or two later). A failed pull reports its blocks as not
+loaded, and vLLM recomputes them (kv_load_failure_policy="recompute").
 
 The cxl tier (CaR, `cxl_blocks` > 0; on any role, and on a colocated engine with `handoff` off):
 every full block a request computes is also written to a host-memory tier, layer by layer right
@@ -89,6 +91,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     handoff: bool = True             # False: no data plane (a colocated engine with only the cxl tier)
     cxl_blocks: int = 0              # the cxl tier's slots (a block of every layer each); 0: no tier
     model: str = ""                  # seeds the NodeIDs of cached blocks: the model name routing uses
+    # Consumer: prompts of up to this many tokens are pulled inside the step that first runs them
+    # (which waits for the pull); longer ones while other steps go on. 0: always the latter.
+    sync_load_tokens: int = 1024
 
 
 @dataclass
@@ -98,6 +103,7 @@ class Load:
     address: str
     remote_blocks: list[int]
     local_blocks: list[int]
+    in_step: bool = False    # pulled inside the step that runs the request (else while others run)
     started: float = 0.0     # worker side: when its pull began (unix seconds)
 
 
@@ -151,6 +157,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         self._completed: dict[str, float] = {}
         self._expired: dict[str, float] = {}
         self._pulling: dict[str, tuple[Load, Future[TransferReport]]] = {}
+        self._in_step: list[tuple[Load, Future[TransferReport]]] = []   # pulls this step waits for
         self._load_errors: set[int] = set()
         self.pulls: deque[tuple[Load, TransferReport]] = deque(maxlen=RECENT_PULLS)   # the latest, for stats
         self.transferred = TransferTotals()   # all pulls, all time
@@ -167,6 +174,10 @@ class KVMeshConnector(KVConnectorBase_V1):
         available = min(params["num_tokens"], len(request.prompt_token_ids))
         self._local_tokens[request.request_id] = num_computed_tokens
         external = max(0, available - num_computed_tokens)
+        if 0 < external <= self.settings.sync_load_tokens:
+            # Pulled in the step that runs it, which must compute a token: the last, to sample from
+            # (after an asynchronous load vLLM takes that token back itself).
+            return max(0, min(available, request.num_tokens - 1) - num_computed_tokens), False
         return external, external > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -180,7 +191,8 @@ class KVMeshConnector(KVConnectorBase_V1):
         count = blocks_for(local + num_external_tokens, self.block_size) - first
         self._loads.append(Load(request.request_id, params["remote_request_id"], params["remote_address"],
                                 list(params["remote_block_ids"][first:first + count]),
-                                list(blocks.get_block_ids()[0][first:first + count])))
+                                list(blocks.get_block_ids()[0][first:first + count]),
+                                in_step=num_external_tokens <= self.settings.sync_load_tokens))
         params["remote_address"] = None   # loaded once: a preempted request recomputes instead
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -306,17 +318,38 @@ class KVMeshConnector(KVConnectorBase_V1):
             self._held_until.update((request_id, deadline) for request_id in meta.held)
         for load in meta.loads:
             load.started = time.time()
-            self._pulling[load.request_id] = load, self._puller.start_pull(
-                load.address, load.remote_request_id, load.remote_blocks, load.local_blocks)
+            pull = self._puller.start_pull(load.address, load.remote_request_id, load.remote_blocks, load.local_blocks)
+            if load.in_step:
+                self._in_step.append((load, pull))
+            else:
+                self._pulling[load.request_id] = load, pull
         if self.tier is not None:
             if meta.tier_loads[0]:
                 self.tier.start_loads(*meta.tier_loads)
             self._tier_saves = meta.tier_saves
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # A pulled request runs only once its pull of every layer is over; cxl-tier loads go layer by layer.
+        # A pull in this step is of every layer: over before the first runs. cxl-tier loads go layer by layer.
+        self._finish_in_step_pulls()
         if self.tier is not None:
             self.tier.wait_for_layer(layer_name)
+
+    def _finish_in_step_pulls(self) -> None:
+        pulls, self._in_step = self._in_step, []
+        for load, pull in pulls:
+            try:
+                self._pulled(load, pull.result())
+            except (RdmaError, TimeoutError, OSError) as exc:
+                self._pull_failed(load, exc)
+
+    def _pulled(self, load: Load, report: TransferReport) -> None:
+        self.pulls.append((load, report))
+        self.transferred.add(report)
+
+    def _pull_failed(self, load: Load, exc: Exception) -> None:
+        log.warning("pulling the KV of %s from %s failed (%s); vLLM recomputes it", load.remote_request_id,
+                    load.address, exc)
+        self._load_errors.update(load.local_blocks)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
@@ -346,17 +379,14 @@ class KVMeshConnector(KVConnectorBase_V1):
             # vLLM's loop steps without pause while requests wait for their KV, and the data plane's
             # thread needs the GIL to make progress: give it up to PULL_YIELD_S of this step.
             wait([pull for _, pull in self._pulling.values()], PULL_YIELD_S, FIRST_COMPLETED)
+        self._finish_in_step_pulls()   # a step that ran no layer did not wait for them
         received = {r for r, (_, pull) in self._pulling.items() if pull.done()}
         for request_id in received:
             load, pull = self._pulling.pop(request_id)
             try:
-                report = pull.result()
-                self.pulls.append((load, report))
-                self.transferred.add(report)
+                self._pulled(load, pull.result())
             except (RdmaError, TimeoutError, OSError) as exc:
-                log.warning("pulling the KV of %s from %s failed (%s); vLLM recomputes it", load.remote_request_id,
-                            load.address, exc)
-                self._load_errors.update(load.local_blocks)
+                self._pull_failed(load, exc)
         return sent or None, received or None
 
     def pull_of(self, request_id: str) -> tuple[Load, TransferReport] | None:
@@ -379,7 +409,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self) -> None:
-        for _, pull in self._pulling.values():
+        for _, pull in [*self._pulling.values(), *self._in_step]:
             pull.cancel()
         for plane in (self._server, self._puller, self.tier):
             if plane is not None:
