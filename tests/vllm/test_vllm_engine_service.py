@@ -110,24 +110,25 @@ def model_name(engines) -> str:
     return engines["vllm-p0"].env["KVMESH_ENGINE_MODEL"]
 
 
-@pytest.mark.parametrize("engine_id, body, message", [
-    ("vllm-p0", {"prompt": "x", "max_tokens": 1, "kv_transfer": {"mode": "push"}}, "pull mode only"),
-    ("vllm-p0", {"prompt": "x", "max_tokens": 4, "route": "/v1/prefill"}, "max_tokens 1"),
-    ("vllm-d0", {"prompt": "x", "route": "/v1/decode"}, "missing required field `kv_source`"),
-    ("vllm-d0", {"prompt": "x", "max_tokens": 1, "kv_transfer": {}}, "does not hand off KV"),
-    ("vllm-p0", {"prompt_token_ids": [1, 2, 3], "kv_source": {
+GENERATE = "/v1/generate"   # the phase routes, /v1/prefill and /v1/decode, check their bodies too
+
+
+@pytest.mark.parametrize("engine_id, path, body, message", [
+    ("vllm-p0", GENERATE, {"prompt": "x", "max_tokens": 1, "kv_transfer": {"mode": "push"}}, "pull mode only"),
+    ("vllm-p0", "/v1/prefill", {"prompt": "x", "max_tokens": 4}, "max_tokens 1"),
+    ("vllm-d0", "/v1/decode", {"prompt": "x"}, "missing required field `kv_source`"),
+    ("vllm-d0", GENERATE, {"prompt": "x", "max_tokens": 1, "kv_transfer": {}}, "does not hand off KV"),
+    ("vllm-p0", GENERATE, {"prompt_token_ids": [1, 2, 3], "kv_source": {
         "engine": "e", "data_address": "127.0.0.1:1", "request_id": "r", "num_tokens": 2, "block_size": 32,
         "layers": [[0]]}}, "does not pull KV"),
-    ("vllm-d0", {"prompt_token_ids": [1, 2, 3], "kv_source": {
+    ("vllm-d0", GENERATE, {"prompt_token_ids": [1, 2, 3], "kv_source": {
         "engine": "e", "data_address": "127.0.0.1:1", "request_id": "r", "num_tokens": 2, "block_size": 16,
         "layers": [[0]]}}, "do not fit this engine"),
-    ("vllm-d0", {"prompt_token_ids": [1, 10**9]}, "outside the vocabulary"),
-    ("vllm-d0", {"prompt": "x", "max_tokens": 5000}, "context limit of 1024"),
+    ("vllm-d0", GENERATE, {"prompt_token_ids": [1, 10**9]}, "outside the vocabulary"),
+    ("vllm-d0", GENERATE, {"prompt": "x", "max_tokens": 5000}, "context limit of 1024"),
 ])
-async def test_what_the_vllm_backend_cannot_do_is_a_400(vllm_cluster, engine_id, body, message):
+async def test_what_the_vllm_backend_cannot_do_is_a_400(vllm_cluster, engine_id, path, body, message):
     _, engines = vllm_cluster
-    body = dict(body)
-    path = body.pop("route", "/v1/generate")   # the phase routes, /v1/prefill and /v1/decode, check their bodies too
     async with ServiceClient(engines[engine_id].url, token=TOKEN, retries=0) as client:
         with pytest.raises(RemoteError) as refused:
             [f async for f in client.frames(path, body, dict)]

@@ -41,7 +41,7 @@ import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 import torch
@@ -93,7 +93,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str = ""                  # seeds the NodeIDs of cached blocks: the model name routing uses
     # Consumer: prompts of up to this many tokens are pulled inside the step that first runs them
     # (which waits for the pull); longer ones while other steps go on. 0: always the latter.
-    sync_load_tokens: int = 1024
+    sync_load_tokens: Annotated[int, msgspec.Meta(ge=0)] = 1024
 
 
 @dataclass
@@ -335,6 +335,8 @@ class KVMeshConnector(KVConnectorBase_V1):
             self.tier.wait_for_layer(layer_name)
 
     def _finish_in_step_pulls(self) -> None:
+        if not self._in_step:   # called before every layer: most steps pull nothing
+            return
         pulls, self._in_step = self._in_step, []
         for load, pull in pulls:
             try:
