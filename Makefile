@@ -7,8 +7,9 @@ setup:
 up: setup
 	.venv/bin/kvmesh up
 
+# Two workers, each taking whole files: most of the suite waits on service processes starting.
 test: setup
-	.venv/bin/python -m pytest
+	.venv/bin/python -m pytest -n 2 --dist loadfile
 
 # Optional: the peer libraries `kvmesh bench transfer` compares against (Mooncake, NIXL).
 peers: setup

@@ -1,0 +1,36 @@
+"""`kvmesh bench kvmeta` and `transfer --quick --json` run and write the benchmark contract."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .quick import quick_bench
+
+# Each benchmark runs under its own subprocess timeout below (up to 600 s: a slower CPU, say one
+# without AVX-512, takes the cacheopt benchmark past the suite's 120 s default).
+pytestmark = pytest.mark.timeout(660)
+
+
+def test_kvmeta_bench_writes_the_contract(tmp_path: Path):
+    result, done = quick_bench(tmp_path, "kvmeta", timeout=120)
+    assert {"hop_added_ms_p50", "hop_added_ms_p99", "lookup_ratio_http_vs_redis"} <= result["ratios"].keys()
+    assert set(result["meets"]) == set(result["targets"]) and "redis_ping_p50_ms" in result["ceilings"]
+    assert Path(tmp_path / result["plots"][0]).stat().st_size > 0
+    assert "HTTP hop alone adds" in done.stdout
+
+
+def test_unknown_bench_is_refused():
+    done = subprocess.run([sys.executable, "-m", "kvmesh", "bench", "nothing"], capture_output=True, text=True)
+    assert done.returncode == 2 and "no benchmark 'nothing'" in done.stderr
+
+
+def test_transfer_bench_writes_the_contract(tmp_path: Path):
+    result, _ = quick_bench(tmp_path, "transfer", timeout=600)
+    assert {"pull_vs_message_4k", "pull_vs_nocoalesce_4k", "tcp_frac_of_ceiling", "shm_frac_of_ceiling"} <= result["ratios"].keys()
+    assert {"memcpy_gbps", "socket_gbps"} <= result["ceilings"].keys()
+    assert set(result["meets"]) == set(result["targets"])
+    assert Path(tmp_path / result["plots"][0]).stat().st_size > 0
