@@ -208,8 +208,29 @@ async def test_a_peer_killed_mid_read_ends_the_read_in_time(backend, endpoints, 
     await _until(lambda: not qp.usable)
 
 
-async def _until(predicate, timeout: float = 5.0) -> None:
+
+async def test_a_peer_killed_mid_payload_ends_the_read_in_time(backend, endpoints, buffer, peer_process):
+    """The kill lands once the first bytes are in, so the rest never comes (over TCP): the read must
+    end at once, not at its timeout, though its payload had already started landing."""
+    _, reader = endpoints
+    nbytes = 128 << 20
+    peer = peer_process(backend, nbytes, seed=8)
+    dst = buffer(nbytes)
+    local = reader.register(dst)
+    qp = await reader.connect(peer.address)
+    wr_id = reader.next_wr_id()
+    qp.post_read(wr_id, local, Segments.one(0, peer.region.addr, nbytes), peer.region.rkey)
+    await _until(lambda: dst[:BLOCK].any(), poll_s=0.0005)
+    peer.kill()
+    killed = time.monotonic()
+    try:
+        await qp.finish(wr_id, timeout=10)
+    except TransferFailed:
+        pass
+    assert time.monotonic() - killed < 3, "the read waited for its timeout"
+
+async def _until(predicate, timeout: float = 5.0, poll_s: float = 0.01) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(poll_s)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..completion import CompletionQueue
@@ -120,7 +121,8 @@ class TcpQueuePair(QueuePair):
     def _land_read(self, status: int, key: int, wr_id: int, n: int) -> None:
         work = self._take_outstanding(wr_id)
         if status == Status.SUCCESS:
-            self.link.recv_into(work.views)
+            with self._failed_if_cut(work.wr_id, work.opcode):
+                self.link.recv_into(work.views)
         self._complete(work, status)
 
     def _land_write(self, status: int, key: int, wr_id: int, n: int) -> None:
@@ -138,7 +140,20 @@ class TcpQueuePair(QueuePair):
                     return
             self._fill_recv(posted, n, lambda dest: dest.__setitem__(slice(None), message))
             return
-        self._fill_recv(posted, n, lambda dest: self.link.recv_into([dest]))
+        with self._failed_if_cut(posted.wr_id, Opcode.RECV):
+            self._fill_recv(posted, n, lambda dest: self.link.recv_into([dest]))
+
+    @contextmanager
+    def _failed_if_cut(self, wr_id: int, opcode: Opcode) -> Iterator[None]:
+        """While its payload lands, a work request is out of the queue the teardown flushes: if the
+        connection drops mid-payload, it completes here with an error (else its waiter would hang
+        until its timeout)."""
+        try:
+            yield
+        except BaseException as exc:
+            self.cq.deliver(Completion(wr_id, opcode, Status.TRANSPORT_ERROR, 0,
+                                       f"the connection to {self.peer} dropped mid-payload: {exc}"))
+            raise
 
     def _fill_recv(self, posted: _PostedRecv, n: int, fill: Callable[[memoryview], None]) -> None:
         if n > posted.view.nbytes:
