@@ -7,6 +7,12 @@ import sys
 from pathlib import Path
 
 import msgspec
+import pytest
+
+# For each bench test module's `pytestmark`: each benchmark runs under its own subprocess timeout
+# (up to 600 s: a slower CPU, say one without AVX-512, takes the cacheopt benchmark past the suite's
+# 120 s default).
+BENCH_TIMEOUT = pytest.mark.timeout(660)
 
 
 def quick_bench(tmp_path: Path, name: str, timeout: float) -> tuple[dict, subprocess.CompletedProcess]:

@@ -6,13 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from .quick import BENCH_TIMEOUT, quick_bench
 
-from .quick import quick_bench
-
-# Each benchmark runs under its own subprocess timeout below (up to 600 s: a slower CPU, say one
-# without AVX-512, takes the cacheopt benchmark past the suite's 120 s default).
-pytestmark = pytest.mark.timeout(660)
+pytestmark = BENCH_TIMEOUT
 
 
 def test_kvmeta_bench_writes_the_contract(tmp_path: Path):

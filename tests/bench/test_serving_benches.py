@@ -1,16 +1,13 @@
-"""`kvmesh bench serve` and `tracing --quick --json` drive real local clusters and write the benchmark contract."""
+"""`kvmesh bench serve` and `tracing --quick --json` drive real local clusters and write the
+benchmark contract."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
+from .quick import BENCH_TIMEOUT, quick_bench
 
-from .quick import quick_bench
-
-# Each benchmark runs under its own subprocess timeout below (up to 600 s: a slower CPU, say one
-# without AVX-512, takes the cacheopt benchmark past the suite's 120 s default).
-pytestmark = pytest.mark.timeout(660)
+pytestmark = BENCH_TIMEOUT
 
 
 def test_serve_bench_drives_real_clusters_and_writes_the_contract(tmp_path: Path):
