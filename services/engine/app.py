@@ -22,7 +22,7 @@ from .cache_publisher import CachePublisher, native_journal
 from .engine import EngineLoop, EngineState, Frame
 from .frame_stream import write_frames
 from .data_link import DataLink
-from .factory import EngineConfig, build_engine, max_model_len
+from .factory import EngineConfig, build_engine, decided, max_model_len
 from .handoff import KVHandle, KVReserve
 from .handoff_service import KVHandoff
 from .metrics import NativeEngineCollector
@@ -32,6 +32,7 @@ Config = EngineConfig
 
 
 def build_service(config: EngineConfig) -> Service:
+    config = decided(config)
     if config.backend == "vllm":
         from .vllm_backend.service import build_service as build_vllm_service
         return build_vllm_service(config)

@@ -9,6 +9,8 @@ import msgspec
 
 from kvmesh.libs.controlplane import ServiceConfig
 
+from .model_source import DEFAULT_MODEL
+
 
 class EngineConfig(ServiceConfig, kw_only=True):
     port: int = 8200
@@ -17,9 +19,11 @@ class EngineConfig(ServiceConfig, kw_only=True):
     backend: Literal["native", "vllm"] = "native"
     engine_id: str = "engine-0"
     role: str = "both"                 # prefill | decode | both
-    model: str = "tiny"                # a preset name, or a Hugging Face checkpoint directory
+    # a preset (tiny, small), a packaged model (SmolLM2-135M-Instruct), a checkpoint directory or a
+    # .gguf file (model_source.py); also the name clients ask for
+    model: str = DEFAULT_MODEL
     seed: int = 0                      # for the random weights of a preset
-    dtype: str = "float32"             # float32 | bfloat16
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 where it is native (dtypes.py)
     device: str = "cpu"                # cpu | cuda | cuda:N
     block_size: int = 16
     device_blocks: int = 0             # capacity of the device tier in blocks; 0: from device_bytes

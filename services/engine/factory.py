@@ -8,6 +8,7 @@ import os
 import time
 from pathlib import Path
 
+import msgspec
 import torch
 
 from kvmesh.libs.controlplane import ConfigError
@@ -22,7 +23,9 @@ from .kv_pool import BlockShape, KVPool
 from .layer_staging import ChunkedCopier, LayerStaging, SideCopies
 from .reuse import Reuse, WindowParams
 from .model_runner import ModelRunner
-from .models import PRESETS, build_preset, load_checkpoint
+from .dtypes import fastest_dtype
+from .model_source import resolve_model
+from .models import build_preset, load_checkpoint
 from .policy_set import Policies
 from .scheduler import Scheduler
 from .layer_profile import profile_layerkv
@@ -35,14 +38,23 @@ log = logging.getLogger(__name__)
 SWAP_BLIND_STRATEGIES = ("recompute", "swap")  # built-in preemption strategies that never read swap curves
 
 
+def decided(config: EngineConfig) -> EngineConfig:
+    """The configuration with its `auto` settings decided for this machine: the dtype."""
+    if config.dtype == "auto":
+        config = msgspec.structs.replace(config, dtype=fastest_dtype(config.device))
+    return config
+
+
 def build_engine(config: EngineConfig) -> Engine:
+    config = decided(config)
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
-    if config.model in PRESETS:
-        model, tokenizer = build_preset(config.model, device=config.device, dtype=dtype, seed=config.seed)
+    source = resolve_model(config.model)
+    if source.preset is not None:
+        model, tokenizer = build_preset(source.preset, device=config.device, dtype=dtype, seed=config.seed)
     else:
-        model, tokenizer = load_checkpoint(Path(config.model), device=config.device, dtype=dtype)
+        model, tokenizer = load_checkpoint(source.checkpoint, device=config.device, dtype=dtype)
     model.eval()
     spec = model.config
     shape = BlockShape(config.block_size, spec.num_kv_heads, spec.head_dim, dtype)

@@ -35,7 +35,8 @@ def hf_model(tiny_checkpoint: Path):
 
 
 def engine_for(checkpoint: Path, **overrides) -> Engine:
-    return build_engine(EngineConfig(model=str(checkpoint), **overrides))
+    """An in-process engine, in float32 unless told otherwise (compared with transformers' float32)."""
+    return build_engine(EngineConfig(model=str(checkpoint), **{"dtype": "float32", **overrides}))
 
 
 def run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams, max_steps: int = 10_000) -> list:

@@ -47,7 +47,8 @@ from ..frame_stream import write_frames
 from ..handoff import KVHandle, TransferStats
 from ..kv_pool import BlockShape
 from ..metrics import EngineCollector
-from ..models import PRESETS, save_preset_checkpoint
+from ..model_source import resolve_model
+from ..models import save_preset_checkpoint
 from ..phases import trace_phases
 from ..sampling import SamplingParams
 from .engine_thread import VllmThread
@@ -134,7 +135,9 @@ def build_service(config: EngineConfig) -> Service:
     from transformers import AutoConfig, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    geometry = _geometry(AutoConfig.from_pretrained(model_dir))
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    geometry = _geometry(hf_config)
+    max_model_len = context_limit(config, geometry, hf_config.max_position_embeddings)
     cxl_blocks = cxl_tier_blocks(config, geometry)
     counters = Counters()
     streams: dict[str, asyncio.Queue[Frame]] = {}
@@ -156,8 +159,8 @@ def build_service(config: EngineConfig) -> Service:
             transfer = KVTransferConfig(**CONNECTOR, engine_id=config.engine_id, kv_load_failure_policy="recompute",
                                         kv_role=KV_ROLES[config.role], kv_connector_extra_config=settings)
         args = EngineArgs(model=str(model_dir), dtype=config.dtype, seed=config.seed, block_size=config.block_size,
-                          max_model_len=config.max_model_len or None, max_num_seqs=config.max_num_seqs,
-                          max_num_batched_tokens=max(config.token_budget, config.max_model_len or 0) or None,
+                          max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
+                          max_num_batched_tokens=max(config.token_budget, config.max_model_len),
                           enable_prefix_caching=config.prefix_caching, enforce_eager=True,
                           kv_cache_memory_bytes=config.device_bytes, disable_log_stats=True,
                           kv_transfer_config=transfer, scheduler_cls=SCHEDULER,
@@ -338,10 +341,26 @@ def _vllm_environment(config: EngineConfig) -> None:
 def _checkpoint(config: EngineConfig) -> tuple[Path, Path | None]:
     """The checkpoint directory vLLM loads, and a scratch directory to remove at exit: a preset's
     weights (random, from `seed`, the same on every engine) are written to one first."""
-    if config.model not in PRESETS:
-        return Path(config.model), None
+    source = resolve_model(config.model)
+    if source.preset is None:
+        return source.checkpoint, None
     scratch = Path(tempfile.mkdtemp(prefix=f"kvmesh-{config.model}-"))
-    return save_preset_checkpoint(config.model, scratch, seed=config.seed), scratch
+    return save_preset_checkpoint(source.preset, scratch, seed=config.seed), scratch
+
+
+def context_limit(config: EngineConfig, geometry: Geometry, model_limit: int) -> int:
+    """The longest request vLLM is told to take: max_model_len if set, else the model's own limit cut to
+    what the KV cache (device_bytes) holds, in whole blocks. vLLM refuses to start when one request of
+    its max_model_len does not fit; the native engine cuts its context the same way (factory.py)."""
+    if config.max_model_len:
+        return config.max_model_len
+    token_bytes = BlockShape(1, geometry.num_kv_heads, geometry.head_dim, getattr(torch, config.dtype)).bytes \
+        * geometry.num_layers
+    fits = config.device_bytes // token_bytes // config.block_size * config.block_size
+    if fits < config.block_size:
+        raise ConfigError(f"device_bytes {config.device_bytes} holds no block of this model's KV "
+                          f"({token_bytes * config.block_size} bytes)")
+    return min(model_limit, fits)
 
 
 def cxl_tier_blocks(config: EngineConfig, geometry: Geometry) -> int:
