@@ -22,6 +22,7 @@ from kvmesh.infra.local.status import Status
 from kvmesh.libs.controlplane import ServiceClient
 from kvmesh.libs.kvmeta.client import KvmetaClient
 from kvmesh.services.engine.engine import Frame
+from kvmesh.services.engine.model_source import DEFAULT_MODEL
 
 from .test_policy_swap import counter, ratio_predictor
 
@@ -133,6 +134,26 @@ class TestTheDefaultCluster:
         assert kvmesh("status", "--run-dir", str(run_dir)).returncode == 0
 
 
+    async def test_a_chat_question_gets_the_real_models_answer(self, disaggregated):
+        """The README's quick start: the default model, SmolLM2-135M-Instruct, through its chat template."""
+        _, run_dir = disaggregated
+        admission = next(c for c in status(run_dir).children if c.name == "admission")
+        key = (run_dir / "api_key").read_text().strip()
+        async with openai.AsyncOpenAI(base_url=admission.url + "/v1", api_key=key, max_retries=0) as client:
+            assert [m.id for m in (await client.models.list()).data] == [DEFAULT_MODEL]
+            question = [{"role": "user", "content": "What is the capital of France?"}]
+            answer = await client.chat.completions.create(model=DEFAULT_MODEL, messages=question, max_tokens=24,
+                                                          temperature=0)
+            assert "Paris" in answer.choices[0].message.content
+            chunks = [c async for c in await client.chat.completions.create(
+                model=DEFAULT_MODEL, messages=question, max_tokens=24, temperature=0, stream=True)]
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+                answer.choices[0].message.content
+        async with ServiceClient(next(c for c in status(run_dir).children if c.name == "engine-d0").url,
+                                 token=(run_dir / "token").read_text().strip()) as engine:
+            state = await engine.call("GET", "/v1/state", into=dict)
+            assert state["free_blocks"] == state["total_blocks"]
+
     async def test_the_engines_register_with_their_roles_and_data_addresses(self, disaggregated):
         _, run_dir = disaggregated
         assert await registered(run_dir) == [("engine-d0", "decode", True), ("engine-p0", "prefill", True)]
@@ -202,7 +223,7 @@ class TestTheColocatedCluster:
                 assert (await engine.call("GET", "/v1/state", into=dict))["policies"]["preemption_order"] == "srtf"
             key = (run_dir / "api_key").read_text().strip()
             async with openai.AsyncOpenAI(base_url=children["admission"].url + "/v1", api_key=key, max_retries=0) as client:
-                await client.completions.create(model="tiny", prompt="who predicts me", max_tokens=2)
+                await client.completions.create(model=DEFAULT_MODEL, prompt="who predicts me", max_tokens=2)
             assert counter(replacement.url, "ratio_predictor_predictions_total") == 1
         finally:
             assert swap("predictor", "builtin").returncode == 0

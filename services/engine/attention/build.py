@@ -15,7 +15,7 @@ from kvmesh.libs import native
 
 NAME = "kvmesh_paged_attention"
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "block_copy.cpp")
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "block_copy.cpp", CSRC / "quant_linear.cpp")
 
 
 def load_extension() -> ModuleType | None:

@@ -21,6 +21,7 @@
 
 #include "block_copy.h"
 #include "layer_ops.h"
+#include "quant_linear.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -798,6 +799,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &kvmesh::rms_norm, "RMSNorm of each row", py::call_guard<py::gil_scoped_release>());
   m.def("rotary", &kvmesh::rotary, "Rotary embedding of q and k", py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &kvmesh::silu_mul, "silu(gate) * up", py::call_guard<py::gil_scoped_release>());
+  m.def("q4_1_linear", &kvmesh::q4_1_linear, "x @ W^T (+ residual) for W in GGUF Q4_1 blocks", py::arg("x"),
+        py::arg("qs"), py::arg("scales"), py::arg("mins"), py::arg("residual") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("q8_0_linear", &kvmesh::q8_0_linear, "x @ W^T (+ residual) for W in GGUF Q8_0 blocks", py::arg("x"),
+        py::arg("qs"), py::arg("scales"), py::arg("residual") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("copy_rows", &kvmesh::copy_rows, "Copy rows (KV blocks) of one tensor into rows of another",
         py::arg("source"), py::arg("source_rows"), py::arg("target"), py::arg("target_rows"),
         py::call_guard<py::gil_scoped_release>());
