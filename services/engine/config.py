@@ -25,9 +25,13 @@ class EngineConfig(ServiceConfig, kw_only=True):
     seed: int = 0                      # for the random weights of a preset
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 where it is native (dtypes.py)
     device: str = "cpu"                # cpu | cuda | cuda:N
+    # A model from a GGUF file: multiply its Q4_1 / Q8_0 blocks as they ship in steps of up to
+    # quantized_max_tokens tokens (decode; models/gguf_weights.py). auto: on a CPU with the C++ kernels.
+    quantized_weights: Literal["auto", "on", "off"] = "auto"
+    quantized_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
     block_size: int = 16
     device_blocks: int = 0             # capacity of the device tier in blocks; 0: from device_bytes
-    device_bytes: int = 64 * 2**20
+    device_bytes: int = 512 * 2**20   # SmolLM2-135M in bf16: 23k tokens (its context is 8,192)
     cxl_blocks: int = 0                # capacity of the cxl tier in blocks; 0: from cxl_bytes
     cxl_bytes: int = 128 * 2**20
     cxl_path: str | None = None        # back the cxl tier with a file or DAX device instead of RAM

@@ -23,9 +23,11 @@ from .kv_pool import BlockShape, KVPool
 from .layer_staging import ChunkedCopier, LayerStaging, SideCopies
 from .reuse import Reuse, WindowParams
 from .model_runner import ModelRunner
+from .attention import backend
 from .dtypes import fastest_dtype
 from .model_source import resolve_model
 from .models import build_preset, load_checkpoint
+from .models.gguf_weights import load_gguf_weights
 from .policy_set import Policies
 from .scheduler import Scheduler
 from .layer_profile import profile_layerkv
@@ -39,9 +41,13 @@ SWAP_BLIND_STRATEGIES = ("recompute", "swap")  # built-in preemption strategies 
 
 
 def decided(config: EngineConfig) -> EngineConfig:
-    """The configuration with its `auto` settings decided for this machine: the dtype."""
+    """The configuration with its `auto` settings decided for this machine: the dtype. On the vLLM
+    backend on a CPU that is float32: vLLM 0.32's CPU build answers SmolLM2-135M-Instruct with wrong
+    text in bfloat16 ("What is the capital of France?" -> "L'Étoile, la Marseillaise, ..."; float32 and
+    transformers and the native engine in bfloat16 say Paris; docs/vllm.md)."""
     if config.dtype == "auto":
-        config = msgspec.structs.replace(config, dtype=fastest_dtype(config.device))
+        cpu_vllm = config.backend == "vllm" and torch.device(config.device).type == "cpu"
+        config = msgspec.structs.replace(config, dtype="float32" if cpu_vllm else fastest_dtype(config.device))
     return config
 
 
@@ -55,6 +61,12 @@ def build_engine(config: EngineConfig) -> Engine:
         model, tokenizer = build_preset(source.preset, device=config.device, dtype=dtype, seed=config.seed)
     else:
         model, tokenizer = load_checkpoint(source.checkpoint, device=config.device, dtype=dtype)
+        if source.gguf is not None and wants_quantized(config):
+            weights = load_gguf_weights(source.gguf, model.config, config.device)
+            if weights is None and config.quantized_weights == "on":
+                raise ConfigError(f"quantized_weights on: {source.gguf.name} has weights the kernels do not read")
+            if weights is not None:
+                model.use_quantized(weights, config.quantized_max_tokens)
     model.eval()
     spec = model.config
     shape = BlockShape(config.block_size, spec.num_kv_heads, spec.head_dim, dtype)
@@ -118,6 +130,14 @@ def _profile_sparsity(config: EngineConfig, engine: Engine) -> None:
     engine.sparsity_profile = profile
     engine.blocks.keep_tokens = profile.keep_tokens
     log.info("CaR sparsity profile in %.2fs: %s", time.perf_counter() - started, profile)
+
+
+def wants_quantized(config: EngineConfig) -> bool:
+    """Whether to serve a GGUF model's quantised blocks: `on`, or `auto` on a CPU whose C++ kernels
+    built (elsewhere the blocks would be dequantised at every call)."""
+    if config.quantized_weights != "auto":
+        return config.quantized_weights == "on"
+    return torch.device(config.device).type == "cpu" and backend(config.device) == "cpp"
 
 
 def uses_layerkv(config: EngineConfig, hook: str) -> bool:

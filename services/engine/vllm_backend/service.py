@@ -137,7 +137,7 @@ def build_service(config: EngineConfig) -> Service:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf_config = AutoConfig.from_pretrained(model_dir)
     geometry = _geometry(hf_config)
-    max_model_len = context_limit(config, geometry, hf_config.max_position_embeddings)
+    max_model_len = kv_context_limit(config, geometry, hf_config.max_position_embeddings)
     cxl_blocks = cxl_tier_blocks(config, geometry)
     counters = Counters()
     streams: dict[str, asyncio.Queue[Frame]] = {}
@@ -348,7 +348,7 @@ def _checkpoint(config: EngineConfig) -> tuple[Path, Path | None]:
     return save_preset_checkpoint(source.preset, scratch, seed=config.seed), scratch
 
 
-def context_limit(config: EngineConfig, geometry: Geometry, model_limit: int) -> int:
+def kv_context_limit(config: EngineConfig, geometry: Geometry, model_limit: int) -> int:
     """The longest request vLLM is told to take: max_model_len if set, else the model's own limit cut to
     what the KV cache (device_bytes) holds, in whole blocks. vLLM refuses to start when one request of
     its max_model_len does not fit; the native engine cuts its context the same way (factory.py)."""
@@ -356,7 +356,7 @@ def context_limit(config: EngineConfig, geometry: Geometry, model_limit: int) ->
         return config.max_model_len
     token_bytes = BlockShape(1, geometry.num_kv_heads, geometry.head_dim, getattr(torch, config.dtype)).bytes \
         * geometry.num_layers
-    fits = config.device_bytes // token_bytes // config.block_size * config.block_size
+    fits = (config.device_bytes // token_bytes // config.block_size - 1) * config.block_size  # vLLM keeps a null block
     if fits < config.block_size:
         raise ConfigError(f"device_bytes {config.device_bytes} holds no block of this model's KV "
                           f"({token_bytes * config.block_size} bytes)")
