@@ -13,6 +13,7 @@ import torch
 from kvmesh.libs.controlplane import ServiceClient
 from kvmesh.services.engine.model_source import DEFAULT_MODEL, ModelSource, resolve_model
 from kvmesh.services.engine.models import load_checkpoint
+from kvmesh.services.engine.models.gguf_weights import load_gguf_weights
 from kvmesh.services.engine.sampling import SamplingParams
 
 from ..conftest import TOKEN
@@ -92,8 +93,21 @@ def test_logits_match_transformers(smollm2: ModelSource, reference, prompt_ids) 
         torch.testing.assert_close(our_logits(model, [ids])[0], theirs, atol=1e-3, rtol=0)
 
 
-def test_greedy_text_equals_transformers_generate(smollm2: ModelSource, prompt_ids, expected) -> None:
-    engine = engine_for(smollm2.checkpoint, block_size=16, device_bytes=256 * 2**20)
+def test_the_gguf_blocks_are_exactly_the_checkpoints_weights(smollm2: ModelSource) -> None:
+    """What the quantised kernels multiply (Q/K rows put back in Hugging Face's order) dequantises to
+    the converted checkpoint's float32 weights bit for bit."""
+    model, _ = load_checkpoint(smollm2.checkpoint, dtype=torch.float32)
+    weights = load_gguf_weights(smollm2.gguf, model.config, "cpu")
+    params = dict(model.named_parameters())
+    assert len(weights) == 4 * model.config.num_layers + 1
+    for name, packed in weights.items():
+        assert torch.equal(packed.dequantize(), params["embed_tokens" if name == "lm_head" else name]), name
+
+
+@pytest.mark.parametrize("quantized", ["on", "off"])
+def test_greedy_text_equals_transformers_generate(smollm2: ModelSource, prompt_ids, expected, quantized: str) -> None:
+    engine = engine_for(DEFAULT_MODEL, block_size=16, device_bytes=256 * 2**20, quantized_weights=quantized)
+    assert (engine.runner.model.head is not None) == (quantized == "on")
     requests = run_all(engine, prompt_ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     assert [r.output_ids for r in requests] == expected
     assert_all_blocks_free(engine)

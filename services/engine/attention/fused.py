@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -20,7 +21,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..dtypes import bf16_native
+from ..quant import QuantizedWeight
 from .paged import _kernel
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedLinear:
+    """A linear weight in two forms (models/gguf_weights.py): its quantised blocks for calls of up to
+    `max_tokens` rows of x, which reading the weight bounds, and its dense tensor for more rows."""
+
+    packed: QuantizedWeight
+    dense: Tensor
+    max_tokens: int
 
 
 class LayerOps(NamedTuple):
@@ -32,13 +44,15 @@ class LayerOps(NamedTuple):
     linear: Callable[..., Tensor]
 
 
-def layer_ops(x: Tensor) -> LayerOps:
-    """The implementations that serve tensors like x (its device and dtype) under the backend in force."""
+def layer_ops(x: Tensor, quantized: bool = False) -> LayerOps:
+    """The implementations that serve tensors like x (its device and dtype) under the backend in force;
+    `quantized`: some weights are QuantizedLinear."""
     kernel = _kernel() if x.is_cpu else None
-    if kernel is None:
-        return TORCH_OPS
-    packs = x.dtype == torch.bfloat16 and _onednn_packing()
-    return LayerOps(kernel.rms_norm, kernel.rotary, kernel.silu_mul, _packed_linear if packs else _torch_linear)
+    ops = TORCH_OPS
+    if kernel is not None:
+        packs = x.dtype == torch.bfloat16 and _onednn_packing()
+        ops = LayerOps(kernel.rms_norm, kernel.rotary, kernel.silu_mul, _packed_linear if packs else _torch_linear)
+    return ops._replace(linear=_either_linear(ops.linear)) if quantized else ops
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -57,10 +71,26 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return layer_ops(gate_up).silu_mul(gate_up)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor | QuantizedLinear, bias: Tensor | None = None,
+           residual: Tensor | None = None) -> Tensor:
     """x @ weight.T + bias, or + residual (not both). bf16 on CPU runs oneDNN on the weight packed
     once for its blocked format: a third less time at decode batch sizes, and the same bits."""
-    return layer_ops(weight).linear(x, weight, bias, residual)
+    quantized = isinstance(weight, QuantizedLinear)
+    return layer_ops(weight.dense if quantized else weight, quantized).linear(x, weight, bias, residual)
+
+
+def _either_linear(dense_linear: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """A linear that multiplies a QuantizedLinear's blocks when x has few rows, else its dense weight."""
+    def either(x: Tensor, weight: Tensor | QuantizedLinear, bias: Tensor | None = None,
+               residual: Tensor | None = None) -> Tensor:
+        if type(weight) is QuantizedLinear:
+            if x.shape[0] > weight.max_tokens:
+                return dense_linear(x, weight.dense, bias, residual)
+            y = weight.packed.linear(x, residual)
+            return y if bias is None else y + bias
+        return dense_linear(x, weight, bias, residual)
+
+    return either
 
 
 def _torch_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

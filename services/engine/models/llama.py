@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention.fused import LayerOps, layer_ops, linear
+from ..attention.fused import LayerOps, QuantizedLinear, layer_ops, linear
+from ..quant import QuantizedWeight
 from .config import ModelConfig
 from .rope import RotaryEmbedding
 
@@ -53,12 +54,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = param(hidden)
         self.gate_up_proj = param(2 * config.intermediate_size, hidden)
         self.down_proj = param(hidden, config.intermediate_size)
+        # What forward multiplies by: the parameters, or QuantizedLinear in place of the projections.
+        self.weights: dict[str, Tensor | QuantizedLinear] = self._parameters
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attention: Attention, ops: LayerOps) -> Tensor:
         t = h.shape[0]
         # Plain dict reads: nn.Module's __getattr__ costs ~0.5 us a parameter, six a layer. The
         # optional biases, when None, are ordinary attributes.
-        w = self._parameters
+        w = self.weights
         qkv = ops.linear(ops.rms_norm(h, w["input_layernorm"], self.eps), w["qkv_proj"], self.qkv_bias)
         qk, v = qkv.split_with_sizes(self.qkv_split, -1)  # Tensor.split's Python wrapper costs 2 us more
         # q and k are adjacent in qkv, so one rotary pass covers both
@@ -106,7 +109,24 @@ class CausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else _parameter(vocab, hidden, device=device, dtype=dtype)
         self.after_layer: Callable[[int], None] | None = None
         self.rotary = RotaryEmbedding(config)
+        self.head: Tensor | QuantizedLinear | None = None  # set by use_quantized; else the parameter
 
+    def use_quantized(self, weights: Mapping[str, QuantizedWeight], max_tokens: int) -> None:
+        """Multiply steps of up to `max_tokens` tokens by these quantised weights (gguf_weights.py),
+        keyed by our parameter names ("layers.0.qkv_proj", "lm_head"); longer ones keep the dense."""
+        params = dict(self.named_parameters())
+        for layer in self.layers:
+            layer.weights = dict(layer._parameters)
+        for name, packed in weights.items():
+            dense = self.embed_tokens if name == "lm_head" and self.lm_head is None else params[name]
+            if tuple(dense.shape) != packed.shape:
+                raise ValueError(f"{name}: quantised weight {packed.shape}, the model's {tuple(dense.shape)}")
+            quantized = QuantizedLinear(packed, dense, max_tokens)
+            if name == "lm_head":
+                self.head = quantized
+            else:
+                _, index, attribute = name.split(".")
+                self.layers[int(index)].weights[attribute] = quantized
     def forward(self, input_ids: Tensor, positions: Tensor, attention: Attention) -> Tensor:
         """Final-normed hidden states [T, hidden] of T tokens flattened across sequences.
 
@@ -119,7 +139,7 @@ class CausalLM(nn.Module):
         """
         h = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary(positions, h.dtype)
-        ops = layer_ops(h)
+        ops = layer_ops(h, quantized=self.head is not None)
         for index, layer in enumerate(self.layers):
             h = layer(h, cos, sin, attention, ops)
             if self.after_layer is not None:
@@ -128,7 +148,8 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         """[N, hidden] -> [N, vocab] float32 (the matmul runs in the model's dtype)."""
-        return linear(hidden, self.embed_tokens if self.lm_head is None else self.lm_head).float()
+        head = self.head if self.head is not None else self.embed_tokens if self.lm_head is None else self.lm_head
+        return linear(hidden, head).float()
 
     def hf_names(self) -> dict[str, tuple[tuple[str, int], ...]]:
         """Our parameter name -> ((Hugging Face tensor name, rows), ...) concatenated into it along dim 0."""

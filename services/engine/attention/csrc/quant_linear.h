@@ -1,0 +1,19 @@
+// Linear layers on GGUF-quantised weights, read as they are stored (quant_linear.cpp).
+#pragma once
+
+#include <torch/extension.h>
+
+namespace kvmesh {
+
+// x [T, K] @ W^T (+ residual [T, N]) in x's dtype (float32 or bf16; rows of x may be strided),
+// summed in float32 and rounded once. W [N, K] in Q4_1 blocks of 32 along K: weight 32b + j of
+// row n is scales[n, b] * q + mins[n, b], q the low nibble of qs[n, 16b + j] for j < 16 and the
+// high nibble of qs[n, 16b + j - 16] otherwise (GGUF's own order); qs uint8 [N, K / 2], scales
+// and mins float32 [N, K / 32].
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& mins,
+                       const c10::optional<at::Tensor>& residual);
+// The same for W in Q8_0 blocks: weight k of row n is scales[n, k / 32] * qs[n, k], qs int8 [N, K].
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& residual);
+
+}  // namespace kvmesh
