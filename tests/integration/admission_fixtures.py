@@ -37,7 +37,8 @@ def launch(name: str, run_dir: Path, python: str = sys.executable, **env: str) -
 def launch_engine(run_dir: Path, kvmeta_url: str, engine_id: str, role: str, python: str = sys.executable,
                   **env: str) -> Child:
     return launch("engine", run_dir / engine_id, python, **{
-        "KVMESH_ENGINE_MODEL": MODEL, "KVMESH_ENGINE_ENGINE_ID": engine_id, "KVMESH_ENGINE_ROLE": role,
+        "KVMESH_ENGINE_MODEL": MODEL, "KVMESH_ENGINE_DTYPE": "float32", "KVMESH_ENGINE_ENGINE_ID": engine_id,
+        "KVMESH_ENGINE_ROLE": role,
         "KVMESH_ENGINE_KVMETA_URL": kvmeta_url, "KVMESH_ENGINE_TORCH_THREADS": "1", **env})
 
 
