@@ -1,6 +1,7 @@
 """`kvmesh bench serve`: end-to-end serving latency of a real local cluster, KVDirect section 5.2.
 
-Each configuration is its own `kvmesh up` (a subprocess on free ports, every engine one torch thread):
+Each configuration is its own `kvmesh up` (a subprocess on free ports, every engine one torch thread,
+the `tiny` preset: the rates below are calibrated on it; `kvmesh bench peer` serves the real model):
   (1) 1P1D pull: one prefill and one decode engine, the decode engine pulls the KV (KVDirect);
   (2) 1P1D push: the same, the prefill engine writes the KV (`KVMESH_ADMISSION_TRANSFER_MODE=push`);
   (3) one colocated engine at half the request rate: KVDirect's fair comparison (section 5.2.1, "the
@@ -88,6 +89,10 @@ FULL = Plan(workloads=("arxiv", "sharegpt"), setups=(PULL, PUSH), window_s=20, d
 # arxiv or 12 sharegpt requests/s before its queue grows without bound (measured on this machine).
 SWEEP = {"arxiv": (1, 4, 8, 12, 16, 20, 24, 32), "sharegpt": (1, 2, 4, 6, 8, 12, 16, 24)}
 CONCURRENCY = 64                     # open requests at most (admission's default max_running)
+# The engines' model: the `tiny` preset, which the rates above were calibrated on. The real default
+# model serves about a hundredth of these rates on this machine; its serving comparison, with stock
+# vLLM, is `kvmesh bench peer`.
+MODEL = "tiny"
 
 
 class LocalCluster:
@@ -101,7 +106,7 @@ class LocalCluster:
 
     def __enter__(self) -> LocalCluster:
         env = {**os.environ, **{f"KVMESH_{s.upper()}_PORT": str(free_port()) for s in SERVICES},
-               "KVMESH_ENGINE_TORCH_THREADS": "1", "KVMESH_LOG_LEVEL": "WARNING",
+               "KVMESH_ENGINE_TORCH_THREADS": "1", "KVMESH_LOG_LEVEL": "WARNING", "KVMESH_ENGINE_MODEL": MODEL,
                "KVMESH_ADMISSION_REQUESTS_PER_S": "100000", "KVMESH_ADMISSION_BURST": "100000", **self.setup.env}
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log, "wb") as log:
@@ -290,7 +295,7 @@ def _config(plan: Plan, sweeps: dict[str, list[LoadResult]], breakdowns: dict[st
         "sweep_rps": {w: [load.rate for load in sweeps[w]] for w in plan.workloads},
         "tbt_doubled": {w: bool(_tbt(sweeps[w][-1]) >= 2 * _tbt(sweeps[w][0])) for w in plan.workloads},
         "window_s": plan.window_s, "drain_s": plan.drain_s, "min_requests": plan.min_requests,
-        "concurrency": CONCURRENCY, "torch_threads_per_engine": 1, "cpus": os.cpu_count(), "seed": SEED,
+        "model": MODEL, "concurrency": CONCURRENCY, "torch_threads_per_engine": 1, "cpus": os.cpu_count(), "seed": SEED,
         "breakdown_ms": breakdowns, "skipped": skipped,
     }
 
