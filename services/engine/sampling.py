@@ -35,8 +35,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     if sampled_rows:
         rows = torch.tensor(sampled_rows, device=logits.device)
         probs = _filtered_probs(logits[rows], [params[i] for i in sampled_rows])
-        for j, i in enumerate(sampled_rows):
-            tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i]).squeeze(0)
+        tokens[rows] = _inverse_cdf(probs, [generators[i] for i in sampled_rows]).to(tokens.dtype)
     logprobs: list[float | None] = [None] * len(params)
     wanted = [i for i, p in enumerate(params) if p.logprobs]
     if wanted:
@@ -45,6 +44,18 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         for i, value in zip(wanted, chosen.tolist()):
             logprobs[i] = value
     return tokens.tolist(), logprobs
+
+
+def _inverse_cdf(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One draw from each row of `probs` [S, vocab]: the first token whose cumulative probability
+    passes u x the row's total, u uniform in [0, 1) from the row's generator. The distribution
+    torch.multinomial draws from, one uniform a row, for the whole batch at once: one multinomial
+    call a row took half of a loaded engine's time with a 49,152-token vocabulary (py-spy, 3 req/s
+    of SmolLM2 requests at temperature 1). Tokens of probability 0 are never drawn (right=True)."""
+    cdf = probs.cumsum(dim=-1)
+    u = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in generators])
+    picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1).to(cdf.dtype), right=True).squeeze(1)
+    return picked.clamp_(max=probs.shape[-1] - 1)
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
