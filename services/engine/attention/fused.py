@@ -117,13 +117,24 @@ def _torch_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residua
 
 
 def _packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
-    if residual is None:
-        return torch.ops.mkldnn._linear_pointwise.default(x, _packed(weight), bias, "none", [], "")
-    if bias is not None:
+    if residual is not None and bias is not None:
         raise ValueError("linear: a bias or a residual, not both")
-    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, _packed(weight), None, "add")
+    # oneDNN builds (JIT-compiles) a primitive for every row count it meets, ~5 ms for a prefill's, and
+    # a step's row count changes with its batch: rows past ROW_BUCKET are padded to a multiple of it,
+    # so a server meets a few dozen counts, each once.
+    rows = x.shape[0]
+    padded = rows if rows <= ROW_BUCKET else -(-rows // ROW_BUCKET) * ROW_BUCKET
+    if padded != rows:
+        x = F.pad(x, (0, 0, 0, padded - rows))
+        residual = None if residual is None else F.pad(residual, (0, 0, 0, padded - rows))
+    if residual is None:
+        y = torch.ops.mkldnn._linear_pointwise.default(x, _packed(weight), bias, "none", [], "")
+    else:
+        y = torch.ops.mkldnn._linear_pointwise.binary(x, residual, _packed(weight), None, "add")
+    return y if padded == rows else y[:rows]
 
 
+ROW_BUCKET = 32
 TORCH_OPS = LayerOps(_torch_rms_norm, _torch_rotary, _torch_silu_mul, _torch_linear)
 
 
