@@ -29,6 +29,7 @@ from .model_source import resolve_model
 from .models import build_preset, load_checkpoint
 from .models.gguf_weights import load_gguf_weights
 from .policy_set import Policies
+from .quant import tile_path
 from .scheduler import Scheduler
 from .layer_profile import profile_layerkv
 from .sparsity_profile import profile_sparsity
@@ -66,7 +67,7 @@ def build_engine(config: EngineConfig) -> Engine:
             if weights is None and config.quantized_weights == "on":
                 raise ConfigError(f"quantized_weights on: {source.gguf.name} has weights the kernels do not read")
             if weights is not None:
-                model.use_quantized(weights, config.quantized_max_tokens)
+                model.use_quantized(weights, quantized_max_tokens(config, dtype))
     model.eval()
     spec = model.config
     shape = BlockShape(config.block_size, spec.num_kv_heads, spec.head_dim, dtype)
@@ -138,6 +139,16 @@ def wants_quantized(config: EngineConfig) -> bool:
     if config.quantized_weights != "auto":
         return config.quantized_weights == "on"
     return torch.device(config.device).type == "cpu" and backend(config.device) == "cpp"
+
+
+def quantized_max_tokens(config: EngineConfig, dtype: torch.dtype) -> int:
+    """The most rows of x a step multiplies by the quantised blocks rather than the dense weights:
+    the setting, or (0) the crossover measured with `bench/engine.py`'s kernels: 32 for bf16 on the
+    AMX tile path (it reads the 4-bit blocks at any batch, and computes on tiles), 4 otherwise (the
+    float32 path computes on vectors and loses to oneDNN's bf16 at about 6 rows)."""
+    if config.quantized_max_tokens:
+        return config.quantized_max_tokens
+    return 32 if dtype == torch.bfloat16 and tile_path(config.device) else 4
 
 
 def uses_layerkv(config: EngineConfig, hook: str) -> bool:

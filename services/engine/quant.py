@@ -33,6 +33,14 @@ BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def tile_path(device: torch.device | str) -> bool:
+    """Whether bf16 x of 2 or more rows is multiplied on AMX tiles here (csrc/quant_linear.cpp: the
+    blocks dequantised and rounded to bf16, the same bits as the dense bf16 weights, then summed in
+    float32); else, on a CPU with the kernels, every dtype takes the float32-vector path."""
+    kernel = _kernel() if torch.device(device).type == "cpu" else None
+    return kernel is not None and kernel.quant_linear_amx()
+
+
 @dataclass(frozen=True, eq=False)
 class QuantizedWeight:
     """One [N, K] linear weight in Q4_1 or Q8_0 blocks (layout in the module docstring)."""

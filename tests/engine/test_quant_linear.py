@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.services.engine.attention import paged
-from kvmesh.services.engine.quant import QuantizedWeight, torch_linear
+from kvmesh.services.engine.quant import QuantizedWeight, tile_path, torch_linear
 
 from .test_paged_attention import kernel, use_backend  # noqa: F401 - the fixture builds the kernel
 
@@ -54,6 +54,12 @@ def spec_weights(kind: str, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
     else:
         w = d * blocks[:, 2:34].copy().view(np.int8).astype(np.float32)
     return torch.from_numpy(w.reshape(n, k))
+
+
+def multiplied(spec: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The weights the kernel multiplies x by: on the AMX tile path (bf16 x of 2 or more rows) the
+    exact weights rounded to bf16, the dense bf16 model's own; else the exact weights."""
+    return spec.bfloat16().float() if x.dtype == torch.bfloat16 and x.shape[0] > 1 and tile_path("cpu") else spec
 
 
 def weight(kind: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
@@ -135,7 +141,7 @@ def test_smollm2_tensors_dequantize_as_gguf_does(smollm2: dict[str, object], cpp
     assert torch.equal(w.dequantize(), want)
     for dtype in DTYPES:
         x = randn(3, want.shape[1], dtype=dtype)
-        assert_product(w.linear(x), x, want)
+        assert_product(w.linear(x), x, multiplied(want, x))
 
 
 # --- the kernel against F.linear on the dequantised weight ---------------------------------------
@@ -143,14 +149,25 @@ def test_smollm2_tensors_dequantize_as_gguf_does(smollm2: dict[str, object], cpp
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 3, 16, 33])
+@pytest.mark.parametrize("tokens", [1, 3, 16, 33, 70])  # 70: more tokens than one pass of tiles takes
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_kernel_equals_linear_on_dequantized_weights(cpp: None, kind: str, dtype: torch.dtype, tokens: int,
                                                      with_residual: bool) -> None:
     w, spec = weight(kind, 77, 160)  # rows that fill no tile evenly
     x = randn(tokens, 160, dtype=dtype)
     residual = randn(tokens, 77, dtype=dtype, seed=2) if with_residual else None
-    assert_product(w.linear(x, residual), x, spec, residual)
+    assert_product(w.linear(x, residual), x, multiplied(spec, x), residual)
+
+
+@pytest.mark.skipif(not tile_path("cpu"), reason="a CPU with AMX-BF16, the kernels built for it")
+@pytest.mark.parametrize("kind", KINDS)
+def test_tile_path_multiplies_the_dense_bf16_weights(cpp: None, kind: str) -> None:
+    """On the AMX path a bf16 step gives what the dense bf16 weight gives, up to float32 summation
+    order: each weight is rounded to bf16 as the checkpoint loaded in bf16 rounds it."""
+    w, spec = weight(kind, 64, 576)
+    x = randn(8, 576, dtype=torch.bfloat16)
+    dense = F.linear(x, spec.bfloat16())
+    torch.testing.assert_close(w.linear(x), dense, atol=0, rtol=2.0 ** -7)  # one unit in the last place
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -161,7 +178,7 @@ def test_kernel_reads_strided_rows(cpp: None, kind: str, dtype: torch.dtype, tok
     x = randn(tokens, 576 + 64, dtype=dtype)[:, 32:608]  # rows 640 apart, as a view of a fused projection
     residual = randn(tokens, 100, dtype=dtype, seed=2)[:, 50:90]
     assert x.stride(0) == 640 and residual.stride(0) == 100
-    assert_product(w.linear(x, residual), x, spec, residual)
+    assert_product(w.linear(x, residual), x, multiplied(spec, x), residual)
 
 
 def test_kernel_takes_columns_of_x_that_are_not_contiguous(cpp: None) -> None:
@@ -211,7 +228,7 @@ def test_take_rows_puts_rows_in_a_new_order(cpp: None, kind: str) -> None:
     taken = w.take_rows(order)
     assert taken.shape == (64, 96) and torch.equal(taken.dequantize(), spec[order])
     x = randn(3, 96, dtype=torch.bfloat16)
-    assert_product(taken.linear(x), x, spec[order])
+    assert_product(taken.linear(x), x, multiplied(spec[order], x))
 
 
 def test_cat_rejects_weights_of_another_kind_or_width() -> None:
@@ -299,3 +316,12 @@ def test_kernel_rejects_bad_inputs_with_a_clear_error(kernel: object) -> None:  
     for message, call in bad_calls.items():
         with pytest.raises(ValueError, match=message):
             call()
+
+
+def test_quantized_max_tokens_is_the_measured_crossover(cpp: None) -> None:
+    from kvmesh.services.engine.config import EngineConfig
+    from kvmesh.services.engine.factory import quantized_max_tokens
+
+    assert quantized_max_tokens(EngineConfig(quantized_max_tokens=7), torch.bfloat16) == 7
+    assert quantized_max_tokens(EngineConfig(), torch.float32) == 4
+    assert quantized_max_tokens(EngineConfig(), torch.bfloat16) == (32 if tile_path("cpu") else 4)

@@ -104,6 +104,20 @@ def test_the_gguf_blocks_are_exactly_the_checkpoints_weights(smollm2: ModelSourc
         assert torch.equal(packed.dequantize(), params["embed_tokens" if name == "lm_head" else name]), name
 
 
+def test_bf16_steps_on_the_4bit_blocks_are_as_close_to_float32_as_dense_bf16(smollm2: ModelSource) -> None:
+    """A bf16 step of up to quantized_max_tokens rows multiplies the blocks (on AMX: rounded to bf16,
+    the dense weights' own bits, summed in another order): its logits stray from the float32 model's
+    no further than the dense bf16 model's do."""
+    reference, tokenizer = load_checkpoint(smollm2.checkpoint, dtype=torch.float32)
+    dense, _ = load_checkpoint(smollm2.checkpoint, dtype=torch.bfloat16)
+    quantized, _ = load_checkpoint(smollm2.checkpoint, dtype=torch.bfloat16)
+    quantized.use_quantized(load_gguf_weights(smollm2.gguf, quantized.config, "cpu"), max_tokens=32)
+    ids = tokenizer.encode(PROMPTS[1])[:24]  # 24 rows: every linear of the step takes the blocks
+    with torch.inference_mode():
+        want, bf16, blocks = (our_logits(model, [ids])[0] for model in (reference, dense, quantized))
+    assert (blocks - want).abs().max() <= 1.25 * (bf16 - want).abs().max() <= 1.25
+
+
 @pytest.mark.parametrize("quantized", ["on", "off"])
 def test_greedy_text_equals_transformers_generate(smollm2: ModelSource, prompt_ids, expected, quantized: str) -> None:
     engine = engine_for(DEFAULT_MODEL, block_size=16, device_bytes=256 * 2**20, quantized_weights=quantized)

@@ -9,6 +9,12 @@
 // dequantised once into a per-thread buffer. x is converted to float32 once per call. With AVX512,
 // a Q4_1 block's 16 possible weights d * i + m are one vector that its nibbles index (vpermps
 // reads the low 4 bits of each lane, so GGUF's nibble order needs one shift and no mask).
+//
+// With AMX (built with -march=native on a CPU that has AMX-BF16), bf16 x of 2 or more rows takes
+// the tile path instead: each group of 16 weight rows is dequantised once, exactly as above, then
+// rounded to bf16 (the same bits as the model's dense bf16 weight) and multiplied into every row
+// of x by TDPBF16PS, which sums in float32. A decode step then reads the 4-bit weights at any batch
+// size instead of the dense bf16 ones: about a quarter of the bytes (see docs/engine.md).
 #include "quant_linear.h"
 
 #include <ATen/Parallel.h>
@@ -22,6 +28,12 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define KVMESH_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace kvmesh {
@@ -296,6 +308,146 @@ void quant_linear_rows(const Rows& rows, const float* x, int64_t ldx, int64_t to
   }
 }
 
+
+#if defined(KVMESH_AMX)
+constexpr int kTile = 16;  // rows of every tile; columns (tokens) of x's tiles and the sums'
+constexpr int kSumTiles = 4;  // tokens per pass: kSumTiles * kTile (tiles 2..5 hold their sums)
+
+// Linux gives a process AMX's tile registers only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM).
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// x's rows as TDPBF16PS's second operand: for K chunk c and tile u of 16 tokens, 16 rows p of
+// the pairs (x[t, 32c + 2p], x[t, 32c + 2p + 1]) of the tile's tokens t, zeros past the last.
+void pack_token_pairs(const at::BFloat16* x, int64_t ldx, int64_t tokens, int64_t chunks, uint32_t* out) {
+  const int64_t tiles = (tokens + kTile - 1) / kTile;
+  std::fill(out, out + chunks * tiles * kTile * kTile, 0u);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const at::BFloat16* row = x + t * ldx;
+    for (int64_t c = 0; c < chunks; ++c) {
+      uint32_t* tile = out + (c * tiles + t / kTile) * kTile * kTile + t % kTile;
+      for (int p = 0; p < kTile; ++p) std::memcpy(tile + p * kTile, row + c * kBlock + 2 * p, sizeof(uint32_t));
+    }
+  }
+}
+
+// Chunk b (one block along K) of rows [n0, n0 + count) of the weight, dequantised and rounded to
+// bf16, as TDPBF16PS's first operand: 16 rows of 32 weights at out.
+template <typename Rows>
+HOT inline void dequantize_chunk(const Rows& rows, int64_t n0, int count, int64_t b, at::BFloat16* out) {
+  rows.prefetch(n0 + kPrefetchGroups * kTile, b, kTile);
+  for (int r = 0; r < count; ++r) {
+    vfloat w[kVecs];
+    rows.block(n0 + r, b, w);
+    // Rounds to nearest even as store_float does; it would flush denormals, which weights of fp16
+    // scales times small integers cannot be.
+    _mm512_storeu_si512(out + r * kBlock, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]));
+  }
+}
+
+// The sums of tile u (float32 [16 weight rows][16 tokens]) plus the residual, rounded to bf16,
+// into out[t, n0 + r] for the tile's tokens.
+HOT inline void emit_sums(const float* sums, int64_t t0, int64_t tokens, int64_t n0, int count,
+                          const at::BFloat16* residual, int64_t ldr, at::BFloat16* out, int64_t N) {
+  const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  const __mmask16 mask = count == kTile ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+  for (int64_t t = t0; t < std::min<int64_t>(t0 + kTile, tokens); ++t) {  // token t's sums: column t - t0
+    vfloat y = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, column, sums + (t - t0), sizeof(float));
+    if (residual != nullptr) y += load_first(residual + t * ldr + n0, mask);
+    store_first(out + t * N + n0, mask, y);
+  }
+}
+
+// GCC's tile intrinsics paste their tile numbers into the instruction's text: literals only.
+// Tile 0 holds the weights, 1 the tokens' pairs, 2.. 5 (sum tiles 0.. 3) the float32 sums.
+HOT inline void multiply_into(int sum_tile, const uint32_t* pairs) {
+  _tile_loadd(1, pairs, kTile * sizeof(uint32_t));
+  switch (sum_tile) {
+    case 0: _tile_dpbf16ps(2, 0, 1); break;
+    case 1: _tile_dpbf16ps(3, 0, 1); break;
+    case 2: _tile_dpbf16ps(4, 0, 1); break;
+    default: _tile_dpbf16ps(5, 0, 1); break;
+  }
+}
+
+HOT inline void store_sums(int sum_tile, float* out) {
+  switch (sum_tile) {
+    case 0: _tile_stored(2, out, kTile * sizeof(float)); break;
+    case 1: _tile_stored(3, out, kTile * sizeof(float)); break;
+    case 2: _tile_stored(4, out, kTile * sizeof(float)); break;
+    default: _tile_stored(5, out, kTile * sizeof(float)); break;
+  }
+}
+
+template <typename Rows>
+void amx_linear(const Rows& rows, const at::BFloat16* x, int64_t ldx, int64_t tokens, int64_t N,
+                const at::BFloat16* residual, int64_t ldr, at::BFloat16* out) {
+  const int64_t chunks = rows.blocks, tiles = (tokens + kTile - 1) / kTile;
+  std::vector<uint32_t> pairs(chunks * tiles * kTile * kTile);
+  pack_token_pairs(x, ldx, tokens, chunks, pairs.data());
+  const int64_t groups = (N + kTile - 1) / kTile;
+  const int64_t work = kTile * chunks * (16 + tiles * 4);  // ~ cycles per group
+  at::parallel_for(0, groups, std::max<int64_t>(1, kMinWorkPerThread / work), [&](int64_t begin, int64_t end) {
+    TileConfig config;
+    for (int i = 0; i < 2 + kSumTiles; ++i) config.rows[i] = kTile, config.colsb[i] = 64;
+    _tile_loadconfig(&config);
+    std::vector<at::BFloat16> weights(chunks * kTile * kBlock);
+    alignas(64) float sums[kTile * kTile], more[kTile * kTile];
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * kTile;
+      const int count = int(std::min<int64_t>(kTile, N - n0));
+      if (count < kTile) std::fill(weights.begin(), weights.end(), at::BFloat16(0.0f));  // rows past N
+      for (int64_t u0 = 0; u0 < tiles; u0 += kSumTiles) {
+        // Each tile of tokens sums into `lanes` tiles, chunk c into lane c % lanes: one
+        // accumulator would chain every TDPBF16PS on the one before it.
+        const int n = int(std::min<int64_t>(kSumTiles, tiles - u0)), lanes = kSumTiles / n;
+        const auto multiply = [&](int64_t c) {
+          _tile_loadd(0, weights.data() + c * kTile * kBlock, kBlock * sizeof(at::BFloat16));
+          const uint32_t* tile = pairs.data() + (c * tiles + u0) * kTile * kTile;
+          for (int u = 0; u < n; ++u) multiply_into(u * lanes + int(c % lanes), tile + u * kTile * kTile);
+        };
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_zero(4);
+        _tile_zero(5);
+        if (u0 == 0) {  // the first pass dequantises as it goes, a chunk ahead: the tile unit and the
+                        // vector units then work side by side
+          for (int64_t c = 0; c < chunks; ++c) {
+            dequantize_chunk(rows, n0, count, c, weights.data() + c * kTile * kBlock);
+            if (c > 0) multiply(c - 1);
+          }
+          multiply(chunks - 1);
+        } else {
+          for (int64_t c = 0; c < chunks; ++c) multiply(c);
+        }
+        for (int u = 0; u < n; ++u) {
+          store_sums(u * lanes, sums);
+          for (int lane = 1; lane < lanes; ++lane) {
+            store_sums(u * lanes + lane, more);
+            for (int i = 0; i < kTile * kTile; i += W) store(sums + i, load(sums + i) + load(more + i));
+          }
+          emit_sums(sums, (u0 + u) * kTile, tokens, n0, count, residual, ldr, out, N);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 void check_x(const at::Tensor& x, const char* name) {
   TORCH_CHECK_VALUE(x.device().is_cpu(), name, ": CPU tensors only");
   TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name,
@@ -339,6 +491,12 @@ at::Tensor run(const at::Tensor& x, const Rows& rows, int64_t N, const c10::opti
     if constexpr (std::is_same_v<T, float>) {
       quant_linear_rows(rows, x.data_ptr<float>(), x.stride(0), tokens, N, res, ldr, out.data_ptr<T>());
     } else {
+#if defined(KVMESH_AMX)
+      if (tokens > 1 && amx_permitted()) {
+        amx_linear(rows, x.data_ptr<T>(), x.stride(0), tokens, N, res, ldr, out.data_ptr<T>());
+        return;
+      }
+#endif
       thread_local std::vector<float> xf;  // x as float32, kept for the next call
       xf.resize(tokens * K);
       for (int64_t t = 0; t < tokens; ++t) widen(x.data_ptr<T>() + t * x.stride(0), xf.data() + t * K, K);
@@ -354,6 +512,14 @@ at::Tensor run(const at::Tensor& x, const Rows& rows, int64_t N, const c10::opti
 }
 
 }  // namespace
+
+bool quant_linear_amx() {
+#if defined(KVMESH_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
 
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& mins,
                        const c10::optional<at::Tensor>& residual) {
