@@ -76,7 +76,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,7 +89,7 @@ from .report import BenchResult, Row, save_figure
 
 SERVED_NAME = "SmolLM2-135M-Instruct"
 KVMESH = ROOT / ".venv" / "bin" / "kvmesh"
-RATES = (0.5, 1.0, 2.0, 3.0, 4.0, 6.0)  # past stock vLLM bf16's capacity here (P90 TTFT 0.5 s at 3 req/s)
+RATES = (0.5, 1.0, 2.0, 3.0, 4.0, 6.0)  # to stock vLLM bf16's throughput plateau here (3-4.6 req/s achieved at 6)
 QUICK_RATES, QUICK_PROMPTS = (1.0, 2.0), 12
 INPUT_LEN, OUTPUT_LEN = 256, 64
 SEED, WARMUP_SEED, WARMUP_PROMPTS = 1, 1000, 2

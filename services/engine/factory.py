@@ -143,9 +143,10 @@ def wants_quantized(config: EngineConfig) -> bool:
 
 def quantized_max_tokens(config: EngineConfig, dtype: torch.dtype) -> int:
     """The most rows of x a step multiplies by the quantised blocks rather than the dense weights:
-    the setting, or (0) the crossover measured with `bench/engine.py`'s kernels: 32 for bf16 on the
-    AMX tile path (it reads the 4-bit blocks at any batch, and computes on tiles), 4 otherwise (the
-    float32 path computes on vectors and loses to oneDNN's bf16 at about 6 rows)."""
+    the setting, or (0) the measured crossover (docs/benchmarks.md, "engine"): 32 for bf16 on the AMX
+    tile path (it reads the 4-bit blocks at any batch, and computes on tiles; 1.15x dense bf16's time
+    at 64 rows), 4 otherwise (the float32 path computes on vectors and loses to oneDNN's bf16 at about
+    6 rows)."""
     if config.quantized_max_tokens:
         return config.quantized_max_tokens
     return 32 if dtype == torch.bfloat16 and tile_path(config.device) else 4

@@ -116,6 +116,9 @@ def _torch_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residua
     return torch.addmm(residual, x, weight.t())
 
 
+ROW_BUCKET = 32  # bf16 linears pad rows past this to a multiple of it (see _packed_linear)
+
+
 def _packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
     if residual is not None and bias is not None:
         raise ValueError("linear: a bias or a residual, not both")
@@ -134,7 +137,6 @@ def _packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residu
     return y if padded == rows else y[:rows]
 
 
-ROW_BUCKET = 32
 TORCH_OPS = LayerOps(_torch_rms_norm, _torch_rotary, _torch_silu_mul, _torch_linear)
 
 

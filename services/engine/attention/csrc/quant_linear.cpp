@@ -308,7 +308,6 @@ void quant_linear_rows(const Rows& rows, const float* x, int64_t ldx, int64_t to
   }
 }
 
-
 #if defined(KVMESH_AMX)
 constexpr int kTile = 16;  // rows of every tile; columns (tokens) of x's tiles and the sums'
 constexpr int kSumTiles = 4;  // tokens per pass: kSumTiles * kTile (tiles 2..5 hold their sums)
