@@ -33,12 +33,17 @@ BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def tile_path(device: torch.device | str) -> bool:
-    """Whether bf16 x of 2 or more rows is multiplied on AMX tiles here (csrc/quant_linear.cpp: the
-    blocks dequantised and rounded to bf16, the same bits as the dense bf16 weights, then summed in
-    float32); else, on a CPU with the kernels, every dtype takes the float32-vector path."""
+def tile_rows(device: torch.device | str) -> int:
+    """The fewest rows of bf16 x multiplied on AMX tiles here (csrc/quant_linear.cpp: the blocks
+    dequantised and rounded to bf16, the same bits as the dense bf16 weights, then summed in
+    float32), 0 where there are no tiles; fewer rows, and float32 x, take the float32-vector path."""
     kernel = _kernel() if torch.device(device).type == "cpu" else None
-    return kernel is not None and kernel.quant_linear_amx()
+    return kernel.quant_linear_tile_rows() if kernel is not None else 0
+
+
+def tile_path(device: torch.device | str) -> bool:
+    """Whether bf16 x of tile_rows or more rows is multiplied on AMX tiles here."""
+    return tile_rows(device) > 0
 
 
 @dataclass(frozen=True, eq=False)

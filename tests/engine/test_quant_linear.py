@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.services.engine.attention import paged
-from kvmesh.services.engine.quant import QuantizedWeight, tile_path, torch_linear
+from kvmesh.services.engine.quant import QuantizedWeight, tile_path, tile_rows, torch_linear
 
 from .test_paged_attention import kernel, use_backend  # noqa: F401 - the fixture builds the kernel
 
@@ -57,9 +57,10 @@ def spec_weights(kind: str, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
 
 
 def multiplied(spec: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The weights the kernel multiplies x by: on the AMX tile path (bf16 x of 2 or more rows) the
-    exact weights rounded to bf16, the dense bf16 model's own; else the exact weights."""
-    return spec.bfloat16().float() if x.dtype == torch.bfloat16 and x.shape[0] > 1 and tile_path("cpu") else spec
+    """The weights the kernel multiplies x by: on the AMX tile path (bf16 x of tile_rows or more rows)
+    the exact weights rounded to bf16, the dense bf16 model's own; else the exact weights."""
+    fewest = tile_rows("cpu")
+    return spec.bfloat16().float() if x.dtype == torch.bfloat16 and 0 < fewest <= x.shape[0] else spec
 
 
 def weight(kind: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:

@@ -799,7 +799,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &kvmesh::rms_norm, "RMSNorm of each row", py::call_guard<py::gil_scoped_release>());
   m.def("rotary", &kvmesh::rotary, "Rotary embedding of q and k", py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &kvmesh::silu_mul, "silu(gate) * up", py::call_guard<py::gil_scoped_release>());
-  m.def("quant_linear_amx", &kvmesh::quant_linear_amx, "Whether bf16 x of 2+ rows takes the AMX tile path");
+  m.def("quant_linear_tile_rows", &kvmesh::quant_linear_tile_rows,
+        "The fewest rows of bf16 x that take the AMX tile path, 0 where there is none");
   m.def("q4_1_linear", &kvmesh::q4_1_linear, "x @ W^T (+ residual) for W in GGUF Q4_1 blocks", py::arg("x"),
         py::arg("qs"), py::arg("scales"), py::arg("mins"), py::arg("residual") = py::none(),
         py::call_guard<py::gil_scoped_release>());

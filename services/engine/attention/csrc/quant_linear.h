@@ -16,8 +16,9 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& residual);
 
-// Whether bf16 x of 2 or more rows takes the AMX tile path (weights rounded to bf16 first, as the
-// dense bf16 model's are): built for a CPU with AMX-BF16 and granted its tile state by the kernel.
-bool quant_linear_amx();
+// The fewest rows of bf16 x that take the AMX tile path (weights rounded to bf16 first, as the
+// dense bf16 model's are), or 0 where there is none: built for a CPU with AMX-BF16 and granted its
+// tile state by the kernel.
+int64_t quant_linear_tile_rows();
 
 }  // namespace kvmesh
