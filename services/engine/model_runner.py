@@ -61,10 +61,11 @@ class ModelRunner:
 
         device = self.device
         block_tables = torch.from_numpy(tables).to(device)
+        valid = self._valid(staged is not None)
         attention = StepAttention(self.pool.tensor, block_tables, torch.from_numpy(slots).to(device),
                                   torch.from_numpy((starts + lengths).astype(np.int32)).to(device),
-                                  torch.from_numpy(query_start).to(device), self.scale,
-                                  valid=self._valid(staged is not None))
+                                  torch.from_numpy(query_start).to(device), self.scale, valid=valid,
+                                  prompts=_new_prompts(starts, query_start) if valid is None else ())
         if self.probe is not None:
             attention = self.probe.wrap(attention, block_tables, self._observed(chunks, starts + lengths, query_start))
         around = []   # the copies each layer's attention waits for, and their ends
@@ -121,6 +122,19 @@ class ModelRunner:
             tables[:, s, :request_rows.shape[1]] = request_rows
         self._tables = rows, tables
         return tables
+
+
+def _new_prompts(starts: np.ndarray, query_start: np.ndarray) -> list[tuple[int, int]]:
+    """The token ranges of the step's last chunks that are each a whole new context: nothing computed
+    before them, more than one token (StepAttention's `prompts`). The scheduler admits waiting
+    requests after the running ones, so a step's new prompts come last."""
+    prompts: list[tuple[int, int]] = []
+    for s in range(len(starts) - 1, -1, -1):
+        begin, end = int(query_start[s]), int(query_start[s + 1])
+        if starts[s] or end - begin < 2:
+            break
+        prompts.append((begin, end))
+    return prompts[::-1]
 
 
 def _new_ids(request: Request, n: int) -> list[int]:

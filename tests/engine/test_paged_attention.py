@@ -294,3 +294,40 @@ def test_step_attention_over_layers_equals_checked_calls(backend_name: str) -> N
         got = step(layer, batch.q, k, v)
         torch.testing.assert_close(got, expected, equal_nan=True)
     torch.testing.assert_close(got_pool, expected_pool, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_new_prompts_attend_to_themselves_as_through_the_pool(backend_name: str, dtype: torch.dtype) -> None:
+    """A step's trailing new prompts (StepAttention's `prompts`) take causal SDPA on this step's k and v;
+    the result equals attending through the pool, and their K/V still reaches the pool."""
+    from kvmesh.services.engine.attention import StepAttention
+
+    # decodes and a chunk after earlier context, then two new prompts (one over a block, one shorter)
+    n_qs, new = [1, 1, 20, 37, 9], [(22, 59), (59, 68)]
+    seq_lens = [40, 17, 70, 37, 9]
+    batch = make_batch(seq_lens, n_qs, 6, 2, 64, 16, dtype)
+    gen = torch.Generator().manual_seed(1)
+    k, v = (torch.randn(sum(n_qs), 2, 64, generator=gen).to(dtype) for _ in range(2))
+    # each new token's slot is its position's slot in its sequence's blocks
+    slots = torch.cat([batch.block_table[s, (torch.arange(n - q, n) // 16)].long() * 16 + torch.arange(n - q, n) % 16
+                       for s, (n, q) in enumerate(zip(seq_lens, n_qs))])
+    tables, layer_slots = batch.block_table[None], slots[None]
+    expected_pool, got_pool = batch.pool.clone(), batch.pool.clone()
+    through_pool = StepAttention(expected_pool, tables, layer_slots, batch.seq_lens, batch.query_start_loc, batch.scale)
+    direct = StepAttention(got_pool, tables, layer_slots, batch.seq_lens, batch.query_start_loc, batch.scale,
+                           prompts=new)
+    expected, got = through_pool(0, batch.q, k, v), direct(0, batch.q, k, v)
+    torch.testing.assert_close(got.float(), expected.float(), **TOLERANCE[dtype])
+    torch.testing.assert_close(got_pool, expected_pool, equal_nan=True)
+    again = direct(0, batch.q, k, v)  # later layers take the unchecked calls
+    torch.testing.assert_close(again, got)
+
+
+def test_new_prompts_and_masked_keys_do_not_mix() -> None:
+    from kvmesh.services.engine.attention import StepAttention
+
+    batch = make_batch([9], [9], 2, 2, 64, 16, torch.float32)
+    valid = torch.ones(batch.pool.shape[0], 16, dtype=torch.bool)
+    with pytest.raises(ValueError, match="do not mix"):
+        StepAttention(batch.pool, batch.block_table[None], torch.arange(9)[None], batch.seq_lens,
+                      batch.query_start_loc, batch.scale, valid=valid, prompts=[(0, 9)])

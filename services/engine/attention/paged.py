@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 from types import ModuleType
 
 import torch
@@ -83,29 +84,61 @@ class StepAttention:
     dtypes are the same in every layer, so the first layer's call checks them all and later layers
     go straight to the kernel: eight checked calls cost ~50 us a step, a fair share of a decode step.
     valid (see paged_attention) masks keys in every layer.
+
+    `prompts`: the token ranges [begin, end) of the step's last sequences whose chunk is their whole
+    context (a new prompt: nothing computed before it, more than one token). Their keys are this
+    step's k and v, so they attend through torch's causal SDPA (a flash kernel on CPU and GPU: half
+    the paged kernel's time on a 256-token prompt) rather than through the pool; only the sequences
+    before them go to paged attention. Their K/V is written to the pool all the same.
     """
 
     def __init__(self, pool: torch.Tensor, block_tables: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
-                 query_start_loc: torch.Tensor, scale: float, valid: torch.Tensor | None = None):
+                 query_start_loc: torch.Tensor, scale: float, valid: torch.Tensor | None = None,
+                 prompts: Sequence[tuple[int, int]] = ()):
         self.pool, self.block_tables, self.slots = pool, block_tables, slots
-        self.seq_lens, self.query_start_loc, self.scale = seq_lens, query_start_loc, float(scale)
-        self.valid = valid
+        self.scale, self.valid = float(scale), valid
+        if prompts and valid is not None:
+            raise ValueError("StepAttention: masked keys (valid) and prompts attending to themselves do not mix")
+        self.prompts = list(prompts)
+        # the sequences (and their tokens) that go through paged attention: those before the prompts
+        self.paged_seqs = len(seq_lens) - len(self.prompts)
+        self.paged_tokens = self.prompts[0][0] if self.prompts else None
+        self.seq_lens, self.query_start_loc = seq_lens[:self.paged_seqs], query_start_loc[:self.paged_seqs + 1]
         self._kernel = None  # set once the first layer has passed the checks
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kernel = self._kernel
-        if kernel is None:
+        if kernel is None:  # the first layer: checked calls
             write_kv(self.pool, k, v, self.slots[layer])
-            out = paged_attention(q, self.pool, self.block_tables[layer], self.seq_lens, self.query_start_loc,
-                                  self.scale, self.valid)
-            self._kernel = _kernel() if self.pool.is_cpu else None
-            if self._kernel is not None:  # the kernel reads each layer's row of these densely
-                self.block_tables, self.slots = self.block_tables.contiguous(), self.slots.contiguous()
-                self.seq_lens, self.query_start_loc = self.seq_lens.contiguous(), self.query_start_loc.contiguous()
-            return out
-        kernel.write_kv(self.pool, _token_rows(k), _token_rows(v), self.slots[layer])
-        return kernel.paged_attention(_token_rows(q), self.pool, self.block_tables[layer], self.seq_lens,
-                                      self.query_start_loc, self.scale, self.valid)
+        else:
+            kernel.write_kv(self.pool, _token_rows(k), _token_rows(v), self.slots[layer])
+        if self.prompts:
+            out = torch.empty_like(q)
+            if self.paged_seqs:
+                out[:self.paged_tokens] = self._paged(layer, q[:self.paged_tokens], kernel)
+            for begin, end in self.prompts:
+                out[begin:end] = causal_self_attention(q[begin:end], k[begin:end], v[begin:end], self.scale)
+        else:
+            out = self._paged(layer, q, kernel)
+        if kernel is None and self.pool.is_cpu and _kernel() is not None:
+            self._kernel = _kernel()  # the kernel reads each layer's row of these densely
+            self.block_tables, self.slots = self.block_tables.contiguous(), self.slots.contiguous()
+            self.seq_lens, self.query_start_loc = self.seq_lens.contiguous(), self.query_start_loc.contiguous()
+        return out
+
+    def _paged(self, layer: int, q: torch.Tensor, kernel: ModuleType | None) -> torch.Tensor:
+        table = self.block_tables[layer, :self.paged_seqs]
+        if kernel is None:
+            return paged_attention(q, self.pool, table, self.seq_lens, self.query_start_loc, self.scale, self.valid)
+        return kernel.paged_attention(_token_rows(q), self.pool, table, self.seq_lens, self.query_start_loc,
+                                      self.scale, self.valid)
+
+
+def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """A new prompt's attention to itself: q [T, Hq, D], k and v [T, Hkv, D] -> [T, Hq, D]."""
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       is_causal=True, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
 
 
 def backend(device: torch.device | str = "cpu") -> str:
