@@ -38,7 +38,9 @@ class EngineConfig(ServiceConfig, kw_only=True):
     cxl_bytes: int = 128 * 2**20
     cxl_path: str | None = None        # back the cxl tier with a file or DAX device instead of RAM
     max_num_seqs: int = 64
-    token_budget: int = 512            # tokens computed per step (chunked prefill)
+    # tokens computed per step (chunked prefill); 0: factory.token_budget's choice for the role (2048 where
+    # decodes share the steps, as vLLM's CPU server; 512 on a prefill-only engine)
+    token_budget: Annotated[int, msgspec.Meta(ge=0)] = 0
     max_model_len: int = 0             # 0: the model's limit, or what the device tier holds if less
     prefix_caching: bool = True
     # CaR (docs/car.md): prefix-cache nodes the device evicts move to the cxl tier and come back on a hit.

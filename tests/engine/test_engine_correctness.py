@@ -52,6 +52,14 @@ def test_chunked_prefill_matches(tiny_checkpoint, reference):
     assert_all_blocks_free(engine)
 
 
+def test_token_budget_follows_the_role(tiny_checkpoint):
+    """0 (the default) lets the engine pick: vLLM's CPU 2048 where decodes share the steps, 512 on a
+    prefill-only engine (factory.token_budget); a set budget stays."""
+    assert engine_for(tiny_checkpoint).scheduler.token_budget == 2048
+    assert engine_for(tiny_checkpoint, role="prefill").scheduler.token_budget == 512
+    assert engine_for(tiny_checkpoint, role="prefill", token_budget=24).scheduler.token_budget == 24
+
+
 @pytest.mark.parametrize("strategy", ["recompute", "swap"])
 def test_preemption_keeps_outputs_identical(tiny_checkpoint, reference, strategy):
     # 4 layers x 10 blocks of 16 tokens per request at most: 96 blocks hold only two or three at once.
