@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .attention import StepAttention
+from .attention.fused import padded_rows
 from .kv_pool import KVPool
 from .layer_staging import Copy, LayerLoads, LayerStaging, SideCopies
 from .request import Request
@@ -58,6 +59,8 @@ class ModelRunner:
         slots = (tables[:, seq_of_token, positions // self.block_size].astype(np.int64) * self.block_size
                  + positions % self.block_size)
         ids = np.array([t for c in chunks for t in _new_ids(c.request, c.num_tokens)], dtype=np.int64)
+        # the model runs `rows` rows, the step's tokens and then padding (token 0 at position 0)
+        rows = padded_rows(num_tokens, self.pool.tensor.dtype, self.device)
 
         device = self.device
         block_tables = torch.from_numpy(tables).to(device)
@@ -65,7 +68,8 @@ class ModelRunner:
         attention = StepAttention(self.pool.tensor, block_tables, torch.from_numpy(slots).to(device),
                                   torch.from_numpy((starts + lengths).astype(np.int32)).to(device),
                                   torch.from_numpy(query_start).to(device), self.scale, valid=valid,
-                                  prompts=_new_prompts(starts, query_start) if valid is None else ())
+                                  prompts=_new_prompts(starts, query_start) if valid is None else (),
+                                  padding=rows - num_tokens)
         if self.probe is not None:
             attention = self.probe.wrap(attention, block_tables, self._observed(chunks, starts + lengths, query_start))
         around = []   # the copies each layer's attention waits for, and their ends
@@ -75,10 +79,12 @@ class ModelRunner:
             loading = LayerLoads(self.reload_side, reloads)
             attention, around = loading.wrap(attention), [loading, *around]
         try:
-            hidden = self.model(torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device), attention)
+            hidden = self.model(torch.from_numpy(_padded(ids, rows)).to(device),
+                                torch.from_numpy(_padded(positions, rows)).to(device), attention)
         finally:
             for copies in around:
                 copies.finish()
+        hidden = hidden[:num_tokens]
         samples = [c.samples for c in chunks]
         if num_tokens > len(chunks) or not all(samples):  # else each chunk is one sampling token: every row
             last = query_start[1:][samples] - 1
@@ -122,6 +128,11 @@ class ModelRunner:
             tables[:, s, :request_rows.shape[1]] = request_rows
         self._tables = rows, tables
         return tables
+
+
+def _padded(values: np.ndarray, rows: int) -> np.ndarray:
+    """values followed by zeros up to `rows`."""
+    return values if len(values) == rows else np.concatenate([values, np.zeros(rows - len(values), values.dtype)])
 
 
 def _new_prompts(starts: np.ndarray, query_start: np.ndarray) -> list[tuple[int, int]]:

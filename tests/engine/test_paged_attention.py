@@ -331,3 +331,29 @@ def test_new_prompts_and_masked_keys_do_not_mix() -> None:
     with pytest.raises(ValueError, match="do not mix"):
         StepAttention(batch.pool, batch.block_table[None], torch.arange(9)[None], batch.seq_lens,
                       batch.query_start_loc, batch.scale, valid=valid, prompts=[(0, 9)])
+
+
+def test_padding_rows_are_ignored_and_attend_to_nothing(backend_name: str) -> None:
+    """Rows the model carries past the step's tokens (fused.padded_rows): their q, k and v are not
+    read or written, and their output is zeros; the step's own rows are as without them."""
+    from kvmesh.services.engine.attention import StepAttention
+
+    n_qs, seq_lens = [1, 20, 9], [40, 70, 9]
+    batch = make_batch(seq_lens, n_qs, 4, 2, 64, 16, torch.float32)
+    tokens, padding = sum(n_qs), 7
+    gen = torch.Generator().manual_seed(2)
+    k, v = (torch.randn(tokens + padding, 2, 64, generator=gen) for _ in range(2))
+    q = torch.cat([batch.q, torch.full((padding, *batch.q.shape[1:]), math.nan)])
+    slots = torch.cat([batch.block_table[s, (torch.arange(n - m, n) // 16)].long() * 16 + torch.arange(n - m, n) % 16
+                       for s, (n, m) in enumerate(zip(seq_lens, n_qs))])[None]
+    expected_pool, got_pool = batch.pool.clone(), batch.pool.clone()
+    expected = StepAttention(expected_pool, batch.block_table[None], slots, batch.seq_lens, batch.query_start_loc,
+                             batch.scale)(0, batch.q, k[:tokens], v[:tokens])
+    for prompts in ([], [(21, 30)]):
+        pool = got_pool.clone()
+        step = StepAttention(pool, batch.block_table[None], slots, batch.seq_lens, batch.query_start_loc, batch.scale,
+                             prompts=prompts, padding=padding)
+        got = step(0, q, k, v)
+        assert got.shape == q.shape and not got[tokens:].any()
+        torch.testing.assert_close(got[:tokens], expected, **TOLERANCE[torch.float32])
+        torch.testing.assert_close(pool, expected_pool, equal_nan=True)

@@ -50,8 +50,8 @@ def layer_ops(x: Tensor, quantized: bool = False) -> LayerOps:
     kernel = _kernel() if x.is_cpu else None
     ops = TORCH_OPS
     if kernel is not None:
-        packs = x.dtype == torch.bfloat16 and _onednn_packing()
-        ops = LayerOps(kernel.rms_norm, kernel.rotary, kernel.silu_mul, _packed_linear if packs else _torch_linear)
+        ops = LayerOps(kernel.rms_norm, kernel.rotary, kernel.silu_mul,
+                       _packed_linear if _packs(x.dtype, x.device) else _torch_linear)
     return ops._replace(linear=_either_linear(ops.linear)) if quantized else ops
 
 
@@ -116,25 +116,27 @@ def _torch_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residua
     return torch.addmm(residual, x, weight.t())
 
 
-ROW_BUCKET = 32  # bf16 linears pad rows past this to a multiple of it (see _packed_linear)
+ROW_BUCKET = 32  # see padded_rows
+
+
+def padded_rows(rows: int, dtype: torch.dtype, device: torch.device | str) -> int:
+    """How many rows a step of `rows` tokens runs at. oneDNN builds (JIT-compiles) a primitive for
+    every row count it meets (7.8 ms the first time for a 3072x576 matmul of 300 rows, 2.5 ms after),
+    and a step's row count changes with its batch. Where bf16 linears run oneDNN's packed path, rows
+    past ROW_BUCKET are padded to a multiple of it, so a server meets a few dozen counts, each once.
+    The runner pads the step's tokens once (padding each linear's x cost 0.2-2 ms a call at 2,000
+    rows: a fifth of a loaded engine's time)."""
+    if rows <= ROW_BUCKET or not _packs(dtype, torch.device(device)):
+        return rows
+    return -(-rows // ROW_BUCKET) * ROW_BUCKET
 
 
 def _packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
-    if residual is not None and bias is not None:
-        raise ValueError("linear: a bias or a residual, not both")
-    # oneDNN builds (JIT-compiles) a primitive for every row count it meets, ~5 ms for a prefill's, and
-    # a step's row count changes with its batch: rows past ROW_BUCKET are padded to a multiple of it,
-    # so a server meets a few dozen counts, each once.
-    rows = x.shape[0]
-    padded = rows if rows <= ROW_BUCKET else -(-rows // ROW_BUCKET) * ROW_BUCKET
-    if padded != rows:
-        x = F.pad(x, (0, 0, 0, padded - rows))
-        residual = None if residual is None else F.pad(residual, (0, 0, 0, padded - rows))
     if residual is None:
-        y = torch.ops.mkldnn._linear_pointwise.default(x, _packed(weight), bias, "none", [], "")
-    else:
-        y = torch.ops.mkldnn._linear_pointwise.binary(x, residual, _packed(weight), None, "add")
-    return y if padded == rows else y[:rows]
+        return torch.ops.mkldnn._linear_pointwise.default(x, _packed(weight), bias, "none", [], "")
+    if bias is not None:
+        raise ValueError("linear: a bias or a residual, not both")
+    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, _packed(weight), None, "add")
 
 
 TORCH_OPS = LayerOps(_torch_rms_norm, _torch_rotary, _torch_silu_mul, _torch_linear)
@@ -149,6 +151,11 @@ def _packed(weight: Tensor) -> Tensor:
         cached = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16))
         weight._kvmesh_packed = cached
     return cached[1]
+
+
+def _packs(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether linears of this dtype on this device run oneDNN on packed weights (_packed_linear)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and _kernel() is not None and _onednn_packing()
 
 
 @functools.cache

@@ -90,13 +90,16 @@ class StepAttention:
     step's k and v, so they attend through torch's causal SDPA (a flash kernel on CPU and GPU: half
     the paged kernel's time on a 256-token prompt) rather than through the pool; only the sequences
     before them go to paged attention. Their K/V is written to the pool all the same.
+
+    `padding`: rows the model carries past the step's tokens (fused.padded_rows); their q, k and v are
+    ignored and their output is zeros.
     """
 
     def __init__(self, pool: torch.Tensor, block_tables: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
                  query_start_loc: torch.Tensor, scale: float, valid: torch.Tensor | None = None,
-                 prompts: Sequence[tuple[int, int]] = ()):
+                 prompts: Sequence[tuple[int, int]] = (), padding: int = 0):
         self.pool, self.block_tables, self.slots = pool, block_tables, slots
-        self.scale, self.valid = float(scale), valid
+        self.scale, self.valid, self.padding = float(scale), valid, padding
         if prompts and valid is not None:
             raise ValueError("StepAttention: masked keys (valid) and prompts attending to themselves do not mix")
         self.prompts = list(prompts)
@@ -108,18 +111,23 @@ class StepAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kernel = self._kernel
+        tokens = q.shape[0] - self.padding
+        if self.padding:
+            q, k, v = q[:tokens], k[:tokens], v[:tokens]
         if kernel is None:  # the first layer: checked calls
             write_kv(self.pool, k, v, self.slots[layer])
         else:
             kernel.write_kv(self.pool, _token_rows(k), _token_rows(v), self.slots[layer])
-        if self.prompts:
-            out = torch.empty_like(q)
+        if not (self.prompts or self.padding):
+            out = self._paged(layer, q, kernel)
+        else:
+            out = q.new_empty(tokens + self.padding, *q.shape[1:])
+            out[tokens:] = 0
             if self.paged_seqs:
-                out[:self.paged_tokens] = self._paged(layer, q[:self.paged_tokens], kernel)
+                paged = self.paged_tokens if self.prompts else tokens
+                out[:paged] = self._paged(layer, q[:paged], kernel)
             for begin, end in self.prompts:
                 out[begin:end] = causal_self_attention(q[begin:end], k[begin:end], v[begin:end], self.scale)
-        else:
-            out = self._paged(layer, q, kernel)
         if kernel is None and self.pool.is_cpu and _kernel() is not None:
             self._kernel = _kernel()  # the kernel reads each layer's row of these densely
             self.block_tables, self.slots = self.block_tables.contiguous(), self.slots.contiguous()
