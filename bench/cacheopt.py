@@ -1,10 +1,10 @@
 """CacheOpt (issue 7) against vLLM's block allocation, RLP and S^3, and its own ablations, in one run.
 
 For each trace of `cacheopt_traces` (CacheOpt Table 1, scaled): the embedding length predictor is
-trained on 1,000 requests of the trace (400 with --quick) and predicts the served ones; the block
+trained on 1,000 requests of the trace (200 with --quick) and predicts the served ones; the block
 baseline is run with every request at once to measure the engine's capacity (the best of two runs;
 --quick: one), and every method then
-serves the same requests at a sweep of Poisson rates (fractions of that capacity; --quick: 80
+serves the same requests at a sweep of Poisson rates (fractions of that capacity; --quick: 40
 requests, the lowest and highest fraction). The methods that do not read SLOs (block, RLP, S^3) run
 first: their mean TTFT and TBT over the sweep set the SLOs as CacheOpt section 5 does, mean x a
 scale drawn from [0.5, 2.5] per request, the TTFT SLO times the prompt's number of chunks.
@@ -115,7 +115,7 @@ def run(quick: bool) -> BenchResult:
     torch.set_num_threads(2)
     traces = ["sharegpt"] if quick else list(TRACES)
     methods = MAIN if quick else MAIN + ABLATIONS
-    n, n_train = (80, 400) if quick else (150, 1000)
+    n, n_train = (40, 200) if quick else (150, 1000)  # quick: the suite's smoke run (was 6 min at 80, 400)
     fractions = RATE_FRACTIONS[::2] if quick else RATE_FRACTIONS
     rows: list[Row] = []
     per_trace: dict[str, dict] = {}

@@ -37,7 +37,7 @@ the measured runs each server gets 2 unmeasured warm-up prompts. Each rate's pro
 of its own (1 + the rate's index: prefix caching would otherwise answer a rate's prompts from the
 cache the previous rate filled), the same seed for every setup.
 
-Operating points, fixed before the run: 0.5, 1, 2, 3, 4 and 6 requests/s, num_prompts = max(24, 30 x
+Operating points, fixed before the run: 0.5, 1, 2, 3, 4, 6, 8, 10 and 12 requests/s, num_prompts = max(24, 30 x
 rate) capped at 60; `--quick`: 1 and 2 requests/s, 12 prompts each. Every request counts: a failed
 request (error, or not answered within num_prompts / rate + 240 s) is reported and its TTFT, TPOT and
 end-to-end latency count as infinite, at the top of the distribution (vLLM's own percentiles leave
@@ -89,7 +89,8 @@ from .report import BenchResult, Row, save_figure
 
 SERVED_NAME = "SmolLM2-135M-Instruct"
 KVMESH = ROOT / ".venv" / "bin" / "kvmesh"
-RATES = (0.5, 1.0, 2.0, 3.0, 4.0, 6.0)  # to stock vLLM bf16's throughput plateau here (3-4.6 req/s achieved at 6)
+# past stock vLLM bf16's TTFT capacity: its P90 TTFT was 1.4 s at 8 req/s (23:35, 2026-11-26)
+RATES = (0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 10.0, 12.0)
 QUICK_RATES, QUICK_PROMPTS = (1.0, 2.0), 12
 INPUT_LEN, OUTPUT_LEN = 256, 64
 SEED, WARMUP_SEED, WARMUP_PROMPTS = 1, 1000, 2
