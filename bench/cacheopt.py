@@ -115,7 +115,7 @@ def run(quick: bool) -> BenchResult:
     torch.set_num_threads(2)
     traces = ["sharegpt"] if quick else list(TRACES)
     methods = MAIN if quick else MAIN + ABLATIONS
-    n, n_train = (40, 200) if quick else (150, 1000)  # quick: the suite's smoke run (was 6 min at 80, 400)
+    n, n_train = (40, 200) if quick else (150, 1000)  # quick: the suite's smoke run
     fractions = RATE_FRACTIONS[::2] if quick else RATE_FRACTIONS
     rows: list[Row] = []
     per_trace: dict[str, dict] = {}

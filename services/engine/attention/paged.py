@@ -103,9 +103,7 @@ class StepAttention:
         if prompts and valid is not None:
             raise ValueError("StepAttention: masked keys (valid) and prompts attending to themselves do not mix")
         self.prompts = list(prompts)
-        # the sequences (and their tokens) that go through paged attention: those before the prompts
-        self.paged_seqs = len(seq_lens) - len(self.prompts)
-        self.paged_tokens = self.prompts[0][0] if self.prompts else None
+        self.paged_seqs = len(seq_lens) - len(self.prompts)  # those before the prompts go through paged attention
         self.seq_lens, self.query_start_loc = seq_lens[:self.paged_seqs], query_start_loc[:self.paged_seqs + 1]
         self._kernel = None  # set once the first layer has passed the checks
 
@@ -124,7 +122,7 @@ class StepAttention:
             out = q.new_empty(tokens + self.padding, *q.shape[1:])
             out[tokens:] = 0
             if self.paged_seqs:
-                paged = self.paged_tokens if self.prompts else tokens
+                paged = self.prompts[0][0] if self.prompts else tokens
                 out[:paged] = self._paged(layer, q[:paged], kernel)
             for begin, end in self.prompts:
                 out[begin:end] = causal_self_attention(q[begin:end], k[begin:end], v[begin:end], self.scale)
