@@ -28,6 +28,9 @@ T = TypeVar("T")
 
 _IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
 _RETRY_STATUS = frozenset({502, 503, 504})
+# What a peer that went away looks like: no connection, a timeout, or an answer cut short of what its
+# framing promised (a server killed mid-stream: aiohttp's ClientPayloadError is no ConnectionError).
+_NO_ANSWER = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
 
 
 class ServiceClient:
@@ -93,7 +96,7 @@ class ServiceClient:
                         await self._sleep(attempt)
                         continue
                     return _answer(response, raw, into, url)
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            except _NO_ANSWER as exc:
                 if last:
                     raise ServiceUnreachable(f"{method} {url} got no answer after {attempts} attempt(s): "
                                              f"{type(exc).__name__}: {exc}") from exc
@@ -120,7 +123,7 @@ class ServiceClient:
                     elif not line and data:
                         yield msgspec.json.decode(b"\n".join(data), type=into)
                         data = []
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+        except _NO_ANSWER as exc:
             raise ServiceUnreachable(f"event stream {url} broke: {type(exc).__name__}: {exc}") from exc
 
     async def frames(self, path: str, body: Any, into: type[T], headers: dict[str, str] | None = None) -> AsyncIterator[T]:
@@ -142,7 +145,7 @@ class ServiceClient:
                     unpacker.feed(chunk)
                     for value in unpacker:
                         yield msgspec.convert(value, into)
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+        except _NO_ANSWER as exc:
             raise ServiceUnreachable(f"stream {url} broke: {type(exc).__name__}: {exc}") from exc
 
     async def _sleep(self, attempt: int) -> None:

@@ -160,4 +160,9 @@ async def stream(request: web.Request, pieces: AsyncIterator[Piece], answer: Ans
     except ConnectionResetError:  # the client went away: the caller closing `pieces` aborts the request
         log.info("the client went away mid-stream after %d tokens; request aborted", len(timing.token_times))
         tracing.fail_current("the client went away mid-stream", abort=True)
+    except Exception as exc:  # a bug: the stream has started, so it must still end (an error event), not hang
+        log.exception("stream of %s failed after %d tokens", answer.id, len(timing.token_times))
+        tracing.fail_current(str(exc))
+        await response.write(sse(OpenAIError(500, "internal error in admission; see its log",
+                                             type="server_error").body()) + DONE)
     return response

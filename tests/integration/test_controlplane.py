@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import AsyncIterator
 
 import aiohttp
+import msgpack
 import msgspec
 import pytest
 from aiohttp import web
@@ -132,6 +134,29 @@ async def test_no_answer_is_service_unreachable_after_bounded_retries():
     async with ServiceClient(f"http://127.0.0.1:{free_port()}", retries=2, backoff=0.01) as client:
         with pytest.raises(ServiceUnreachable, match="after 3 attempt"):
             await client.call("GET", "/v1/anything")
+
+
+@pytest.mark.parametrize("framing", [b"Content-Length: 100\r\n", b"Transfer-Encoding: chunked\r\n"])
+async def test_a_stream_cut_midway_is_service_unreachable(framing):
+    """A server that dies mid-answer (kill -9 of an engine while it streams) leaves the body short of
+    what its framing promised: the caller gets ServiceUnreachable, like any other broken stream."""
+    first = msgpack.packb({"name": "a", "count": 1})
+    partial = first if b"Content-Length" in framing else b"%x\r\n%s\r\n" % (len(first), first)
+
+    async def answer_then_die(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/msgpack\r\n" + framing + b"\r\n" + partial)
+        await writer.drain()
+        writer.transport.abort()
+
+    server = await asyncio.start_server(answer_then_die, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    got: list[Item] = []
+    async with server, ServiceClient(f"http://127.0.0.1:{port}") as client:
+        with pytest.raises(ServiceUnreachable, match="broke"):
+            async for item in client.frames("/v1/generate", {}, Item):
+                got.append(item)
+    assert got == [Item("a", 1)]
 
 
 async def test_unexpected_failure_is_a_structured_500_without_internals(back):
