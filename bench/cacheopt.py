@@ -112,7 +112,7 @@ class Metrics:
 
 
 def run(quick: bool) -> BenchResult:
-    torch.set_num_threads(2)
+    torch.set_num_threads(1 if quick else 2)  # quick: the suite's smoke run, beside another worker
     traces = ["sharegpt"] if quick else list(TRACES)
     methods = MAIN if quick else MAIN + ABLATIONS
     n, n_train = (40, 200) if quick else (150, 1000)  # quick: the suite's smoke run

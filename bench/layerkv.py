@@ -106,7 +106,7 @@ class Slos:
 
 
 def run(quick: bool) -> BenchResult:
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(1 if quick else THREADS)  # quick: the suite's smoke run, beside another worker
     contexts = (LONGEST,) if quick else CONTEXTS
     rates_b = RATES_B[2:3] if quick else RATES_B
     n_a, n_b = (4, 12) if quick else (32, 96)
@@ -162,7 +162,7 @@ def run(quick: bool) -> BenchResult:
         ceilings={"memcpy_gbps": memcpy, "memcpy_64mb_gbps": memcpy_64mb, "engine_device_to_cxl_gbps": engine_copy,
                   "copied_bytes": float(copied), "prefill_1024_ms": slo.prefill_ms,
                   "decode_step_ms": slo.decode_step_ms, "prefill_longest_ms": slo.prefill_longest_ms},
-        config={"model": MODEL, "dtype": DTYPE, "torch_threads": THREADS, "engine": _engine_summary(),
+        config={"model": MODEL, "dtype": DTYPE, "torch_threads": torch.get_num_threads(), "engine": _engine_summary(),
                 "methods": METHODS, "contexts": list(contexts), "output_len": OUTPUT_LEN, "requests_a": n_a,
                 "requests_b": n_b,
                 "rate_a": rate_a, "capacity_b": capacity_b, "rates_b": [s * capacity_b for s in rates_b],
@@ -179,7 +179,7 @@ def run(quick: bool) -> BenchResult:
 def _config(method: str) -> EngineConfig:
     layers = PRESETS[MODEL].num_layers
     per_layer = blocks_for(LONGEST + OUTPUT_LEN, BLOCK_SIZE)  # blocks of one layer of the longest request
-    return EngineConfig(model=MODEL, dtype=DTYPE, block_size=BLOCK_SIZE, torch_threads=THREADS,
+    return EngineConfig(model=MODEL, dtype=DTYPE, block_size=BLOCK_SIZE,
                         device_blocks=math.ceil(DEVICE_HOLDS * per_layer) * layers,
                         cxl_blocks=CXL_HOLDS * per_layer * layers, prefix_caching=False, token_budget=2048,
                         policies=METHODS[method], layer_profile="off", swap_profile="off")

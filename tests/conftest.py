@@ -1,7 +1,13 @@
-"""Fixtures: a real redis-server and real kvmeta processes on loopback."""
+"""Fixtures: a real redis-server and real kvmeta processes on loopback.
+
+The suite runs on two xdist workers on two cores, so every process it starts computes on one torch
+thread: two workers each running torch on two threads would oversubscribe the cores, and an OpenMP
+barrier then waits for a descheduled thread (a smoke bench took 140 s that way, 47 s on one thread).
+"""
 
 from __future__ import annotations
 
+import os
 import re
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -10,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import redis as redis_sync
+import torch
 
 from kvmesh.infra.local.processes import Child, free_port, redis_child, service_child
 from kvmesh.libs.kvmeta.client import KvmetaClient
@@ -18,6 +25,10 @@ from kvmesh.libs.kvmeta.schema import key_prefix
 from .kvmeta_invariants import assert_consistent
 
 TOKEN = "test-cluster-token"
+
+torch.set_num_threads(1)                                   # this worker's in-process engines
+for service in ("ENGINE", "PREDICTOR"):                    # the engines and predictors it starts
+    os.environ.setdefault(f"KVMESH_{service}_TORCH_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
