@@ -232,6 +232,7 @@ def _print_endpoints(children: list[Child], token_file: Path, key_file: Path, ru
     console.print(table)
     front = next((c for c in children if c.name == "admission"), None)
     if front is not None:
-        console.print(f"OpenAI API: {front.url}/v1   API key: {key_file.read_text().strip()} (in {key_file})")
+        key = "from KVMESH_API_KEY" if os.environ.get("KVMESH_API_KEY") else key_file.read_text().strip()
+        console.print(f"OpenAI API: {front.url}/v1   API key: {key} (in {key_file})")
     console.print(f"service token: {token_file}   status: kvmesh status --run-dir {run_dir}   stop: Ctrl-C   "
                   f"scale: kvmesh scale --prefill N --decode M")

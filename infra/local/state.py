@@ -71,10 +71,11 @@ def api_key(run_dir: Path, configured: str | None) -> tuple[str, Path]:
 
 
 def _secret(path: Path, configured: str | None, new: str) -> tuple[str, Path]:
-    if configured:
-        return configured, path
-    if path.exists():
+    """The secret, kept in `path` (mode 0600) whatever its source: the local tools (status, swap,
+    scale, the benches) read it there."""
+    if not configured and path.exists():
         return path.read_text().strip(), path
+    secret = configured or new
     path.touch(mode=0o600)
-    path.write_text(new + "\n")
-    return new, path
+    path.write_text(secret + "\n")
+    return secret, path

@@ -49,8 +49,8 @@ def wait_for(predicate, timeout: float = 30.0):
 SERVICES = ["redis", "kvmeta", "predictor", "scheduler", "engine-p0", "engine-d0", "admission"]
 
 
-def launch(run_dir: Path, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "KVMESH_ENGINE_TORCH_THREADS": "1",
+def launch(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, "KVMESH_ENGINE_TORCH_THREADS": "1", **(env or {}),
            **{f"KVMESH_{name}_PORT": str(free_port()) for name in ("KVMETA", "PREDICTOR", "SCHEDULER", "ADMISSION", "ENGINE")}}
     return subprocess.Popen([sys.executable, "-m", "kvmesh", "up", "--run-dir", str(run_dir), *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -72,10 +72,10 @@ def ready(run_dir: Path, names: list[str]) -> Status | None:
 
 
 @contextlib.contextmanager
-def running_cluster(run_dir: Path, names: list[str], *args: str, timeout: float = 120):
+def running_cluster(run_dir: Path, names: list[str], *args: str, timeout: float = 120, env: dict | None = None):
     """`kvmesh up ARGS` until the block ends; one that is not up with NAMES in time fails the test with
     what the launcher printed and the end of each child's log."""
-    launcher = launch(run_dir, *args)
+    launcher = launch(run_dir, *args, env=env)
     try:
         try:
             wait_for(lambda: ready(run_dir, names), timeout=timeout)
@@ -99,10 +99,14 @@ def colocated(tmp_path_factory: pytest.TempPathFactory):
         yield cluster
 
 
+CONFIGURED = {"KVMESH_API_KEY": "sk-configured-key", "KVMESH_TOKEN": "configured-token"}
+
+
 @pytest.fixture
 def cluster(tmp_path: Path):
-    """A colocated cluster of the test's own, for the tests that stop it."""
-    with running_cluster(tmp_path / "run", COLOCATED, "--colocated") as cluster:
+    """A colocated cluster of the test's own, for the tests that stop it; its secrets are configured,
+    not generated, and the local tools (status, down) still reach it."""
+    with running_cluster(tmp_path / "run", COLOCATED, "--colocated", env=CONFIGURED) as cluster:
         yield cluster
 
 
@@ -237,6 +241,8 @@ def test_sigterm_stops_everything_cleanly(cluster):
     launcher.send_signal(signal.SIGTERM)
     output, _ = launcher.communicate(timeout=30)
     assert launcher.returncode == 0, output
+    assert "API key: from KVMESH_API_KEY" in output and CONFIGURED["KVMESH_API_KEY"] not in output
+    assert (run_dir / "api_key").read_text().strip() == CONFIGURED["KVMESH_API_KEY"]
     assert not any(pid_alive(pid) for pid in pids)
     assert not status(run_dir).running and not (run_dir / "state.json").exists()
 
