@@ -1,4 +1,4 @@
-"""Bodies of the scheduler's HTTP API (docs/serving.md), and its one error of its own."""
+"""Bodies of the scheduler's HTTP API (docs/serving.md), and its errors of its own."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct, field
 
-from kvmesh.libs.controlplane import ServiceUnavailable
+from kvmesh.libs.controlplane import NotFound, ServiceUnavailable
 from kvmesh.libs.kvmeta.messages import Id
 
 MAX_PROMPT_TOKENS = 262_144  # the prompt is hashed into NodeIDs on the event loop: bound the work
@@ -14,9 +14,15 @@ TokenId = Annotated[int, Meta(ge=0, lt=2**31)]
 
 
 class NoEngine(ServiceUnavailable):
-    """No live engine serves the model (or every one that does was excluded)."""
+    """No live engine serves the model now (or every one that does was excluded)."""
 
     type = "no_engine"
+
+
+class UnknownModel(NotFound):
+    """No engine has served the model since the scheduler started: the caller asked for the wrong one."""
+
+    type = "model_not_found"
 
 
 class RouteRequest(Struct, kw_only=True, forbid_unknown_fields=True):

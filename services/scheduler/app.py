@@ -24,7 +24,7 @@ from kvmesh.libs.kvmeta.nodeid import node_ids
 from kvmesh.policies.routing import registry
 from kvmesh.policies.routing.views import RouteDecision, RouteQuery, RoutingPolicy, RoutingState
 
-from .api import ClusterView, NoEngine, PolicyChoice, PolicyInfo, Route, RouteRequest, WorkerRef
+from .api import ClusterView, NoEngine, PolicyChoice, PolicyInfo, Route, RouteRequest, UnknownModel, WorkerRef
 from .cluster import LiveCluster
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,9 @@ def build_service(config: Config) -> Service:
         decision, current.state = current.decide(query, cluster.views(cached), current.state)
         workers = {engine_id: m.info for engine_id, m in cluster.members.items()}
         if decision is None:
+            if body.model not in cluster.models_seen:
+                routes.labels(current.name, "unknown_model").inc()
+                raise UnknownModel(_no_engine_message(body, workers.values()))
             routes.labels(current.name, "no_engine").inc()
             raise NoEngine(_no_engine_message(body, workers.values()))
         for engine_id in (decision.prefill, decision.decode, decision.engine):

@@ -41,6 +41,7 @@ class Member:
 class LiveCluster:
     def __init__(self) -> None:
         self.members: dict[str, Member] = {}
+        self.models_seen: set[str] = set()  # every model a member served since start: known, if not live
         self.synced = asyncio.Event()  # set by the first snapshot
 
     # -- keeping up with kvmeta -------------------------------------------------------------------
@@ -65,9 +66,11 @@ class LiveCluster:
     def apply(self, event: WorkerEvent) -> None:
         if event.kind == "snapshot":
             self.members = {w.info.id: Member(w.info, w.load, w.heartbeat_ms) for w in event.workers or []}
+            self.models_seen.update(w.info.model for w in event.workers or [])
             self.synced.set()
         elif event.kind == "join" and event.worker is not None:
             self.members[event.worker.id] = Member(event.worker, Load(), event.at_ms)  # registered without load
+            self.models_seen.add(event.worker.model)
         elif event.kind == "leave" and event.worker_id is not None:
             self.members.pop(event.worker_id, None)
 

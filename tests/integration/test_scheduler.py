@@ -186,16 +186,22 @@ async def test_policy_switches_at_run_time_and_unknown_names_are_refused(cluster
     assert (await cluster.scheduler.call("GET", "/v1/policy", into=PolicyInfo)).policy == "round_robin"
 
 
-async def test_no_live_engine_for_the_model_is_a_clear_503(cluster: Cluster):
-    with pytest.raises(RemoteError) as none:
+async def test_an_unknown_model_is_404_and_a_known_one_without_live_engines_is_503(cluster: Cluster):
+    with pytest.raises(RemoteError) as unknown:  # no engine has ever served it: the caller's mistake
         await cluster.route()
-    assert (none.value.status, none.value.type) == (503, "no_engine")
-    assert cluster.model in none.value.message
+    assert (unknown.value.status, unknown.value.type) == (404, "model_not_found")
+    assert cluster.model in unknown.value.message
     p0 = engine_id(cluster, "p0")
     await cluster.register(p0, "both")
     with pytest.raises(RemoteError) as excluded:
         await cluster.route(exclude=[p0])
     assert excluded.value.status == 503 and "excluded" in excluded.value.message
+    await cluster.deregister(p0)
+    await cluster.until(lambda view: p0 not in ids(view))
+    with pytest.raises(RemoteError) as down:  # its engines are gone, for now: the cluster's trouble
+        await cluster.route()
+    assert (down.value.status, down.value.type) == (503, "no_engine")
+    assert cluster.model in down.value.message
 
 
 @pytest.mark.parametrize("body", [
