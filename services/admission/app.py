@@ -27,6 +27,7 @@ from pathlib import Path
 from aiohttp import web
 
 from kvmesh.libs.controlplane import Service, ServiceConfig
+from kvmesh.libs.controlplane.codec import JSON
 from kvmesh.observability import logs, tracing
 
 from .engine_client import EngineClients
@@ -41,6 +42,8 @@ from .tokenizers import Models, ModelTokenizer
 from .upstreams import UpstreamChange, Upstreams, UpstreamSettings
 
 log = logging.getLogger(__name__)
+
+OPENAI = (JSON,)  # the OpenAI routes read and answer JSON only, errors in OpenAI's shape included
 
 DISCONNECT_POLL_S = 0.1  # how soon a client that went away is noticed while nothing is written to it
 
@@ -68,6 +71,7 @@ class Config(ServiceConfig, kw_only=True):
     max_retries: int = 2                # engines tried again when one fails before the first token
     transfer_mode: Literal["pull", "push"] = "pull"  # how KV moves prefill -> decode (KVDirect 4.3)
     route_timeout_s: float = 5.0        # a scheduler call
+    scheduler_wait_s: float = 10.0      # a scheduler that does not answer (restarting) is asked again this long
     connect_timeout_s: float = 5.0      # connecting to an engine
     stall_timeout_s: float = 300.0      # an engine that sends no frame for this long has failed
     models_refresh_s: float = 1.0       # how stale the list of served models may be
@@ -109,7 +113,8 @@ def build_service(config: Config) -> Service:
                           config.predict_timeout_s, service.metrics)
     engines = EngineClients(config.token, config.connect_timeout_s, abort_timeout_s=config.route_timeout_s)
     models = Models(upstreams, engines, config.models_refresh_s)
-    lifecycle = Lifecycle(upstreams, engines, config.max_retries, config.stall_timeout_s, config.transfer_mode)
+    lifecycle = Lifecycle(upstreams, engines, config.max_retries, config.stall_timeout_s, config.transfer_mode,
+                          config.scheduler_wait_s)
     slo_metrics = SloMetrics(service.metrics, queue)
     defaults = slo_defaults(config.slo_classes, config.default_ttft_ms, config.default_tbt_ms)
 
@@ -233,28 +238,28 @@ def build_service(config: Config) -> Service:
         requests flow; one that is not ready or lacks an operation admission calls is refused."""
         return await upstreams.swap(body)
 
-    @service.route("POST", "/v1/completions", internal=False, span_name="admission")
+    @service.route("POST", "/v1/completions", internal=False, span_name="admission", media=OPENAI)
     @public
     async def completions(request: web.Request) -> web.StreamResponse:
         """OpenAI completions: a prompt (text or token ids) in, text out; SSE when `stream`."""
         body = decode_body(await request.read(), CompletionRequest)
         return await answer(request, await prepare_completion(request, body), chat=False)
 
-    @service.route("POST", "/v1/chat/completions", internal=False, span_name="admission")
+    @service.route("POST", "/v1/chat/completions", internal=False, span_name="admission", media=OPENAI)
     @public
     async def chat_completions(request: web.Request) -> web.StreamResponse:
         """OpenAI chat completions: messages through the model's chat template; SSE when `stream`."""
         body = decode_body(await request.read(), ChatCompletionRequest)
         return await answer(request, await prepare_chat(request, body), chat=True)
 
-    @service.route("GET", "/v1/models", internal=False)
+    @service.route("GET", "/v1/models", internal=False, media=OPENAI)
     @public
     async def list_models(request: web.Request) -> web.Response:
         """The models some live engine serves."""
         now = int(time.time())
         return json_response(ModelList(data=[Model(id=name, created=now) for name in await models.names()]))
 
-    @service.route("GET", "/v1/models/{model:.+}", internal=False)
+    @service.route("GET", "/v1/models/{model:.+}", internal=False, media=OPENAI)
     @public
     async def get_model(request: web.Request) -> web.Response:
         """One model, or 404 `model_not_found`."""

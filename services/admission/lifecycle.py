@@ -33,6 +33,8 @@ from .upstreams import Upstreams
 
 log = logging.getLogger(__name__)
 
+SCHEDULER_RETRY_S = 0.25  # how often a scheduler that does not answer is asked again
+
 
 @dataclass(frozen=True)
 class Generation:
@@ -93,12 +95,13 @@ class Journey:
 
 class Lifecycle:
     def __init__(self, upstreams: Upstreams, engines: EngineClients, max_retries: int, stall_timeout_s: float,
-                 transfer_mode: str = "pull"):
+                 transfer_mode: str = "pull", scheduler_wait_s: float = 0.0):
         self.upstreams = upstreams  # the scheduler in force at each call: it may be swapped between two
         self.engines = engines
         self.max_retries = max_retries
         self.stall_timeout_s = stall_timeout_s
         self.transfer_mode = transfer_mode
+        self.scheduler_wait_s = scheduler_wait_s
 
     async def run(self, generation: Generation) -> AsyncIterator[Piece]:
         """The request's pieces; raises OpenAIError before the first piece, AfterFirstToken after it."""
@@ -131,18 +134,27 @@ class Lifecycle:
             self._abort_all(journey)
 
     async def _route(self, generation: Generation, excluded: list[str]) -> Route:
-        try:
-            with tracing.span("route", kind=SpanKind.CLIENT):
-                route = await self.upstreams.scheduler.route(generation.model, generation.prompt_ids, excluded)
-                tracing.annotate({"kvmesh.policy": route.policy, "kvmesh.mode": route.mode, **_engines(route)})
-            tracing.annotate(_engines(route))  # on the request's span: where it ran in the end
-            return route
-        except RemoteError as exc:
-            if exc.status == 400:
-                raise OpenAIError(400, f"the scheduler refused the request: {exc.message}") from None
-            reason = exc.message
-        except ServiceUnreachable as exc:
-            reason = exc.message
+        """The scheduler's route. A scheduler that does not answer is asked again for up to
+        `scheduler_wait_s` (a supervisor restarts a dead one within seconds); asking twice is harmless,
+        since a route only picks engines."""
+        waited_until = time.monotonic() + self.scheduler_wait_s
+        while True:
+            try:
+                with tracing.span("route", kind=SpanKind.CLIENT):
+                    route = await self.upstreams.scheduler.route(generation.model, generation.prompt_ids, excluded)
+                    tracing.annotate({"kvmesh.policy": route.policy, "kvmesh.mode": route.mode, **_engines(route)})
+                tracing.annotate(_engines(route))  # on the request's span: where it ran in the end
+                return route
+            except RemoteError as exc:
+                if exc.status == 400:
+                    raise OpenAIError(400, f"the scheduler refused the request: {exc.message}") from None
+                reason = exc.message
+                break
+            except ServiceUnreachable as exc:
+                reason = exc.message
+                if time.monotonic() >= waited_until:
+                    break
+                await asyncio.sleep(SCHEDULER_RETRY_S)
         raise OpenAIError(503, f"the scheduler could not route the request: {reason}", type="server_error",
                           code="no_engine")
 

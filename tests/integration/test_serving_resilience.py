@@ -133,3 +133,21 @@ async def test_kill_9_of_an_engine_under_load_ends_every_request_in_seconds_and_
         after = await asyncio.gather(*(complete(session, cluster.admission.url, p, 8) for p in prompts(6, 30)))
     assert all(o.finished and not o.error for o in after), after  # the cluster keeps serving
     await all_idle(cluster, survivors, timeout=10)  # leased blocks the dead decode engine never pulled included
+
+
+async def test_kill_9_of_the_scheduler_under_load_fails_no_request(cluster):
+    """The scheduler is consulted once per request, to route it. While it is dead, and until it is back
+    (restarted here as the supervisor would), admission asks again: requests wait, none fails."""
+    engines = [name for name, child in cluster.engines.items() if child.process.poll() is None]
+    async with aiohttp.ClientSession() as session:
+        load = []
+        for i, prompt in enumerate(prompts(12, 32)):
+            load.append(asyncio.ensure_future(complete(session, cluster.admission.url, prompt, 12)))
+            if i == 3:
+                cluster.scheduler.kill()
+            if i == 8:  # about a second later
+                cluster.scheduler.start()
+            await asyncio.sleep(0.2)
+        outcomes = await asyncio.gather(*load)
+    assert all(o.finished and not o.error for o in outcomes), outcomes
+    await all_idle(cluster, engines)
