@@ -7,13 +7,14 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from .codec import JSON, MSGPACK
 from .errors import ErrorBody
 
 if TYPE_CHECKING:
     from .service import Route
 
 _REF = "#/components/schemas/{name}"
+_TEMPLATE_PATTERN = re.compile(r"\{(\w+):[^}]*\}")
+_TEMPLATE_NAME = re.compile(r"\{(\w+)\}")
 
 
 def openapi_document(service: str, routes: list[Route], secured: bool) -> dict[str, Any]:
@@ -23,22 +24,27 @@ def openapi_document(service: str, routes: list[Route], secured: bool) -> dict[s
     schema_of = dict(zip(types, schemas))
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:
+        path = _TEMPLATE_PATTERN.sub(r"{\1}", route.path)  # aiohttp's `{name:regex}` is OpenAPI's `{name}`
+        media = lambda schema: {kind: {"schema": schema} for kind in route.media}  # noqa: E731
         operation: dict[str, Any] = {
             "summary": route.summary,
-            "operationId": f"{route.method.lower()}_{re.sub(r'[^a-z0-9]+', '_', route.path.lower()).strip('_')}",
+            "operationId": f"{route.method.lower()}_{re.sub(r'[^a-z0-9]+', '_', path.lower()).strip('_')}",
             "responses": {"200": {"description": "success"},
-                          "default": {"description": "error", "content": _media(schema_of[ErrorBody])}},
+                          "default": {"description": "error", "content": media(schema_of[ErrorBody])}},
         }
         if route.response is not None:
-            operation["responses"]["200"]["content"] = _media(schema_of[route.response])
+            operation["responses"]["200"]["content"] = media(schema_of[route.response])
         if route.body is not None:
-            operation["requestBody"] = {"required": True, "content": _media(schema_of[route.body])}
+            operation["requestBody"] = {"required": True, "content": media(schema_of[route.body])}
         parameters = _parameters(route.params, "path", components) + _parameters(route.query, "query", components)
+        declared = {p["name"] for p in parameters if p["in"] == "path"}
+        parameters += [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+                       for name in _TEMPLATE_NAME.findall(path) if name not in declared]
         if parameters:
             operation["parameters"] = parameters
         if route.internal and secured:
             operation["security"] = [{"serviceToken": []}]
-        paths.setdefault(route.path, {})[route.method.lower()] = operation
+        paths.setdefault(path, {})[route.method.lower()] = operation
     return {
         "openapi": "3.1.0",
         "info": {"title": f"kvmesh {service}", "version": "1"},
@@ -46,10 +52,6 @@ def openapi_document(service: str, routes: list[Route], secured: bool) -> dict[s
         "components": {"schemas": components,
                        "securitySchemes": {"serviceToken": {"type": "http", "scheme": "bearer"}}},
     }
-
-
-def _media(schema: dict[str, Any]) -> dict[str, Any]:
-    return {JSON: {"schema": schema}, MSGPACK: {"schema": schema}}
 
 
 def _parameters(struct: type | None, where: str, components: dict[str, Any]) -> list[dict[str, Any]]:
