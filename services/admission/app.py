@@ -204,9 +204,12 @@ def build_service(config: Config) -> Service:
                 async with queue.slot():
                     reply = _answer(prepared)
                     try:
-                        async with contextlib.aclosing(lifecycle.run(generation)) as pieces:
-                            response = await (stream if prepared.stream else whole)(
-                                request, pieces, reply, chat, prepared.include_usage, timing)
+                        if prepared.stream:
+                            async with contextlib.aclosing(lifecycle.run(generation)) as pieces:
+                                response = await stream(request, pieces, reply, chat, prepared.include_usage, timing)
+                        else:
+                            response = await whole(lambda: lifecycle.run(generation), reply, chat, timing,
+                                                   config.max_retries)
                     finally:
                         if tracing.enabled():
                             tracing.annotate(_outcome(reply, timing))

@@ -3,9 +3,10 @@ answer as JSON, or one server-sent event per piece (completions and chat), then 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,11 @@ class Answer:
     finish_reason: str | None = None
     cached_tokens: int = 0
     served: KvmeshInfo | None = None
+
+    def restart(self) -> None:
+        """Forget what was collected: the request runs again from the start."""
+        self.text, self.token_ids, self.token_logprobs = "", [], []
+        self.finish_reason, self.cached_tokens, self.served = None, 0, None
 
     def add(self, piece: Piece) -> None:
         self.text += piece.text
@@ -121,16 +127,25 @@ class Answer:
         return ChoiceLogprobs(content=content)
 
 
-async def whole(request: web.Request, pieces: AsyncIterator[Piece], answer: Answer, chat: bool,
-                include_usage: bool, timing: Timing) -> web.Response:
-    """Collect every piece, then answer once; an engine failing midway is a 503 (nothing was sent yet)."""
-    try:
-        async for piece in pieces:
-            timing.tokens(time.monotonic(), len(piece.token_ids))
-            answer.add(piece)
-    except AfterFirstToken as exc:
-        raise OpenAIError(503, str(exc), type="server_error", code="engine_failed") from None
-    return json_response(answer.chat_completion() if chat else answer.completion(), answer.id)
+async def whole(journey: Callable[[], AsyncIterator[Piece]], answer: Answer, chat: bool, timing: Timing,
+                retries: int) -> web.Response:
+    """Collect every piece of `journey()`, then answer once. The client has seen nothing until then, so
+    an engine failing midway costs only time: the request runs again from the start, up to `retries`
+    times, and only then is a 503."""
+    for attempt in range(retries + 1):
+        answer.restart()
+        timing.restart()
+        try:
+            async with contextlib.aclosing(journey()) as pieces:
+                async for piece in pieces:
+                    timing.tokens(time.monotonic(), len(piece.token_ids))
+                    answer.add(piece)
+            return json_response(answer.chat_completion() if chat else answer.completion(), answer.id)
+        except AfterFirstToken as exc:
+            failure = exc
+            log.warning("%s after %d tokens of an answer not yet sent; running it again (attempt %d)",
+                        exc, len(answer.token_ids), attempt + 1)
+    raise OpenAIError(503, str(failure), type="server_error", code="engine_failed")
 
 
 async def stream(request: web.Request, pieces: AsyncIterator[Piece], answer: Answer, chat: bool,

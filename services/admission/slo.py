@@ -81,6 +81,9 @@ class Timing:
     arrived: float
     token_times: list[float] = field(default_factory=list)
 
+    def restart(self) -> None:
+        self.token_times = []
+
     def tokens(self, now: float, count: int) -> None:
         self.token_times.extend([now] * count)
 

@@ -151,3 +151,30 @@ async def test_kill_9_of_the_scheduler_under_load_fails_no_request(cluster):
         outcomes = await asyncio.gather(*load)
     assert all(o.finished and not o.error for o in outcomes), outcomes
     await all_idle(cluster, engines)
+
+
+async def test_kill_9_of_a_decode_engine_costs_a_whole_answer_only_time(cluster):
+    """A request answered whole (not streamed) has sent its client nothing when its decode engine dies
+    mid-decode: admission runs it again from the start, and the client gets every token."""
+    newcomer = launch_engine(cluster.run_dir, cluster.kvmeta.url, "engine-d2", "decode", **ENGINE_ENV)
+    cluster.exits.callback(newcomer.stop)
+    cluster.engines["engine-d2"] = newcomer
+    await asyncio.to_thread(newcomer.wait_ready, 120)
+    victim = "engine-d1"
+    survivors = [name for name, child in cluster.engines.items() if child.process.poll() is None and name != victim]
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    async def whole(session: aiohttp.ClientSession, prompt: list[int]) -> tuple[int, int]:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 160, "temperature": 0, "ignore_eos": True}
+        async with session.post(cluster.admission.url + "/v1/completions", json=body, headers=headers) as response:
+            answer = await response.json()
+            return response.status, answer.get("usage", {}).get("completion_tokens", 0)
+
+    async with aiohttp.ClientSession() as session:
+        load = [asyncio.ensure_future(whole(session, prompt)) for prompt in prompts(12, 40)]
+        while not (await engine_state(cluster.engines[victim].url))["running"]:
+            await asyncio.sleep(0.05)
+        cluster.engines[victim].kill()  # with requests mid-decode
+        answers = await asyncio.gather(*load)
+    assert answers == [(200, 160)] * len(answers)
+    await all_idle(cluster, survivors, timeout=10)
