@@ -6,7 +6,11 @@ The last tests check the pyverbs objects built from those plans and run only whe
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
+import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -213,6 +217,47 @@ def test_a_failed_chunk_settles_its_batch_once_and_abort_settles_the_others():
     assert aborted == [Completion(20, Opcode.READ, Status.TRANSPORT_ERROR, 0, "closed"),
                        Completion(30, Opcode.READ, Status.TRANSPORT_ERROR, 0, "closed")]
     assert queue.used == 0 and queue.abort(Status.FLUSHED, "") == []
+
+
+def test_send_queue_posting_and_completing_from_two_threads_loses_nothing_and_never_overruns():
+    """Push mode posts WRITEs on the engine thread while completions drain on the event loop: the
+    queue's accounting must hold under any interleaving (forced here by a tiny switch interval)."""
+    ids, depth, batches = itertools.count(1), 4, 2000
+    queue = SendQueue(depth)
+    posted: collections.deque = collections.deque()  # what the NIC holds, in posting order
+    settled: list[int] = []
+    overruns: list[int] = []
+
+    def post(chunks) -> None:
+        posted.extend(chunks)
+        in_nic = sum(len(c.requests) for c in list(posted))
+        if in_nic > depth:
+            overruns.append(in_nic)
+
+    def nic() -> None:  # completes what was posted, as the completion channel would
+        while len(settled) < batches:
+            if not posted:
+                time.sleep(0)
+                continue
+            chunk = posted.popleft()
+            completion, admitted = queue.complete(chunk.id, Status.SUCCESS)
+            if completion is not None:
+                settled.append(completion.wr_id)
+            post(admitted)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        completer = threading.Thread(target=nic)
+        completer.start()
+        for wr_id in range(batches):
+            post(queue.submit(_batch(wr_id, 1 + wr_id % 6, depth, ids)))
+        completer.join(timeout=30)
+    finally:
+        sys.setswitchinterval(switch)
+    assert not completer.is_alive(), f"stalled with {len(settled)} of {batches} settled, {queue.used} in use"
+    assert sorted(settled) == list(range(batches)) and not overruns
+    assert queue.used == 0 and not queue.in_flight and not queue.held
 
 
 # completion statuses

@@ -14,6 +14,7 @@ completions make room: posting never blocks and never overruns the queue.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -96,7 +97,11 @@ def _batch(opcode: Opcode, wr_id: int, byte_len: int, requests: list[WorkRequest
 
 
 class SendQueue:
-    """Chunks in the NIC's send queue (at most `depth` requests) and those waiting for room."""
+    """Chunks in the NIC's send queue (at most `depth` requests) and those waiting for room.
+
+    Thread-safe: push mode submits WRITEs from the engine thread while completions are taken on the
+    event loop's, and each call's bookkeeping (what is in flight, how much room is used) is one step.
+    """
 
     def __init__(self, depth: int):
         if depth < 1:
@@ -105,31 +110,35 @@ class SendQueue:
         self.in_flight: dict[int, Chunk] = {}
         self.held: deque[Chunk] = deque()
         self.used = 0
+        self._lock = threading.Lock()
 
     def submit(self, batch: Batch) -> list[Chunk]:
         """Queue a batch's chunks; returns those to post now, in order."""
-        self.held.extend(batch.chunks)
-        return self._admit()
+        with self._lock:
+            self.held.extend(batch.chunks)
+            return self._admit()
 
     def complete(self, chunk_id: int, status: Status, detail: str = "") -> tuple[Completion | None, list[Chunk]]:
         """A completion for `chunk_id`: the batch's completion if this settles it, and chunks now to post.
 
         An id no longer in flight (a request flushed after its chunk failed) settles nothing.
         """
-        chunk = self.in_flight.pop(chunk_id, None)
-        if chunk is None:
-            return None, []
-        self.used -= len(chunk.requests)
-        return self._settle(chunk.batch, status, detail), self._admit() if status is Status.SUCCESS else []
+        with self._lock:
+            chunk = self.in_flight.pop(chunk_id, None)
+            if chunk is None:
+                return None, []
+            self.used -= len(chunk.requests)
+            return self._settle(chunk.batch, status, detail), self._admit() if status is Status.SUCCESS else []
 
     def abort(self, status: Status, detail: str) -> list[Completion]:
         """Empty the queue: the completion of every batch not yet settled, in posting order."""
-        chunks = [*self.in_flight.values(), *self.held]
-        self.in_flight.clear()
-        self.held.clear()
-        self.used = 0
-        settled = (self._settle(chunk.batch, status, detail) for chunk in chunks)
-        return [completion for completion in settled if completion is not None]
+        with self._lock:
+            chunks = [*self.in_flight.values(), *self.held]
+            self.in_flight.clear()
+            self.held.clear()
+            self.used = 0
+            settled = (self._settle(chunk.batch, status, detail) for chunk in chunks)
+            return [completion for completion in settled if completion is not None]
 
     def _admit(self) -> list[Chunk]:
         admitted = []
