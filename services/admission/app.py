@@ -208,7 +208,7 @@ def build_service(config: Config) -> Service:
                             async with contextlib.aclosing(lifecycle.run(generation)) as pieces:
                                 response = await stream(request, pieces, reply, chat, prepared.include_usage, timing)
                         else:
-                            response = await whole(lambda: lifecycle.run(generation), reply, chat, timing,
+                            response = await whole(lambda run: lifecycle.run(generation, run), reply, chat, timing,
                                                    config.max_retries)
                     finally:
                         if tracing.enabled():

@@ -103,8 +103,10 @@ class Lifecycle:
         self.transfer_mode = transfer_mode
         self.scheduler_wait_s = scheduler_wait_s
 
-    async def run(self, generation: Generation) -> AsyncIterator[Piece]:
-        """The request's pieces; raises OpenAIError before the first piece, AfterFirstToken after it."""
+    async def run(self, generation: Generation, rerun: int = 0) -> AsyncIterator[Piece]:
+        """The request's pieces; raises OpenAIError before the first piece, AfterFirstToken after it.
+        `rerun` counts earlier runs of the same request (an answer not yet sent, run again): its ids
+        at the engines stay apart from theirs, which may still be held there until aborted."""
         journey = Journey(generation)
         excluded: list[str] = []
         try:
@@ -112,7 +114,7 @@ class Lifecycle:
                 route = await self._route(generation, excluded)
                 tracing.annotate({"kvmesh.retries": attempt, "kvmesh.transfer_mode": (
                     "colocated" if route.mode == "colocated" else self.transfer_mode)})
-                request_id = f"{generation.request_id}.{attempt}"
+                request_id = f"{generation.request_id}.{rerun * (self.max_retries + 1) + attempt}"
                 steps = (self._colocated(journey, route.engine, request_id) if route.mode == "colocated"
                          else self._disaggregated(journey, route.prefill, route.decode, request_id))
                 try:

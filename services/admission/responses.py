@@ -127,16 +127,16 @@ class Answer:
         return ChoiceLogprobs(content=content)
 
 
-async def whole(journey: Callable[[], AsyncIterator[Piece]], answer: Answer, chat: bool, timing: Timing,
+async def whole(journey: Callable[[int], AsyncIterator[Piece]], answer: Answer, chat: bool, timing: Timing,
                 retries: int) -> web.Response:
-    """Collect every piece of `journey()`, then answer once. The client has seen nothing until then, so
-    an engine failing midway costs only time: the request runs again from the start, up to `retries`
-    times, and only then is a 503."""
+    """Collect every piece of `journey(run)`, then answer once. The client has seen nothing until then,
+    so an engine failing midway costs only time: the request runs again from the start, up to
+    `retries` times, and only then is a 503."""
     for attempt in range(retries + 1):
         answer.restart()
         timing.restart()
         try:
-            async with contextlib.aclosing(journey()) as pieces:
+            async with contextlib.aclosing(journey(attempt)) as pieces:
                 async for piece in pieces:
                     timing.tokens(time.monotonic(), len(piece.token_ids))
                     answer.add(piece)
