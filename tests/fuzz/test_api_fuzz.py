@@ -13,7 +13,7 @@ import msgpack
 import pytest
 import requests
 import schemathesis
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 
 from ..conftest import TOKEN, cluster_name
 from ..integration.admission_fixtures import MODEL, Cluster, idle, launch, ready, start_cluster, wait_until_idle
@@ -42,8 +42,20 @@ def _fits(value: Any) -> Any:
     return value
 
 
-def published(service: str) -> schemathesis.openapi.OpenApiSchema:
-    return schemathesis.openapi.from_path(API / f"{service}.openapi.json").exclude(path_regex=STREAMS)
+def operations(service: str) -> list[Any]:
+    """Each operation of the service's published description (endless streams left out)."""
+    schema = schemathesis.openapi.from_path(API / f"{service}.openapi.json").exclude(path_regex=STREAMS)
+    return [pytest.param(result.ok(), id=result.ok().label) for result in schema.get_all_operations()]
+
+
+def fuzz(operation: Any, base_url: str, token: str = TOKEN) -> None:
+    """The operation's generated requests, each checked by `call`. Hypothesis drives it here rather
+    than schemathesis' pytest plugin, whose per-operation tests do not run under pytest-xdist."""
+    @EXAMPLES
+    @given(case=operation.as_strategy())
+    def each(case: Any) -> None:
+        call(case, base_url, token)
+    each()
 
 
 @pytest.fixture(scope="module")
@@ -65,36 +77,31 @@ def call(case: Any, base_url: str, token: str = TOKEN) -> None:
         assert isinstance(body["error"]["message"], str) and body["error"]["message"], said
 
 
-@published("kvmeta").parametrize()
-@EXAMPLES
-def test_kvmeta(case, kvmeta):
+@pytest.mark.parametrize("operation", operations("kvmeta"))
+def test_kvmeta(operation, kvmeta):
     """On a kvmeta of its own (its generated registrations would be the cluster's engines), whose
     namespace is checked for consistency after each operation's examples."""
-    call(case, kvmeta.url)
+    fuzz(operation, kvmeta.url)
 
 
-@published("scheduler").parametrize()
-@EXAMPLES
-def test_scheduler(case, cluster):
-    call(case, cluster.scheduler.url)
+@pytest.mark.parametrize("operation", operations("scheduler"))
+def test_scheduler(operation, cluster):
+    fuzz(operation, cluster.scheduler.url)
 
 
-@published("predictor").parametrize()
-@EXAMPLES
-def test_predictor(case, cluster):
-    call(case, cluster.predictor.url)
+@pytest.mark.parametrize("operation", operations("predictor"))
+def test_predictor(operation, cluster):
+    fuzz(operation, cluster.predictor.url)
 
 
-@published("engine").parametrize()
-@EXAMPLES
-def test_engine(case, cluster):
-    call(case, cluster.engines["engine-c0"].url)
+@pytest.mark.parametrize("operation", operations("engine"))
+def test_engine(operation, cluster):
+    fuzz(operation, cluster.engines["engine-c0"].url)
 
 
-@published("admission").parametrize()
-@EXAMPLES
-def test_admission(case, cluster):
-    call(case, cluster.admission.url, token=KEY)
+@pytest.mark.parametrize("operation", operations("admission"))
+def test_admission(operation, cluster):
+    fuzz(operation, cluster.admission.url, token=KEY)
 
 
 async def test_every_service_still_serves_and_the_engine_holds_nothing(cluster):
