@@ -172,8 +172,10 @@ def test_poisson_arrivals_are_seeded_and_have_the_asked_rate():
 
 async def test_requests_leave_at_their_poisson_arrivals(double: Double):
     load = await run_load(double.url, _requests(8), rate=10.0, model="double", api_key=KEY, seed=5)
-    sent = np.asarray(double.received) - double.received[0]
-    assert np.allclose(sent, poisson_arrivals(8, 10.0, seed=5), atol=0.05)
+    # Measured against the schedule's typical start, not the first arrival: on a loaded machine the
+    # first request alone can be 80 ms late (its connection), which shifts every other one.
+    late = np.asarray(double.received) - poisson_arrivals(8, 10.0, seed=5)
+    assert np.abs(late - np.median(late)).max() < 0.1, late - np.median(late)
     assert [r.arrival for r in load.results] == pytest.approx(poisson_arrivals(8, 10.0, seed=5).tolist())
 
 
