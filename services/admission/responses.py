@@ -143,8 +143,8 @@ async def whole(journey: Callable[[int], AsyncIterator[Piece]], answer: Answer, 
             return json_response(answer.chat_completion() if chat else answer.completion(), answer.id)
         except AfterFirstToken as exc:
             failure = exc
-            log.warning("%s after %d tokens of an answer not yet sent; running it again (attempt %d)",
-                        exc, len(answer.token_ids), attempt + 1)
+            log.warning("%s after %d tokens of an answer not yet sent (run %d of %d)",
+                        exc, len(answer.token_ids), attempt + 1, retries + 1)
     raise OpenAIError(503, str(failure), type="server_error", code="engine_failed")
 
 
