@@ -37,7 +37,8 @@ def build_service(config: EngineConfig) -> Service:
         from .vllm_backend.service import build_service as build_vllm_service
         return build_vllm_service(config)
     service = Service("engine", config)
-    engine = build_engine(config)
+    loop = EngineLoop(lambda: build_engine(config), lambda frames: main_loop.call_soon_threadsafe(dispatch, frames))
+    engine = loop.start()
     context_limit = max_model_len(config, engine)
     model_config = engine.runner.model.config
     streams: dict[str, asyncio.Queue[Frame]] = {}
@@ -51,7 +52,6 @@ def build_service(config: EngineConfig) -> Service:
             if stream is not None:
                 stream.put_nowait(frame)
 
-    loop = EngineLoop(engine, lambda frames: main_loop.call_soon_threadsafe(dispatch, frames))
     handoff = KVHandoff(config, engine, loop)
     service.metrics.register(NativeEngineCollector(lambda: loop.state, config.engine_id, config.role))
 
@@ -60,9 +60,8 @@ def build_service(config: EngineConfig) -> Service:
         nonlocal main_loop
         main_loop = asyncio.get_running_loop()
         async with contextlib.AsyncExitStack() as stack:
-            await stack.enter_async_context(handoff)  # before the loop runs: handles carry its address
-            loop.start()
-            stack.push_async_callback(asyncio.to_thread, loop.stop)
+            await stack.enter_async_context(handoff)  # before requests come: handles carry its address
+            stack.push_async_callback(asyncio.to_thread, loop.stop)  # stepping stops before the data plane closes
             if config.kvmeta_url:
                 kvmeta = await stack.enter_async_context(KvmetaClient(config.kvmeta_url, config.token))
                 handoff.kvmeta = kvmeta

@@ -1,8 +1,8 @@
 """The engine: schedule, run the model, sample, and turn the results into frames for clients.
 
-`Engine.step()` is one iteration and touches engine state from one thread only; `EngineLoop` runs
-it on its own thread (torch releases the GIL while it computes, so the HTTP side stays responsive)
-and takes new requests and aborts through a queue.
+`Engine.step()` is one iteration and touches engine state from one thread only; `EngineLoop` builds
+the engine and runs it on its own thread (torch releases the GIL while it computes, so the HTTP side
+stays responsive) and takes new requests and aborts through a queue.
 """
 
 from __future__ import annotations
@@ -370,20 +370,30 @@ class Engine:
 
 
 class EngineLoop:
-    """Runs `Engine.step()` on its own thread; new requests, aborts and policy changes come in
-    through a queue and are applied between steps."""
+    """Builds the engine and runs `Engine.step()` on one thread of its own; new requests, aborts and
+    policy changes come in through a queue and are applied between steps.
 
-    def __init__(self, engine: Engine, deliver: Callable[[list[Frame]], None]):
-        self.engine = engine
+    Building on the stepping thread keeps one OpenMP team in the process. Loading the weights runs
+    torch's parallel kernels, and the team of the thread that ran them lives as long as that thread.
+    libgomp counts the threads of every team, and once they outnumber the CPUs it spins only 100
+    times before it sleeps: a team left on the main thread made the step's worker thread sleep and be
+    woken through a futex at every parallel region, 600-900 times a second under load."""
+
+    def __init__(self, build: Callable[[], Engine], deliver: Callable[[list[Frame]], None]):
         self.deliver = deliver
+        self.engine: Engine | None = None
+        self.state: EngineState | None = None
+        self._build = build
+        self._built: Future[Engine] = Future()
         self._commands: queue.SimpleQueue[Callable[[], list[Frame]]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self.state = engine.state()
 
-    def start(self) -> None:
+    def start(self, timeout_s: float = 600.0) -> Engine:
+        """Build the engine on the loop's thread and start stepping it; raises what building raised."""
         self._thread.start()
+        return self._built.result(timeout_s)
 
     def stop(self) -> None:
         self._stop.set()
@@ -412,6 +422,13 @@ class EngineLoop:
         return future
 
     def _run(self) -> None:
+        try:
+            self.engine = self._build()
+            self.state = self.engine.state()
+        except BaseException as exc:  # noqa: BLE001 - handed to start()'s caller
+            self._built.set_exception(exc)
+            return
+        self._built.set_result(self.engine)
         published = 0.0
         while not self._stop.is_set():
             frames = self._drain()
