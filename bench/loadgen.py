@@ -44,6 +44,7 @@ class RequestResult:
     e2e: float | None = None
     token_times: list[float] = field(default_factory=list)
     completion_tokens: int = 0
+    text: str = ""                        # the answer, as the chunks carried it
     error: str | None = None
     kvmesh: dict[str, Any] | None = None  # the admission's breakdown, when the server is kvmesh
 
@@ -110,7 +111,7 @@ async def run_load(url: str, requests: list[WorkRequest], rate: float, *, model:
                     "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **extra}
             try:
                 async with slots:
-                    await _stream(session, endpoint, body, began + result.arrival, result)
+                    await read_answer(session, endpoint, body, began + result.arrival, result)
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError, msgspec.DecodeError) as exc:
                 result.error = f"{type(exc).__name__}: {exc}"
             if task is not None:
@@ -128,8 +129,8 @@ async def run_load(url: str, requests: list[WorkRequest], rate: float, *, model:
     return LoadResult(rate=rate, wall_s=wall, results=results[: len(sent)], unsent=len(requests) - len(sent))
 
 
-async def _stream(session: aiohttp.ClientSession, endpoint: str, body: dict[str, Any], arrival: float,
-                  result: RequestResult) -> None:
+async def read_answer(session: aiohttp.ClientSession, endpoint: str, body: dict[str, Any], arrival: float,
+                      result: RequestResult) -> None:
     """POST one request and read its SSE stream (or a whole JSON answer) into `result`."""
     async with session.post(endpoint, data=msgspec.json.encode(body),
                             headers={"Content-Type": "application/json"}) as response:
@@ -163,6 +164,7 @@ def _take(chunk: dict[str, Any], at: float, result: RequestResult) -> None:
     for choice in chunk.get("choices") or ():
         if choice.get("text") or choice.get("finish_reason") is None:
             result.token_times.append(at)
+        result.text += choice.get("text") or ""
     if chunk.get("usage"):
         result.completion_tokens = chunk["usage"].get("completion_tokens", 0)
     if chunk.get("kvmesh"):  # kvmesh sends null on every chunk but the last

@@ -4,7 +4,6 @@ scheduler and the runner."""
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import msgspec
 import torch
 
 from kvmesh.libs.controlplane import ConfigError
+from kvmesh.libs.rdma.shm.shared import owned_path
 from kvmesh.policies import registry
 from kvmesh.policies.allocation import AllocationParams
 from kvmesh.policies.offload.plan import OffloadParams
@@ -241,7 +241,7 @@ def shm_pool_paths(config: EngineConfig) -> dict[str, Path]:
     if config.dataplane != "shm":
         return {}
     tiers = ("device",) if config.cxl_path else ("device", "cxl")
-    return {tier: Path("/dev/shm") / f"kvmesh-{config.engine_id}-{os.getpid()}-{tier}" for tier in tiers}
+    return {tier: owned_path(config.engine_id, tier) for tier in tiers}
 
 
 def max_model_len(config: EngineConfig, engine: Engine) -> int:

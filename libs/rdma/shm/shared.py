@@ -3,11 +3,16 @@
 The shm backend registers only memory that lives in a shared file mapping (MAP_SHARED), because the
 peer reaches it by mapping the same file. `shared_buffer`/`shared_tensor` allocate such memory; a
 pool made with `torch.from_file(path, shared=True)` (the engine's file-backed tiers) qualifies as is.
+
+A file in /dev/shm is memory until someone removes it, and a process killed with SIGKILL removes
+nothing: each file is named after its owner (`owned_path`: pid namespace and pid), and the first
+kvmesh file a process makes removes those whose owner, in its own pid namespace, is gone.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import uuid
 import weakref
 from dataclasses import dataclass
@@ -16,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 SHM_DIR = Path("/dev/shm")
+_swept = False  # this process has removed the orphans it found
 
 
 @dataclass(frozen=True)
@@ -24,11 +30,33 @@ class FileSpan:
     offset: int  # of the region's first byte in the file
 
 
+def owned_path(*names: str) -> Path:
+    """A /dev/shm path that names this process as its owner, so that it is removed once the owner is
+    gone even if nothing else removes it."""
+    global _swept
+    if not _swept:
+        _swept = True
+        sweep_orphans()
+    return SHM_DIR / "-".join(("kvmesh", _pid_namespace(), str(os.getpid()), *names))
+
+
+def sweep_orphans() -> list[Path]:
+    """Remove the files `owned_path` named for processes of this pid namespace that no longer run."""
+    removed = []
+    pattern = re.compile(rf"kvmesh-{_pid_namespace()}-(\d+)-")
+    for path in SHM_DIR.glob(f"kvmesh-{_pid_namespace()}-*"):
+        owner = pattern.match(path.name)
+        if owner is not None and not _running(int(owner.group(1))):
+            _unlink(path)
+            removed.append(path)
+    return removed
+
+
 def shared_buffer(nbytes: int) -> np.ndarray:
     """A zeroed byte array in a fresh /dev/shm file, removed when the array (and its views) are gone."""
     if nbytes <= 0:
         raise ValueError(f"shared_buffer: nbytes must be positive, got {nbytes}")
-    path = SHM_DIR / f"kvmesh-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    path = owned_path(uuid.uuid4().hex[:12])
     with open(path, "xb") as file:
         file.truncate(nbytes)
     array = np.memmap(path, dtype=np.uint8, mode="r+", shape=(nbytes,))
@@ -57,6 +85,21 @@ def file_span(addr: int, length: int) -> FileSpan | None:
                 return None
             return FileSpan(path, int(fields[2], 16) + addr - start)
     return None
+
+
+def _pid_namespace() -> str:
+    """The pid namespace's inode number: pids mean the same process only within one namespace."""
+    return os.readlink("/proc/self/ns/pid").strip("pid:[]")
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: running
+        pass
+    return True
 
 
 def _unlink(path: Path) -> None:

@@ -1,0 +1,372 @@
+"""`kvmesh bench chaos`: a steady load through the front door while each component of a local 1P1D
+cluster is killed in turn (issue 29), with every answer checked.
+
+One `kvmesh up` (its supervisor restarts what dies). First a reference: each prompt of a small pool
+answered greedily, one at a time, on the healthy cluster. Then the capacity: the pool sent twice at
+once, answers per second. Then a Poisson load at half that capacity, half the requests streamed and
+half answered whole, each with a deadline. While it runs, after a warm-up, one fault at a time: kill -9
+of redis, kvmeta, the predictor, the scheduler, the prefill engine, the decode engine and admission
+(each waited on until the supervisor has it ready again, then a settling pause), and a cut of the
+decode engine's data-plane connections to the prefill engine (`ss -K`, while pulls run). After the
+last fault the load goes on for a while, then drains, and the cluster is inspected.
+
+Per fault: the requests in flight at the kill, the failures among them and among requests sent after
+it, hung requests (past their deadline), answers that differ from the reference, and the time from the
+kill to the first success of a request sent after it. After the drain: blocks held on each engine
+(free against total) and kvmeta's registry against the live engines. Keys and targets are issue 29's:
+0 hung, 0 wrong, 0 leaked blocks, 0 ghost or missing workers, 0 failures outside the requests in
+flight; recovery within 5 s for a stateless service and 15 s for an engine. Redis Sentinel failover
+is not among the faults: `kvmesh up` runs one redis; tests/integration/test_kvmeta_failover.py covers
+kvmeta's failover through Sentinel.
+
+The engines run in float32 with dense weights, so a request's greedy answer does not depend on what it
+is batched with (bf16 kernels and the 4-bit path pick their code by row count, and a near-tie could
+flip a token without anything being wrong). `--quick`: the `tiny` preset, three faults (scheduler,
+decode engine, data-plane cut), shorter pauses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import matplotlib
+import msgspec
+import numpy as np
+import uvloop
+from rich.progress import Progress
+
+from kvmesh.infra.local.state import read_state
+from kvmesh.infra.local.status import status
+from kvmesh.libs.kvmeta.messages import WorkerList
+from kvmesh.services.engine.model_source import DEFAULT_MODEL
+
+from .loadgen import RequestResult, api_base, poisson_arrivals, read_answer, served_model
+from .report import BenchResult, Row, save_figure
+from .serve import LocalCluster, Setup
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+SEED = 29
+DATA_PLANE = "data plane"
+ENGINES = ("engine-p0", "engine-d0")
+STATELESS = ("kvmeta", "predictor", "scheduler", "admission")
+TIMELINE_PLOT = Path("bench-results/chaos_timeline.png")
+RECOVERY_TARGETS = {"stateless": 5.0, "engine": 15.0}
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    faults: tuple[str, ...]
+    prompts: int          # distinct prompts, each answered once for the reference
+    max_tokens: int
+    warm_s: float         # load before the first fault
+    settle_s: float       # after a component is ready again, before the next fault
+    tail_s: float         # load after the last fault
+    deadline_s: float     # a request still open this long after it was sent has hung
+    restart_timeout_s: float
+
+
+FULL = Plan(model=DEFAULT_MODEL, faults=("redis", "kvmeta", "predictor", "scheduler", "engine-p0", "engine-d0",
+                                         "admission", DATA_PLANE),
+            prompts=16, max_tokens=16, warm_s=10, settle_s=6, tail_s=10, deadline_s=60, restart_timeout_s=180)
+QUICK = Plan(model="tiny", faults=("scheduler", "engine-d0", DATA_PLANE), prompts=8, max_tokens=12, warm_s=4,
+             settle_s=3, tail_s=4, deadline_s=30, restart_timeout_s=90)
+
+
+@dataclass
+class Sent:
+    """One request of the load: what was asked, and what came back."""
+
+    prompt: int
+    stream: bool
+    result: RequestResult
+    ended: float | None = None     # seconds after the load began
+
+    @property
+    def sent(self) -> float:
+        return self.result.arrival
+
+    @property
+    def hung(self) -> bool:
+        return self.result.error == "hung"
+
+
+@dataclass
+class Fault:
+    target: str
+    at: float                          # the kill, seconds after the load began
+    ready_at: float | None = None      # the supervisor had it ready again (None: not within the timeout)
+    note: str = ""
+
+
+@dataclass
+class Inspection:
+    """The cluster after the load drained."""
+
+    held_blocks: dict[str, int] = field(default_factory=dict)     # per engine: total - free
+    ghosts: list[str] = field(default_factory=list)               # registered, but no such live engine
+    missing: list[str] = field(default_factory=list)              # live engines kvmeta does not list
+
+
+def run(quick: bool) -> BenchResult:
+    plan = QUICK if quick else FULL
+    setup = Setup("chaos", "1P1D", ("--prefill", "1", "--decode", "1"),
+                  {"KVMESH_ENGINE_MODEL": plan.model, "KVMESH_ENGINE_DTYPE": "float32",
+                   "KVMESH_ENGINE_QUANTIZED_WEIGHTS": "off"})
+    with (asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner, Progress(transient=True) as progress,
+          tempfile.TemporaryDirectory(prefix="kvmesh-bench-chaos-") as tmp):
+        starting = progress.add_task("starting the 1P1D cluster", total=None)
+        with LocalCluster(setup, Path(tmp) / "cluster") as cluster:
+            progress.remove_task(starting)
+            chaos = Chaos(plan, cluster, progress)
+            runner.run(chaos.prepare())
+            runner.run(chaos.load_with_faults())
+            inspection = runner.run(chaos.inspect())
+    return _result(plan, quick, chaos, inspection)
+
+
+class Chaos:
+    def __init__(self, plan: Plan, cluster: LocalCluster, progress: Progress):
+        self.plan, self.cluster, self.progress = plan, cluster, progress
+        self.prompts = [f"Question {i}: what comes after the number {7 * i + 3}? Answer in one sentence."
+                        for i in range(plan.prompts)]
+        self.reference: list[str] = []
+        self.capacity = 0.0
+        self.rate = 0.0
+        self.requests: list[Sent] = []
+        self.faults: list[Fault] = []
+        self.model = ""
+        self._began = 0.0
+
+    async def prepare(self) -> None:
+        """The reference answers, one request at a time, and the capacity, the pool sent twice at once."""
+        self.model = await served_model(self.cluster.url, self.cluster.api_key)
+        task = self.progress.add_task("reference answers", total=len(self.prompts))
+        async with self._session() as session:
+            for i in range(len(self.prompts)):
+                result = RequestResult(index=i, prompt_tokens=0, max_tokens=self.plan.max_tokens, arrival=0.0)
+                await read_answer(session, self._endpoint, self._body(i, stream=False), time.perf_counter(), result)
+                if not result.ok:
+                    raise RuntimeError(f"the healthy cluster failed the reference request {i}: {result.error}")
+                self.reference.append(result.text)
+                self.progress.advance(task)
+            self.progress.remove_task(task)
+            burst = [RequestResult(index=i, prompt_tokens=0, max_tokens=self.plan.max_tokens, arrival=0.0)
+                     for i in range(2 * len(self.prompts))]
+            began = time.perf_counter()
+            await asyncio.gather(*(read_answer(session, self._endpoint, self._body(i % len(self.prompts), i % 2 == 0),
+                                               began, r) for i, r in enumerate(burst)))
+            self.capacity = sum(r.ok for r in burst) / (time.perf_counter() - began)
+        self.rate = self.capacity / 2
+
+    async def load_with_faults(self) -> None:
+        """The Poisson load at half the capacity, the faults injected one by one while it runs."""
+        stop = asyncio.Event()
+        arrivals = iter(poisson_arrivals(100_000, self.rate, SEED))
+        rng = np.random.default_rng(SEED)
+        task = self.progress.add_task(f"load at {self.rate:.2f} req/s, faults: {', '.join(self.plan.faults)}",
+                                      total=len(self.plan.faults))
+        async with self._session() as session:
+            self._began = time.perf_counter()
+            open_requests: set[asyncio.Task] = set()
+
+            async def send() -> None:
+                for at in arrivals:
+                    await asyncio.sleep(max(0.0, self._began + at - time.perf_counter()))
+                    if stop.is_set():
+                        return
+                    sent = Sent(prompt=int(rng.integers(len(self.prompts))), stream=bool(rng.integers(2)),
+                                result=RequestResult(index=len(self.requests), prompt_tokens=0,
+                                                     max_tokens=self.plan.max_tokens, arrival=float(at)))
+                    self.requests.append(sent)
+                    request = asyncio.ensure_future(self._ask(session, sent))
+                    open_requests.add(request)
+                    request.add_done_callback(open_requests.discard)
+
+            sender = asyncio.ensure_future(send())
+            await asyncio.sleep(self.plan.warm_s)
+            for target in self.plan.faults:
+                self.faults.append(await self._inject(target))
+                self.progress.advance(task)
+                await asyncio.sleep(self.plan.settle_s)
+            await asyncio.sleep(self.plan.tail_s)
+            stop.set()
+            await sender
+            if open_requests:
+                await asyncio.wait(set(open_requests))
+        self.progress.remove_task(task)
+
+    async def inspect(self) -> Inspection:
+        """Blocks held on each engine once idle (given a few seconds), and kvmeta's registry against them."""
+        inspection = Inspection()
+        children = {c.name: c for c in (await asyncio.to_thread(status, self.cluster.run_dir)).children}
+        token = self._token()
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}",
+                                                  "Accept": "application/json"}) as session:
+            for engine in ENGINES:
+                for _ in range(20):
+                    async with session.get(children[engine].url + "/v1/state") as response:
+                        state = await response.json(content_type=None)
+                    held = sum(state["total_blocks"].values()) - sum(state["free_blocks"].values())
+                    if held == 0:
+                        break
+                    await asyncio.sleep(0.5)
+                inspection.held_blocks[engine] = held
+        workers = await self._workers()
+        registered = {w.info.id: w.info.control_url for w in workers}
+        live = {name: children[name].url for name in ENGINES if children[name].ready}
+        inspection.ghosts = sorted(w for w, url in registered.items() if live.get(w) != url)
+        inspection.missing = sorted(set(live) - set(registered))
+        return inspection
+
+    async def _ask(self, session: aiohttp.ClientSession, sent: Sent) -> None:
+        try:
+            await asyncio.wait_for(read_answer(session, self._endpoint, self._body(sent.prompt, sent.stream),
+                                               self._began + sent.sent, sent.result), self.plan.deadline_s)
+        except asyncio.TimeoutError:
+            sent.result.error = "hung"
+        except (aiohttp.ClientError, OSError, msgspec.DecodeError) as exc:
+            sent.result.error = f"{type(exc).__name__}: {exc}"
+        sent.ended = time.perf_counter() - self._began
+
+    async def _inject(self, target: str) -> Fault:
+        now = time.perf_counter() - self._began
+        if target == DATA_PLANE:
+            return Fault(target, now, ready_at=now, note=await self._cut_data_plane())
+        pid = next(c.pid for c in read_state(self.cluster.run_dir).children if c.name == target)
+        os.kill(pid, signal.SIGKILL)
+        fault = Fault(target, now)
+        deadline = time.monotonic() + self.plan.restart_timeout_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+            child = next(c for c in (await asyncio.to_thread(status, self.cluster.run_dir)).children
+                         if c.name == target)
+            if child.pid != pid and child.ready:
+                fault.ready_at = time.perf_counter() - self._began
+                break
+        return fault
+
+    async def _cut_data_plane(self) -> str:
+        """Destroy every TCP connection to the prefill engine's data-plane port: the decode engine's pulls."""
+        port = int(next(w.info.data_address for w in await self._workers() if w.info.id == "engine-p0").rsplit(":", 1)[1])
+        done = await asyncio.to_thread(subprocess.run, ["ss", "-K", "-t", "state", "established", "dport", "=",
+                                                        f":{port}"], capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            return f"ss -K failed: {done.stderr.strip()}"
+        return f"{max(0, len(done.stdout.strip().splitlines()) - 1)} connection(s) to port {port} cut"
+
+    async def _workers(self) -> list:
+        """kvmeta's registry of live workers."""
+        kvmeta = next(c for c in read_state(self.cluster.run_dir).children if c.name == "kvmeta")
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {self._token()}",
+                                                  "Accept": "application/msgpack"}) as session:
+            async with session.get(kvmeta.url + "/v1/workers") as response:
+                return msgspec.msgpack.decode(await response.read(), type=WorkerList).workers
+
+    def _token(self) -> str:
+        return Path(read_state(self.cluster.run_dir).token_file).read_text().strip()
+
+    def _session(self) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(headers={"Authorization": f"Bearer {self.cluster.api_key}"},
+                                     connector=aiohttp.TCPConnector(limit=256),
+                                     timeout=aiohttp.ClientTimeout(total=None))
+
+    @property
+    def _endpoint(self) -> str:
+        return api_base(self.cluster.url) + "/v1/completions"
+
+    def _body(self, prompt: int, stream: bool) -> dict:
+        body = {"model": self.model, "prompt": self.prompts[prompt], "max_tokens": self.plan.max_tokens,
+                "temperature": 0, "stream": stream, "ignore_eos": True}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+
+def _result(plan: Plan, quick: bool, chaos: Chaos, inspection: Inspection) -> BenchResult:
+    requests, faults = chaos.requests, chaos.faults
+    wrong = [r for r in requests if r.result.ok and r.result.text != chaos.reference[r.prompt]]
+    kills = [f.at for f in faults] + [float("inf")]
+    first = kills[0]
+    before = [r for r in requests if r.ended is not None and r.ended < first]
+    rows = [Row(compared="before the first fault", path="", cells={
+        "requests": len(before), "failed": sum(not r.result.ok for r in before),
+        "wrong": sum(r in wrong for r in before)})]
+    recovery: dict[str, float] = {}
+    outside = 0
+    for fault, next_kill in zip(faults, kills[1:]):
+        in_flight = [r for r in requests if r.sent <= fault.at < (r.ended if r.ended is not None else float("inf"))]
+        after = [r for r in requests if fault.at <= r.sent < next_kill]
+        successes = [r.sent + r.result.e2e for r in requests if r.sent >= fault.at and r.result.ok]
+        recovery[fault.target] = (min(successes) - fault.at) if successes else float("inf")
+        outside += sum(not r.result.ok for r in after)
+        rows.append(Row(compared=fault.target, path=fault.note or "kill -9", cells={
+            "restart s": (fault.ready_at - fault.at) if fault.ready_at is not None else float("inf"),
+            "in flight": len(in_flight), "failed in flight": sum(not r.result.ok for r in in_flight),
+            "sent after": len(after), "failed after": sum(not r.result.ok for r in after),
+            "hung": sum(r.hung for r in in_flight + after), "wrong": sum(r in wrong for r in in_flight + after),
+            "recovery s": recovery[fault.target]}))
+    rows.append(Row(compared="the whole run", path=f"{chaos.rate:.2f} req/s offered", cells={
+        "requests": len(requests), "failed": sum(not r.result.ok for r in requests),
+        "hung": sum(r.hung for r in requests), "wrong": len(wrong),
+        "blocks held after": sum(inspection.held_blocks.values())}))
+    engine_recovery = [v for k, v in recovery.items() if k in ENGINES]
+    other_recovery = [v for k, v in recovery.items() if k not in ENGINES]
+    ratios = {"hung_requests": float(sum(r.hung for r in requests)), "wrong_answers": float(len(wrong)),
+              "leaked_blocks": float(sum(inspection.held_blocks.values())),
+              "ghost_or_missing_workers": float(len(inspection.ghosts) + len(inspection.missing)),
+              "failures_outside_in_flight": float(outside)}
+    targets = dict.fromkeys(ratios, 0.0)
+    if other_recovery:
+        ratios["recovery_s_max_stateless"] = max(other_recovery)
+        targets["recovery_s_max_stateless"] = RECOVERY_TARGETS["stateless"]
+    if engine_recovery:
+        ratios["recovery_s_max_engine"] = max(engine_recovery)
+        targets["recovery_s_max_engine"] = RECOVERY_TARGETS["engine"]
+    meets = {k: ratios[k] <= targets[k] for k in targets}
+    failed = sum(not r.result.ok for r in requests)
+    return BenchResult(
+        bench="chaos", quick=quick, ratios=ratios, targets=targets, meets=meets,
+        ceilings={"capacity req/s": chaos.capacity},
+        config={"model": plan.model, "topology": "1P1D (kvmesh up --prefill 1 --decode 1), float32, dense weights",
+                "faults": list(plan.faults), "rate req/s": chaos.rate, "capacity req/s": chaos.capacity,
+                "prompts": plan.prompts, "max_tokens": plan.max_tokens, "deadline_s": plan.deadline_s,
+                "warm_s": plan.warm_s, "settle_s": plan.settle_s, "tail_s": plan.tail_s,
+                "errors": sorted({r.result.error[:120] for r in requests if r.result.error}),
+                "held_blocks": inspection.held_blocks, "ghosts": inspection.ghosts, "missing": inspection.missing},
+        rows=rows, plots=[_plot(requests, faults)],
+        headline=f"{len(requests)} requests at {chaos.rate:.2f} req/s (half the measured {chaos.capacity:.2f}), "
+                 f"{len(faults)} faults: {failed} failed ({outside} of them sent after a kill), "
+                 f"{int(ratios['hung_requests'])} hung, {len(wrong)} wrong answers, "
+                 f"{int(ratios['leaked_blocks'])} blocks held after the drain")
+
+
+def _plot(requests: list[Sent], faults: list[Fault]) -> str:
+    """Answers and errors per second over the run, with a marker at each fault."""
+    end = max((r.ended or r.sent) for r in requests) if requests else 1.0
+    bins = np.arange(0.0, end + 1.0, 1.0)
+    ok = [r.ended for r in requests if r.result.ok and r.ended is not None]
+    bad = [r.ended if r.ended is not None else r.sent for r in requests if not r.result.ok]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.hist(ok, bins=bins, color="tab:blue", alpha=0.7, label="answers/s")
+    ax.hist(bad, bins=bins, color="tab:red", alpha=0.8, label="errors/s")
+    for fault in faults:
+        ax.axvline(fault.at, color="black", linestyle="--", linewidth=0.8)
+        ax.text(fault.at, ax.get_ylim()[1] * 0.95, f" {fault.target}", rotation=90, va="top", fontsize=8)
+        if fault.ready_at is not None and fault.ready_at > fault.at:
+            ax.axvspan(fault.at, fault.ready_at, color="grey", alpha=0.15)
+    ax.set_xlabel("seconds into the load")
+    ax.set_ylabel("per second")
+    ax.set_title("kvmesh bench chaos: answers and errors, faults marked (shaded: until the supervisor had it ready)")
+    ax.legend(loc="upper right")
+    return save_figure(fig, TIMELINE_PLOT)
