@@ -210,6 +210,9 @@ def build_service(config: Config) -> Service:
                         else:
                             response = await whole(lambda run: lifecycle.run(generation, run), reply, chat, timing,
                                                    config.max_retries)
+                    except OpenAIError:  # answered with an error status: a finished request all the same
+                        slo_metrics.record(prepared.slo, timing, reply.served, "error")
+                        raise
                     finally:
                         if tracing.enabled():
                             tracing.annotate(_outcome(reply, timing))

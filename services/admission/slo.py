@@ -131,7 +131,8 @@ class SloMetrics:
         self.attainment = Counter("kvmesh_admission_slo_requests", "Requests with an SLO, by SLO and whether met",
                                   ["slo_class", "slo", "met"], registry=registry)
         self.finished = Counter("kvmesh_admission_finished_requests",
-                                "Requests answered, by finish_reason (incomplete: the stream ended without one)",
+                                "Requests answered, by finish_reason (error: answered with an error status after admission "
+                                "took it, such as a 503; incomplete: the stream ended without one)",
                                 ["slo_class", "finish_reason"], registry=registry)
         Gauge("kvmesh_admission_inflight_requests", "Requests holding a running slot (at the engines)",
               registry=registry).set_function(lambda: queue.running)

@@ -16,6 +16,7 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.infra.local.processes import Child, free_port
 from kvmesh.libs.controlplane import ServiceClient
@@ -338,6 +339,32 @@ async def test_an_engine_that_fails_before_the_first_token_is_replaced(stack, cl
         answer = await client.completions.create(model=MODEL, prompt="retry", max_tokens=4, temperature=0,
                                                  extra_body={"ignore_eos": True})
     assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 4
+
+
+async def test_a_request_answered_with_a_503_counts_as_finished_with_error(stack, tmp_path):
+    """A request admission took and then could not run (its scheduler stopped answering) is a finished
+    request, `finish_reason="error"`, answered whole or streamed."""
+    with ExitStack() as exits:
+        admission = ready(exits, launch("admission", tmp_path, KVMESH_SCHEDULER_URL=stack.scheduler.url,
+                                        KVMESH_API_KEY=KEY, KVMESH_ADMISSION_SCHEDULER_WAIT_S="0"))
+        doomed = ready(exits, launch("scheduler", tmp_path / "doomed", KVMESH_KVMETA_URL=stack.kvmeta.url))
+        async with openai.AsyncOpenAI(base_url=admission.url + "/v1", api_key=KEY, max_retries=0) as c:
+            await c.completions.create(model=MODEL, prompt="warm", max_tokens=2)  # the tokenizer, fetched once
+            async with ServiceClient(admission.url, token=TOKEN) as control:
+                await control.call("PUT", "/v1/upstreams", {"scheduler_url": doomed.url})
+            doomed.stop()
+            for stream in (False, True):
+                with pytest.raises(openai.APIStatusError) as failed:
+                    answer = await c.completions.create(model=MODEL, prompt="no route", max_tokens=2, stream=stream)
+                    if stream:
+                        async for _ in answer:
+                            pass
+                assert failed.value.status_code == 503
+        async with aiohttp.ClientSession() as http, http.get(admission.url + "/metrics") as response:
+            samples = [s for family in text_string_to_metric_families(await response.text()) for s in family.samples]
+    finished = {s.labels["finish_reason"]: s.value for s in samples
+                if s.name == "kvmesh_admission_finished_requests_total"}
+    assert finished == {"length": 1, "error": 2}
 
 
 # -- disaggregated: prefill engine, then decode engine --------------------------------------------
