@@ -28,6 +28,9 @@ T = TypeVar("T")
 
 _IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
 _RETRY_STATUS = frozenset({502, 503, 504})
+# One value of a msgpack stream may not claim more (a prefill's last frame, KV handle included, is tens
+# of KB): a peer that claims gigabytes is refused once this much is buffered.
+MAX_FRAME_BYTES = 16 << 20
 # What a peer that went away looks like: no connection, a timeout, or an answer cut short of what its
 # framing promised (a server killed mid-stream: aiohttp's ClientPayloadError is no ConnectionError).
 _NO_ANSWER = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
@@ -140,11 +143,20 @@ class ServiceClient:
                                          timeout=timeout) as response:
                 if response.status != 200:
                     _answer(response, await response.read(), None, url)
-                unpacker = msgpack.Unpacker(raw=False)
+                unpacker, fed = msgpack.Unpacker(raw=False, max_buffer_size=MAX_FRAME_BYTES), 0
                 async for chunk in response.content.iter_any():
-                    unpacker.feed(chunk)
-                    for value in unpacker:
-                        yield msgspec.convert(value, into)
+                    try:
+                        unpacker.feed(chunk)
+                        values = [msgspec.convert(value, into) for value in unpacker]
+                    except (msgpack.UnpackException, ValueError, msgspec.ValidationError) as exc:
+                        raise RemoteError(502, "invalid_response", f"a frame of the stream is not a {into.__name__}: "
+                                          f"{type(exc).__name__}: {exc}", url) from None
+                    fed += len(chunk)
+                    for value in values:
+                        yield value
+                if unpacker.tell() != fed:
+                    raise RemoteError(502, "invalid_response", f"the stream ended inside a frame ({fed - unpacker.tell()} "
+                                      "bytes of it)", url)
         except _NO_ANSWER as exc:
             raise ServiceUnreachable(f"stream {url} broke: {type(exc).__name__}: {exc}") from exc
 

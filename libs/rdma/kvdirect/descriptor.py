@@ -9,21 +9,29 @@ block's K and V together is one piece per block and one that stores all K before
 from __future__ import annotations
 
 import itertools
+import math
+from typing import Annotated
 
 import msgspec
 import numpy as np
 
 BLOCK_DIM = "B"
+# Bounds a peer's descriptor is held to before anything is computed from it: a block's pieces are
+# enumerated (piece_offsets), so a descriptor claiming billions of them would hang its reader.
+MAX_DIMS = 8
+MAX_PIECES = 1 << 16
+MAX_EXTENT = 1 << 48   # bytes a tensor may span
+Dimension = Annotated[int, msgspec.Meta(ge=1, le=MAX_EXTENT)]
 
 
 class TensorDescriptor(msgspec.Struct, frozen=True, kw_only=True):
-    name: str
-    addr: int  # of element 0, in the owner's address space
-    rkey: int
-    dims: tuple[str, ...]
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]  # in elements
-    itemsize: int
+    name: Annotated[str, msgspec.Meta(max_length=128)]
+    addr: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]  # of element 0, in the owner's address space
+    rkey: Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
+    dims: Annotated[tuple[Annotated[str, msgspec.Meta(max_length=16)], ...], msgspec.Meta(max_length=MAX_DIMS)]
+    shape: Annotated[tuple[Dimension, ...], msgspec.Meta(max_length=MAX_DIMS)]
+    stride: Annotated[tuple[Dimension, ...], msgspec.Meta(max_length=MAX_DIMS)]  # in elements
+    itemsize: Annotated[int, msgspec.Meta(ge=1, le=16)]
 
     def __post_init__(self) -> None:
         if not (len(self.dims) == len(self.shape) == len(self.stride)):
@@ -32,6 +40,10 @@ class TensorDescriptor(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"descriptor {self.name}: no block dimension {BLOCK_DIM!r} in {self.dims}")
         if self.itemsize <= 0 or min(self.shape) <= 0 or min(self.stride) <= 0:
             raise ValueError(f"descriptor {self.name}: shape, stride and itemsize must be positive")
+        if sum((n - 1) * s for n, s in zip(self.shape, self.stride)) * self.itemsize >= MAX_EXTENT:
+            raise ValueError(f"descriptor {self.name}: spans more than {MAX_EXTENT} bytes")
+        if math.prod(self.shape[d] for d in _dense_inner(self)[1]) > MAX_PIECES:
+            raise ValueError(f"descriptor {self.name}: more than {MAX_PIECES} pieces a block")
 
     @property
     def num_blocks(self) -> int:

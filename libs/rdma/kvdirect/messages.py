@@ -14,7 +14,7 @@ import msgspec
 
 from ..endpoint import QueuePair
 from ..shm.shared import shared_buffer
-from ..work import TransferFailed
+from ..work import RdmaError, TransferFailed
 from .descriptor import TensorDescriptor
 
 
@@ -64,14 +64,19 @@ class ControlChannel:
             await self.qp.finish(wr_id, self.timeout)
 
     async def recv(self, timeout: float | None = None) -> Message:
-        """The next message; TransferFailed if the connection fails first (or TimeoutError)."""
+        """The next message; TransferFailed if the connection fails first (or TimeoutError), RdmaError
+        (the connection failed too) if the peer's message is malformed."""
         wr_id, slot = self._posted[0]
         completion = await self.qp.cq.wait(wr_id, timeout)
         self._posted.popleft()
         if not completion.ok:
             raise TransferFailed(completion)
         start = slot * self.SLOT_BYTES
-        message = _decoder.decode(self.region.view[start:start + completion.byte_len])
+        try:
+            message = _decoder.decode(self.region.view[start:start + completion.byte_len])
+        except msgspec.DecodeError as exc:  # malformed or out of bounds (ValidationError is one too)
+            self.qp.fail(f"malformed control message: {exc}")
+            raise RdmaError(f"malformed control message from {self.qp.peer}: {exc}") from None
         if self.qp.usable:
             self._post_recv(slot)
         return message

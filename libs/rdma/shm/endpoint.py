@@ -16,14 +16,14 @@ import os
 import socket
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-import msgpack
+import msgspec
 import numpy as np
 
 from ..memory import MemoryRegion, RemoteRegion
 from ..work import Completion, ConnectRefused, Opcode, RegistrationError, Segments, Status
-from ..tcp.endpoint import TcpEndpoint
+from ..tcp.endpoint import MAX_HANDSHAKE_BYTES, TcpEndpoint
 from ..tcp.queue_pair import TcpQueuePair
 from ..tcp.wire import Kind, header, recv_exact
 from . import cma
@@ -37,6 +37,21 @@ INLINE_BYTES = 8 << 20  # about 1 ms of copying: less than this runs on the post
 def host_identity() -> str:
     """Equal for two processes only if they share a kernel (and so /dev/shm)."""
     return Path("/proc/sys/kernel/random/boot_id").read_text().strip() + "@" + socket.gethostname()
+
+
+class RegionInfo(msgspec.Struct, omit_defaults=True):
+    """A REGION answer: where region `key` lives, in a shared file (`path`) or in the process `pid`."""
+
+    addr: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+    length: Annotated[int, msgspec.Meta(ge=0, lt=2**48)]
+    path: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] | None = None
+    offset: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
+    pid: Annotated[int, msgspec.Meta(gt=0, lt=2**31)] | None = None
+    pid_namespace: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.pid is None):
+            raise ValueError("a region is either in a shared file (path) or in a process (pid)")
 
 
 class ShmQueuePair(TcpQueuePair):
@@ -121,14 +136,13 @@ class ShmQueuePair(TcpQueuePair):
             info = future.result(QUERY_TIMEOUT_S)
             if info is None:
                 return None, None
-            region = RemoteRegion(addr=info["addr"], length=info["length"], rkey=rkey)
-            if "pid" in info:
-                if info["pid_namespace"] != cma.pid_namespace():
+            region = RemoteRegion(addr=info.addr, length=info.length, rkey=rkey)
+            if info.pid is not None:
+                if info.pid_namespace != cma.pid_namespace():
                     raise ValueError("the peer's private memory is in another pid namespace")
-                self._mapped[rkey] = (region, info["pid"])
+                self._mapped[rkey] = (region, info.pid)
             else:
-                mapping = np.memmap(info["path"], dtype=np.uint8, mode="r+", offset=info["offset"],
-                                    shape=(info["length"],))
+                mapping = np.memmap(info.path, dtype=np.uint8, mode="r+", offset=info.offset, shape=(info.length,))
                 self._mapped[rkey] = (region, memoryview(mapping))
         return self._mapped[rkey]
 
@@ -145,11 +159,15 @@ class ShmQueuePair(TcpQueuePair):
             return
         where = ({"path": span.path, "offset": span.offset} if span is not None
                  else {"pid": os.getpid(), "pid_namespace": cma.pid_namespace()})
-        body = msgpack.packb({"addr": region.addr, "length": region.length, **where})
+        body = msgspec.msgpack.encode(RegionInfo(addr=region.addr, length=region.length, **where))
         self.link.send([header(Kind.REGION, key=rkey, n=len(body)), body])
 
     def _land_region(self, status: int, rkey: int, wr_id: int, n: int) -> None:
-        info = msgpack.unpackb(recv_exact(self.link.sock, n)) if status == Status.SUCCESS else None
+        if n > MAX_HANDSHAKE_BYTES:
+            raise ValueError(f"a REGION answer of {n} bytes")
+        info = None
+        if status == Status.SUCCESS:  # a malformed answer is a protocol error: the connection ends
+            info = msgspec.msgpack.decode(recv_exact(self.link.sock, n), type=RegionInfo)
         future = self._queries.pop(rkey, None)
         if future is not None:
             future.set_result(info)

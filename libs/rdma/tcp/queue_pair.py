@@ -19,7 +19,7 @@ from ..endpoint import Endpoint, QpState, QueuePair
 from ..memory import MemoryRegion
 from ..work import Completion, Opcode, Segments, Status
 from .link import Link
-from .wire import Kind, header, parse_segment_table, recv_exact, segment_table, slices
+from .wire import MAX_EARLY_BYTES, MAX_SEGMENTS, Kind, header, parse_segment_table, recv_exact, segment_table, slices
 
 
 @dataclass(slots=True)
@@ -56,12 +56,14 @@ class TcpQueuePair(QueuePair):
     # requester side
 
     def _post_read(self, wr_id: int, local: MemoryRegion, segments: Segments, rkey: int) -> None:
+        _check_segments(len(segments))
         views = slices(local.view, segments.local_offsets, segments.lengths)
         self._expect(_Outstanding(wr_id, Opcode.READ, views, segments.total_bytes))
         self.link.send([header(Kind.READ, wr_id=wr_id, n=len(segments), key=rkey),
                         segment_table(segments.remote_addrs, segments.lengths)])
 
     def _post_write(self, wr_id: int, local: MemoryRegion, segments: Segments, rkey: int) -> None:
+        _check_segments(len(segments))
         views = slices(local.view, segments.local_offsets, segments.lengths)
         self._expect(_Outstanding(wr_id, Opcode.WRITE, [], segments.total_bytes))
         self.link.send([header(Kind.WRITE, wr_id=wr_id, n=len(segments), key=rkey),
@@ -94,6 +96,7 @@ class TcpQueuePair(QueuePair):
         handler(status, key, wr_id, n)
 
     def _serve_read(self, status: int, rkey: int, wr_id: int, n: int) -> None:
+        _check_segments(n)
         addrs, lengths = parse_segment_table(recv_exact(self.link.sock, 16 * n))
         region = self.endpoint.check_access(rkey, addrs, lengths)
         if isinstance(region, str):
@@ -104,6 +107,7 @@ class TcpQueuePair(QueuePair):
         self.endpoint.stats.add(reads_served=n, bytes_read=total)
 
     def _serve_write(self, status: int, rkey: int, wr_id: int, n: int) -> None:
+        _check_segments(n)
         addrs, lengths = parse_segment_table(recv_exact(self.link.sock, 16 * n))
         region = self.endpoint.check_access(rkey, addrs, lengths)
         if isinstance(region, str):
@@ -121,6 +125,8 @@ class TcpQueuePair(QueuePair):
     def _land_read(self, status: int, key: int, wr_id: int, n: int) -> None:
         work = self._take_outstanding(wr_id)
         if status == Status.SUCCESS:
+            if n != work.nbytes:
+                raise ValueError(f"READ_DATA of {n} bytes for a READ of {work.nbytes}")
             with self._failed_if_cut(work.wr_id, work.opcode):
                 self.link.recv_into(work.views)
         self._complete(work, status)
@@ -132,6 +138,11 @@ class TcpQueuePair(QueuePair):
         with self._lock:
             posted = self._recvs.popleft() if self._recvs else None
         if posted is None:
+            with self._lock:
+                buffered = sum(len(m) for m in self._early_messages)
+            if n + buffered > MAX_EARLY_BYTES:
+                raise ValueError(f"a SEND of {n} bytes before any receive was posted: over the {MAX_EARLY_BYTES} "
+                                 "bytes buffered for them")
             message = recv_exact(self.link.sock, n)
             with self._lock:  # a receive may have been posted while the message was read
                 posted = self._recvs.popleft() if self._recvs else None
@@ -192,3 +203,8 @@ class TcpQueuePair(QueuePair):
             self.cq.deliver(Completion(work.wr_id, work.opcode, status, 0, self.error or ""))
         for posted in recvs:
             self.cq.deliver(Completion(posted.wr_id, Opcode.RECV, Status.FLUSHED, 0, self.error or ""))
+
+
+def _check_segments(n: int) -> None:
+    if n > MAX_SEGMENTS:
+        raise ValueError(f"{n} segments in one work request: over the {MAX_SEGMENTS} a peer accepts")
