@@ -10,9 +10,11 @@ of redis, kvmeta, the predictor, the scheduler, the prefill engine, the decode e
 decode engine's data-plane connections to the prefill engine (`ss -K`, while pulls run). After the
 last fault the load goes on for a while, then drains, and the cluster is inspected.
 
-Per fault: the requests in flight at the kill, the failures among them and among requests sent after
-it, hung requests (past their deadline), answers that differ from the reference, and the time from the
-kill to the first success of a request sent after it. After the drain: blocks held on each engine
+Per fault: the requests in flight at the kill and those sent before the next fault; of the requests
+that ended before the next fault (each belongs to the last fault it ran into), the failures, split
+into those in flight at the kill and those sent after it, the hung ones (past their deadline) and the
+answers that differ from the reference; and the time from the kill to the first success of a request
+sent after it. After the drain: blocks held on each engine
 (free against total) and kvmeta's registry against the live engines. Keys and targets are issue 29's:
 0 hung, 0 wrong, 0 leaked blocks, 0 ghost or missing workers, 0 failures outside the requests in
 flight; recovery within 5 s for a stateless service and 15 s for an engine. Redis Sentinel failover
@@ -298,23 +300,26 @@ def _result(plan: Plan, quick: bool, chaos: Chaos, inspection: Inspection) -> Be
     wrong = [r for r in requests if r.result.ok and r.result.text != chaos.reference[r.prompt]]
     kills = [f.at for f in faults] + [float("inf")]
     first = kills[0]
-    before = [r for r in requests if r.ended is not None and r.ended < first]
+    before = [r for r in requests if _end(r) < first]
     rows = [Row(compared="before the first fault", path="", cells={
         "requests": len(before), "failed": sum(not r.result.ok for r in before),
         "wrong": sum(r in wrong for r in before)})]
     recovery: dict[str, float] = {}
     outside = 0
     for fault, next_kill in zip(faults, kills[1:]):
-        in_flight = [r for r in requests if r.sent <= fault.at < (r.ended if r.ended is not None else float("inf"))]
-        after = [r for r in requests if fault.at <= r.sent < next_kill]
+        # Each request belongs to the fault before its end: what it ran into last.
+        ended = [r for r in requests if fault.at <= _end(r) < next_kill]
+        failed = [r for r in ended if not r.result.ok]
+        in_flight = [r for r in requests if r.sent <= fault.at < _end(r)]
         successes = [r.sent + r.result.e2e for r in requests if r.sent >= fault.at and r.result.ok]
         recovery[fault.target] = (min(successes) - fault.at) if successes else float("inf")
-        outside += sum(not r.result.ok for r in after)
+        outside += sum(r.sent >= fault.at for r in failed)
         rows.append(Row(compared=fault.target, path=fault.note or "kill -9", cells={
             "restart s": (fault.ready_at - fault.at) if fault.ready_at is not None else float("inf"),
-            "in flight": len(in_flight), "failed in flight": sum(not r.result.ok for r in in_flight),
-            "sent after": len(after), "failed after": sum(not r.result.ok for r in after),
-            "hung": sum(r.hung for r in in_flight + after), "wrong": sum(r in wrong for r in in_flight + after),
+            "in flight": len(in_flight), "failed in flight": sum(r.sent < fault.at for r in failed),
+            "sent after": sum(fault.at <= r.sent < next_kill for r in requests),
+            "failed after": sum(r.sent >= fault.at for r in failed),
+            "hung": sum(r.hung for r in ended), "wrong": sum(r in wrong for r in ended),
             "recovery s": recovery[fault.target]}))
     rows.append(Row(compared="the whole run", path=f"{chaos.rate:.2f} req/s offered", cells={
         "requests": len(requests), "failed": sum(not r.result.ok for r in requests),
@@ -349,6 +354,10 @@ def _result(plan: Plan, quick: bool, chaos: Chaos, inspection: Inspection) -> Be
                  f"{len(faults)} faults: {failed} failed ({outside} of them sent after a kill), "
                  f"{int(ratios['hung_requests'])} hung, {len(wrong)} wrong answers, "
                  f"{int(ratios['leaked_blocks'])} blocks held after the drain")
+
+
+def _end(request: Sent) -> float:
+    return request.ended if request.ended is not None else float("inf")
 
 
 def _plot(requests: list[Sent], faults: list[Fault]) -> str:
