@@ -8,33 +8,40 @@ half answered whole, each with a deadline. While it runs, after a warm-up, one f
 of redis, kvmeta, the predictor, the scheduler, the prefill engine, the decode engine and admission
 (each waited on until the supervisor has it ready again, then a settling pause), and a cut of the
 decode engine's data-plane connections to the prefill engine (`ss -K`, while pulls run). After the
-last fault the load goes on for a while, then drains, and the cluster is inspected.
+last fault the load goes on for a while, then drains. Then the overload: ten times the capacity for
+`overload_s` (60 s), every service's RSS sampled, then the fault phase's rate again; and the cluster
+is inspected.
 
 Per fault: the requests in flight at the kill and those sent before the next fault; of the requests
 that ended before the next fault (each belongs to the last fault it ran into), the failures, split
 into those in flight at the kill and those sent after it, the hung ones (past their deadline) and the
 answers that differ from the reference; and the time from the kill to the first success of a request
-sent after it. After the drain: blocks held on each engine
-(free against total) and kvmeta's registry against the live engines. Keys and targets are issue 29's:
-0 hung, 0 wrong, 0 leaked blocks, 0 ghost or missing workers, 0 failures outside the requests in
-flight; recovery within 5 s for a stateless service and 15 s for an engine. Redis Sentinel failover
-is not among the faults: `kvmesh up` runs one redis; tests/integration/test_kvmeta_failover.py covers
-kvmeta's failover through Sentinel.
+sent after it. At the end: blocks held on each engine (free against total) and kvmeta's registry
+against the live engines. Keys and targets are issue 29's: 0 hung, 0 wrong, 0 leaked blocks, 0 ghost
+or missing workers, 0 failures outside the requests in flight; recovery within 5 s for a stateless
+service and 15 s for an engine. Overload: every refusal a 429 with Retry-After, no other failure, each
+service's peak RSS within 2x its RSS before (the bound this bench states), and latency back within
+1.5x the P90 before the faults within 5 s of its end. Redis Sentinel failover is not among the
+faults: `kvmesh up` runs one redis; tests/integration/test_kvmeta_failover.py covers kvmeta's
+failover through Sentinel.
 
 The engines run in float32 with dense weights, so a request's greedy answer does not depend on what it
 is batched with (bf16 kernels and the 4-bit path pick their code by row count, and a near-tie could
 flip a token without anything being wrong). `--quick`: the `tiny` preset, three faults (scheduler,
-decode engine, data-plane cut), shorter pauses.
+decode engine, data-plane cut), shorter pauses, 4 s of overload.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import os
 import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +70,9 @@ ENGINES = ("engine-p0", "engine-d0")
 STATELESS = ("kvmeta", "predictor", "scheduler", "admission")
 TIMELINE_PLOT = Path("bench-results/chaos_timeline.png")
 RECOVERY_TARGETS = {"stateless": 5.0, "engine": 15.0}
+OVERLOAD_FACTOR = 10.0
+RSS_GROWTH_BOUND = 2.0  # a service's peak RSS under overload against its RSS before: the bound this bench holds to
+NORMAL_LATENCY = 1.5    # back to normal: every later request within this much of the P90 latency before the faults
 
 
 @dataclass(frozen=True)
@@ -76,13 +86,16 @@ class Plan:
     tail_s: float         # load after the last fault
     deadline_s: float     # a request still open this long after it was sent has hung
     restart_timeout_s: float
+    overload_s: float     # ten times the capacity, this long
+    after_s: float        # then the fault phase's rate again, this long
 
 
 FULL = Plan(model=DEFAULT_MODEL, faults=("redis", "kvmeta", "predictor", "scheduler", "engine-p0", "engine-d0",
                                          "admission", DATA_PLANE),
-            prompts=16, max_tokens=16, warm_s=10, settle_s=6, tail_s=10, deadline_s=60, restart_timeout_s=180)
+            prompts=16, max_tokens=16, warm_s=10, settle_s=6, tail_s=10, deadline_s=60, restart_timeout_s=180,
+            overload_s=60, after_s=60)
 QUICK = Plan(model="tiny", faults=("scheduler", "engine-d0", DATA_PLANE), prompts=8, max_tokens=12, warm_s=4,
-             settle_s=3, tail_s=4, deadline_s=30, restart_timeout_s=90)
+             settle_s=3, tail_s=4, deadline_s=30, restart_timeout_s=90, overload_s=4, after_s=8)
 
 
 @dataclass
@@ -112,6 +125,18 @@ class Fault:
 
 
 @dataclass
+class Overload:
+    """The overload phase: what was sent, what came back, and every service's memory."""
+
+    rate: float
+    rss_before: dict[str, float]
+    rss_peak: dict[str, float] = field(default_factory=dict)
+    requests: list[Sent] = field(default_factory=list)   # at `rate`
+    after: list[Sent] = field(default_factory=list)      # at the fault phase's rate, from `ended`
+    ended: float = 0.0                                   # the last overload arrival, seconds into the load
+
+
+@dataclass
 class Inspection:
     """The cluster after the load drained."""
 
@@ -133,8 +158,9 @@ def run(quick: bool) -> BenchResult:
             chaos = Chaos(plan, cluster, progress)
             runner.run(chaos.prepare())
             runner.run(chaos.load_with_faults())
+            overload = runner.run(chaos.overload())
             inspection = runner.run(chaos.inspect())
-    return _result(plan, quick, chaos, inspection)
+    return _result(plan, quick, chaos, overload, inspection)
 
 
 class Chaos:
@@ -173,40 +199,85 @@ class Chaos:
 
     async def load_with_faults(self) -> None:
         """The Poisson load at half the capacity, the faults injected one by one while it runs."""
-        stop = asyncio.Event()
-        arrivals = iter(poisson_arrivals(100_000, self.rate, SEED))
-        rng = np.random.default_rng(SEED)
         task = self.progress.add_task(f"load at {self.rate:.2f} req/s, faults: {', '.join(self.plan.faults)}",
                                       total=len(self.plan.faults))
         async with self._session() as session:
             self._began = time.perf_counter()
-            open_requests: set[asyncio.Task] = set()
+            async with self._loaded(session, self.rate, SEED, self.requests):
+                await asyncio.sleep(self.plan.warm_s)
+                for target in self.plan.faults:
+                    self.faults.append(await self._inject(target))
+                    self.progress.advance(task)
+                    await asyncio.sleep(self.plan.settle_s)
+                await asyncio.sleep(self.plan.tail_s)
+        self.progress.remove_task(task)
 
-            async def send() -> None:
-                for at in arrivals:
-                    await asyncio.sleep(max(0.0, self._began + at - time.perf_counter()))
-                    if stop.is_set():
-                        return
-                    sent = Sent(prompt=int(rng.integers(len(self.prompts))), stream=bool(rng.integers(2)),
-                                result=RequestResult(index=len(self.requests), prompt_tokens=0,
-                                                     max_tokens=self.plan.max_tokens, arrival=float(at)))
-                    self.requests.append(sent)
-                    request = asyncio.ensure_future(self._ask(session, sent))
-                    open_requests.add(request)
-                    request.add_done_callback(open_requests.discard)
+    async def overload(self) -> Overload:
+        """Ten times the capacity for `overload_s`, every service's RSS sampled, then the fault phase's
+        rate again for `after_s`, to see when latency is back to what it was before the faults."""
+        rate = OVERLOAD_FACTOR * self.capacity
+        task = self.progress.add_task(f"overload at {rate:.1f} req/s for {self.plan.overload_s:g} s, then "
+                                      f"{self.rate:.2f} req/s", total=None)
+        result = Overload(rate=rate, rss_before=self._rss())
+        sampling = asyncio.ensure_future(self._sample_rss(result.rss_peak))
+        async with self._session() as session:
+            async with self._loaded(session, rate, SEED + 1, result.requests) as stop:
+                await asyncio.sleep(self.plan.overload_s)
+                stop()
+                result.ended = time.perf_counter() - self._began
+                async with self._loaded(session, self.rate, SEED + 2, result.after):
+                    await asyncio.sleep(self.plan.after_s)
+        sampling.cancel()
+        self.progress.remove_task(task)
+        return result
 
-            sender = asyncio.ensure_future(send())
-            await asyncio.sleep(self.plan.warm_s)
-            for target in self.plan.faults:
-                self.faults.append(await self._inject(target))
-                self.progress.advance(task)
-                await asyncio.sleep(self.plan.settle_s)
-            await asyncio.sleep(self.plan.tail_s)
+    @contextlib.asynccontextmanager
+    async def _loaded(self, session: aiohttp.ClientSession, rate: float, seed: int,
+                      into: list[Sent]) -> AsyncIterator[Callable[[], None]]:
+        """Poisson arrivals at `rate`, appended to `into`, from now until the block ends or calls the
+        `stop` it is given; then every request sent is waited for."""
+        stop, open_requests = asyncio.Event(), set()
+        rng, start = np.random.default_rng(seed), time.perf_counter() - self._began
+
+        async def send() -> None:
+            for at in poisson_arrivals(1_000_000, rate, seed) + start:
+                await asyncio.sleep(max(0.0, self._began + at - time.perf_counter()))
+                if stop.is_set():
+                    return
+                sent = Sent(prompt=int(rng.integers(len(self.prompts))), stream=bool(rng.integers(2)),
+                            result=RequestResult(index=len(into), prompt_tokens=0, max_tokens=self.plan.max_tokens,
+                                                 arrival=float(at)))
+                into.append(sent)
+                request = asyncio.ensure_future(self._ask(session, sent))
+                open_requests.add(request)
+                request.add_done_callback(open_requests.discard)
+
+        sender = asyncio.ensure_future(send())
+        try:
+            yield stop.set
+        finally:
             stop.set()
             await sender
             if open_requests:
                 await asyncio.wait(set(open_requests))
-        self.progress.remove_task(task)
+
+    def _rss(self) -> dict[str, float]:
+        """Each service's resident memory now, MiB."""
+        rss = {}
+        for child in read_state(self.cluster.run_dir).children:
+            try:
+                status_lines = Path(f"/proc/{child.pid}/status").read_text().splitlines()
+            except OSError:
+                continue
+            kib = next(int(line.split()[1]) for line in status_lines if line.startswith("VmRSS:"))
+            rss[child.name] = kib / 1024
+        return rss
+
+    async def _sample_rss(self, peak: dict[str, float]) -> None:
+        while True:
+            for name, mib in self._rss().items():
+                peak[name] = max(peak.get(name, 0.0), mib)
+            await asyncio.sleep(0.5)
 
     async def inspect(self) -> Inspection:
         """Blocks held on each engine once idle (given a few seconds), and kvmeta's registry against them."""
@@ -280,7 +351,7 @@ class Chaos:
 
     def _session(self) -> aiohttp.ClientSession:
         return aiohttp.ClientSession(headers={"Authorization": f"Bearer {self.cluster.api_key}"},
-                                     connector=aiohttp.TCPConnector(limit=256),
+                                     connector=aiohttp.TCPConnector(limit=0),  # the server's queue, not ours
                                      timeout=aiohttp.ClientTimeout(total=None))
 
     @property
@@ -295,9 +366,10 @@ class Chaos:
         return body
 
 
-def _result(plan: Plan, quick: bool, chaos: Chaos, inspection: Inspection) -> BenchResult:
+def _result(plan: Plan, quick: bool, chaos: Chaos, overload: Overload, inspection: Inspection) -> BenchResult:
     requests, faults = chaos.requests, chaos.faults
-    wrong = [r for r in requests if r.result.ok and r.result.text != chaos.reference[r.prompt]]
+    wrong = [r for r in requests + overload.requests + overload.after
+             if r.result.ok and r.result.text != chaos.reference[r.prompt]]
     kills = [f.at for f in faults] + [float("inf")]
     first = kills[0]
     before = [r for r in requests if _end(r) < first]
@@ -338,6 +410,11 @@ def _result(plan: Plan, quick: bool, chaos: Chaos, inspection: Inspection) -> Be
     if engine_recovery:
         ratios["recovery_s_max_engine"] = max(engine_recovery)
         targets["recovery_s_max_engine"] = RECOVERY_TARGETS["engine"]
+    baseline = _p90([r.result.e2e for r in before if r.result.ok])
+    overload_rows, overload_ratios, overload_targets = _overload_figures(overload, baseline, wrong)
+    rows += overload_rows
+    ratios |= overload_ratios
+    targets |= overload_targets
     meets = {k: ratios[k] <= targets[k] for k in targets}
     failed = sum(not r.result.ok for r in requests)
     return BenchResult(
@@ -348,20 +425,59 @@ def _result(plan: Plan, quick: bool, chaos: Chaos, inspection: Inspection) -> Be
                 "prompts": plan.prompts, "max_tokens": plan.max_tokens, "deadline_s": plan.deadline_s,
                 "warm_s": plan.warm_s, "settle_s": plan.settle_s, "tail_s": plan.tail_s,
                 "errors": sorted({r.result.error[:120] for r in requests if r.result.error}),
-                "held_blocks": inspection.held_blocks, "ghosts": inspection.ghosts, "missing": inspection.missing},
-        rows=rows, plots=[_plot(requests, faults)],
+                "overload_errors": dict(collections.Counter(r.result.error[:120] for r in overload.requests + overload.after
+                                                            if r.result.error and r.result.status != 429)),
+                "held_blocks": inspection.held_blocks, "ghosts": inspection.ghosts, "missing": inspection.missing,
+                "overload req/s": overload.rate, "overload_s": plan.overload_s, "after_s": plan.after_s,
+                "rss_mib_before_overload": overload.rss_before, "rss_mib_peak_overload": overload.rss_peak,
+                "rss_growth_bound": RSS_GROWTH_BOUND, "normal_latency": f"within {NORMAL_LATENCY}x the P90 before the faults"},
+        rows=rows, plots=[_plot(requests + overload.requests + overload.after, faults, overload)],
         headline=f"{len(requests)} requests at {chaos.rate:.2f} req/s (half the measured {chaos.capacity:.2f}), "
                  f"{len(faults)} faults: {failed} failed ({outside} of them sent after a kill), "
                  f"{int(ratios['hung_requests'])} hung, {len(wrong)} wrong answers, "
                  f"{int(ratios['leaked_blocks'])} blocks held after the drain")
 
 
+def _overload_figures(overload: Overload, baseline: float,
+                      wrong: list[Sent]) -> tuple[list[Row], dict[str, float], dict[str, float]]:
+    """The overload phase's rows, keys and targets: refusals are 429 with Retry-After, what is taken is
+    answered, memory stays within RSS_GROWTH_BOUND, and latency is normal again soon after."""
+    sent, after = overload.requests, overload.after
+    refused = [r for r in sent + after if r.result.status == 429]
+    failed = [r for r in sent + after if not r.result.ok and r.result.status != 429]
+    # back to normal: from the first request sent after the overload from which on every answer is in time
+    late = [r.sent for r in after if not (r.result.ok and r.result.e2e <= NORMAL_LATENCY * baseline)]
+    normal_from = next((r.sent for r in after if r.sent > max(late, default=-1.0)), float("inf"))
+    growth = {name: peak / overload.rss_before[name] for name, peak in overload.rss_peak.items()
+              if overload.rss_before.get(name)}
+    rows = [Row(compared="overload", path=f"{overload.rate:.1f} req/s, 10x the capacity", cells={
+                "requests": len(sent), "answered": sum(r.result.ok for r in sent),
+                "429": sum(r.result.status == 429 for r in sent), "failed": sum(r in failed for r in sent),
+                "hung": sum(r.hung for r in sent), "wrong": sum(r in wrong for r in sent),
+                "e2e p90 s": _p90([r.result.e2e for r in sent if r.result.ok]), "e2e p90 before s": baseline}),
+            Row(compared="after the overload", path="the fault phase's rate", cells={
+                "requests": len(after), "answered": sum(r.result.ok for r in after),
+                "failed": sum(r in failed for r in after), "e2e p90 s": _p90([r.result.e2e for r in after if r.result.ok]),
+                "normal after s": normal_from - overload.ended})]
+    ratios = {"overload_429_without_retry_after": float(sum(r.result.retry_after is None for r in refused)),
+              "overload_failures_not_429": float(len(failed)),
+              "overload_rss_growth_max": max(growth.values(), default=0.0),
+              "overload_normal_after_s": normal_from - overload.ended}
+    targets = {"overload_429_without_retry_after": 0.0, "overload_failures_not_429": 0.0,
+               "overload_rss_growth_max": RSS_GROWTH_BOUND, "overload_normal_after_s": RECOVERY_TARGETS["stateless"]}
+    return rows, ratios, targets
+
+
+def _p90(seconds: list[float]) -> float:
+    return float(np.percentile(seconds, 90)) if seconds else float("nan")
+
+
 def _end(request: Sent) -> float:
     return request.ended if request.ended is not None else float("inf")
 
 
-def _plot(requests: list[Sent], faults: list[Fault]) -> str:
-    """Answers and errors per second over the run, with a marker at each fault."""
+def _plot(requests: list[Sent], faults: list[Fault], overload: Overload) -> str:
+    """Answers and errors per second over the run, with a marker at each fault and the overload shaded."""
     end = max((r.ended or r.sent) for r in requests) if requests else 1.0
     bins = np.arange(0.0, end + 1.0, 1.0)
     ok = [r.ended for r in requests if r.result.ok and r.ended is not None]
@@ -374,6 +490,8 @@ def _plot(requests: list[Sent], faults: list[Fault]) -> str:
         ax.text(fault.at, ax.get_ylim()[1] * 0.95, f" {fault.target}", rotation=90, va="top", fontsize=8)
         if fault.ready_at is not None and fault.ready_at > fault.at:
             ax.axvspan(fault.at, fault.ready_at, color="grey", alpha=0.15)
+    if overload.requests:
+        ax.axvspan(overload.requests[0].sent, overload.ended, color="tab:orange", alpha=0.15, label="overload")
     ax.set_xlabel("seconds into the load")
     ax.set_ylabel("per second")
     ax.set_title("kvmesh bench chaos: answers and errors, faults marked (shaded: until the supervisor had it ready)")

@@ -46,6 +46,8 @@ class RequestResult:
     completion_tokens: int = 0
     text: str = ""                        # the answer, as the chunks carried it
     error: str | None = None
+    status: int | None = None             # the HTTP status
+    retry_after: str | None = None        # its Retry-After header, on a refusal
     kvmesh: dict[str, Any] | None = None  # the admission's breakdown, when the server is kvmesh
 
     @property
@@ -134,8 +136,10 @@ async def read_answer(session: aiohttp.ClientSession, endpoint: str, body: dict[
     """POST one request and read its SSE stream (or a whole JSON answer) into `result`."""
     async with session.post(endpoint, data=msgspec.json.encode(body),
                             headers={"Content-Type": "application/json"}) as response:
+        result.status = response.status
         if response.status != 200:
             result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+            result.retry_after = response.headers.get("Retry-After")
             return
         if response.content_type != "text/event-stream":
             _take(msgspec.json.decode(await response.read()), time.perf_counter() - arrival, result)
