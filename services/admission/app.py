@@ -72,7 +72,6 @@ class Config(ServiceConfig, kw_only=True):
     transfer_mode: Literal["pull", "push"] = "pull"  # how KV moves prefill -> decode (KVDirect 4.3)
     route_timeout_s: float = 5.0        # a scheduler call
     scheduler_wait_s: float = 10.0      # a scheduler that does not answer (restarting) is asked again this long
-    engine_wait_s: float = 15.0         # a model whose engines are all down (restarting): a request waits this long
     connect_timeout_s: float = 5.0      # connecting to an engine
     stall_timeout_s: float = 300.0      # an engine that sends no frame for this long has failed
     models_refresh_s: float = 1.0       # how stale the list of served models may be
@@ -115,7 +114,7 @@ def build_service(config: Config) -> Service:
     engines = EngineClients(config.token, config.connect_timeout_s, abort_timeout_s=config.route_timeout_s)
     models = Models(upstreams, engines, config.models_refresh_s)
     lifecycle = Lifecycle(upstreams, engines, config.max_retries, config.stall_timeout_s, config.transfer_mode,
-                          config.scheduler_wait_s, config.engine_wait_s)
+                          config.scheduler_wait_s)
     slo_metrics = SloMetrics(service.metrics, queue)
     defaults = slo_defaults(config.slo_classes, config.default_ttft_ms, config.default_tbt_ms)
 

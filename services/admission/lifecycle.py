@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -34,7 +33,7 @@ from .upstreams import Upstreams
 
 log = logging.getLogger(__name__)
 
-SCHEDULER_RETRY_S = 0.25  # how often a scheduler that does not answer, or has no engine, is asked again
+SCHEDULER_RETRY_S = 0.25  # how often a scheduler that does not answer is asked again
 
 
 @dataclass(frozen=True)
@@ -96,14 +95,13 @@ class Journey:
 
 class Lifecycle:
     def __init__(self, upstreams: Upstreams, engines: EngineClients, max_retries: int, stall_timeout_s: float,
-                 transfer_mode: str = "pull", scheduler_wait_s: float = 0.0, engine_wait_s: float = 0.0):
+                 transfer_mode: str = "pull", scheduler_wait_s: float = 0.0):
         self.upstreams = upstreams  # the scheduler in force at each call: it may be swapped between two
         self.engines = engines
         self.max_retries = max_retries
         self.stall_timeout_s = stall_timeout_s
         self.transfer_mode = transfer_mode
         self.scheduler_wait_s = scheduler_wait_s
-        self.engine_wait_s = engine_wait_s
 
     async def run(self, generation: Generation, rerun: int = 0) -> AsyncIterator[Piece]:
         """The request's pieces; raises OpenAIError before the first piece, AfterFirstToken after it.
@@ -111,17 +109,12 @@ class Lifecycle:
         at the engines stay apart from theirs, which may still be held there until aborted."""
         journey = Journey(generation)
         excluded: list[str] = []
-        engine_deadline = time.monotonic() + self.engine_wait_s
         try:
-            for attempt in itertools.count():
-                if attempt > self.max_retries and time.monotonic() >= engine_deadline:
-                    break
-                if attempt > self.max_retries:  # still in the wait for a restarted engine: do not spin on a dead one
-                    await asyncio.sleep(SCHEDULER_RETRY_S)
-                route = await self._route(generation, excluded, engine_deadline)
+            for attempt in range(self.max_retries + 1):
+                route = await self._route(generation, excluded)
                 tracing.annotate({"kvmesh.retries": attempt, "kvmesh.transfer_mode": (
                     "colocated" if route.mode == "colocated" else self.transfer_mode)})
-                request_id = f"{generation.request_id}.{rerun}.{attempt}"
+                request_id = f"{generation.request_id}.{rerun * (self.max_retries + 1) + attempt}"
                 steps = (self._colocated(journey, route.engine, request_id) if route.mode == "colocated"
                          else self._disaggregated(journey, route.prefill, route.decode, request_id))
                 try:
@@ -142,12 +135,10 @@ class Lifecycle:
         finally:
             self._abort_all(journey)
 
-    async def _route(self, generation: Generation, excluded: list[str], engine_deadline: float = 0.0) -> Route:
+    async def _route(self, generation: Generation, excluded: list[str]) -> Route:
         """The scheduler's route. A scheduler that does not answer is asked again for up to
         `scheduler_wait_s` (a supervisor restarts a dead one within seconds); asking twice is harmless,
-        since a route only picks engines. A scheduler with no engine for the model (all down, or all
-        `excluded` after failing this request) is asked again until `engine_deadline`, the failed ones
-        included again: a supervisor may have restarted them."""
+        since a route only picks engines."""
         waited_until = time.monotonic() + self.scheduler_wait_s
         while True:
             try:
@@ -160,10 +151,7 @@ class Lifecycle:
                 if exc.status == 400:
                     raise OpenAIError(400, f"the scheduler refused the request: {exc.message}") from None
                 reason = exc.message
-                if exc.type != "no_engine" or time.monotonic() >= engine_deadline:
-                    break
-                excluded.clear()
-                await asyncio.sleep(SCHEDULER_RETRY_S)
+                break
             except ServiceUnreachable as exc:
                 reason = exc.message
                 if time.monotonic() >= waited_until:
@@ -247,7 +235,7 @@ class Lifecycle:
 
     async def _another_decode(self, generation: Generation, failed: list[str], failure: EngineFailed) -> EngineRef:
         try:
-            route = await self._route(generation, failed, time.monotonic() + self.engine_wait_s)
+            route = await self._route(generation, failed)
         except OpenAIError:
             raise failure from None
         if route.mode != "disaggregated" or route.decode is None:
