@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .cma import pid_namespace
+
 SHM_DIR = Path("/dev/shm")
 _swept = False  # this process has removed the orphans it found
 
@@ -37,14 +39,14 @@ def owned_path(*names: str) -> Path:
     if not _swept:
         _swept = True
         sweep_orphans()
-    return SHM_DIR / "-".join(("kvmesh", _pid_namespace(), str(os.getpid()), *names))
+    return SHM_DIR / "-".join(("kvmesh", _namespace_tag(), str(os.getpid()), *names))
 
 
 def sweep_orphans() -> list[Path]:
     """Remove the files `owned_path` named for processes of this pid namespace that no longer run."""
-    removed = []
-    pattern = re.compile(rf"kvmesh-{_pid_namespace()}-(\d+)-")
-    for path in SHM_DIR.glob(f"kvmesh-{_pid_namespace()}-*"):
+    removed, tag = [], _namespace_tag()
+    pattern = re.compile(rf"kvmesh-{tag}-(\d+)-")
+    for path in SHM_DIR.glob(f"kvmesh-{tag}-*"):
         owner = pattern.match(path.name)
         if owner is not None and not _running(int(owner.group(1))):
             _unlink(path)
@@ -87,9 +89,9 @@ def file_span(addr: int, length: int) -> FileSpan | None:
     return None
 
 
-def _pid_namespace() -> str:
-    """The pid namespace's inode number: pids mean the same process only within one namespace."""
-    return os.readlink("/proc/self/ns/pid").strip("pid:[]")
+def _namespace_tag() -> str:
+    """The pid namespace's inode number, for a file name: pids mean one process only within it."""
+    return pid_namespace().strip("pid:[]")
 
 
 def _running(pid: int) -> bool:

@@ -137,9 +137,8 @@ class TcpQueuePair(QueuePair):
     def _land_send(self, status: int, key: int, wr_id: int, n: int) -> None:
         with self._lock:
             posted = self._recvs.popleft() if self._recvs else None
+            buffered = sum(len(m) for m in self._early_messages)
         if posted is None:
-            with self._lock:
-                buffered = sum(len(m) for m in self._early_messages)
             if n + buffered > MAX_EARLY_BYTES:
                 raise ValueError(f"a SEND of {n} bytes before any receive was posted: over the {MAX_EARLY_BYTES} "
                                  "bytes buffered for them")
