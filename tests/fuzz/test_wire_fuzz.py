@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import time
 import tracemalloc
 from collections.abc import Iterator
 
@@ -217,23 +216,25 @@ _DESCRIPTORS = st.fixed_dictionaries({
     "shape": st.lists(st.one_of(st.integers(-1, 8), st.integers(0, 2**62)), max_size=10),
     "stride": st.lists(st.one_of(st.integers(-1, 64), st.integers(0, 2**62)), max_size=10),
     "itemsize": st.integers(-1, 64)})
+PACKABLE_INTS = st.integers(-2**63, 2**64 - 1)  # msgpack carries no larger integer
 MESSAGES = st.one_of(
     st.binary(max_size=256),
     st.builds(lambda ds: msgpack.packb({"type": "connect", "descriptors": ds}), st.lists(_DESCRIPTORS, max_size=3)),
     st.builds(lambda r: msgpack.packb({"type": "complete", "request_id": r}),
-              st.one_of(st.text(max_size=16), st.integers(), st.none())),
+              st.one_of(st.text(max_size=16), PACKABLE_INTS, st.none())),
     st.builds(lambda r, ok: msgpack.packb({"type": "ack", "request_id": r, "released": ok}),
-              st.text(max_size=8), st.one_of(st.booleans(), st.integers())),
+              st.text(max_size=8), st.one_of(st.booleans(), PACKABLE_INTS)),
 )
 
 
-@settings(max_examples=300, deadline=1000, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(raw=MESSAGES)
 @example(raw=msgpack.packb({"type": "connect", "descriptors": [  # 2**40 pieces a block: enumerating them never ends
     {"name": "kv", "addr": 0, "rkey": 1, "dims": ["B", "X", "Y"], "shape": [1, 2**20, 2**20],
      "stride": [1, 2**21, 2], "itemsize": 2}]}))
 def test_kvdirect_messages_decode_to_bounded_values_or_are_refused(raw: bytes):
-    started = time.perf_counter()
+    """A descriptor that decodes has at most MAX_PIECES pieces a block, so enumerating them ends (an
+    unbounded one never did: the suite's timeout catches that, the test does not time anything)."""
     try:
         message = _decoder.decode(raw)
     except msgspec.DecodeError:  # ValidationError included: the channel fails the connection on it
@@ -242,4 +243,3 @@ def test_kvdirect_messages_decode_to_bounded_values_or_are_refused(raw: bytes):
         for descriptor in message.descriptors:
             assert len(descriptor.piece_offsets()) <= MAX_PIECES
             descriptor.extents(np.arange(min(descriptor.num_blocks, 4)))
-    assert time.perf_counter() - started < 1.0
