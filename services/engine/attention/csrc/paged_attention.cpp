@@ -46,6 +46,8 @@ namespace {
 using namespace kvmesh;
 
 constexpr int kMaxRowVecs = 4;  // a prefill tile has up to kMaxRowVecs * W rows
+// Keys ahead whose K and V rows the few-rows path prefetches (see prefetch_keys).
+constexpr int64_t kPrefetchKeys = 64;
 constexpr int64_t kMinCostPerThread = 4096;  // (query row, key) pairs, a few microseconds of work
 constexpr int64_t kMaxPosition = 1 << 24;  // positions are compared as floats, exact up to here
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -246,14 +248,33 @@ inline int64_t unpack_order(int64_t d) {
   return d - o + (o % 8 / 4) * 16 + o / 8 * 4 + o % 4;
 }
 
+// Prefetches the K and V rows of keys [from, to) (key t's at k + off[t] and v + off[t], bytes
+// long). A sequence's blocks lie anywhere in the pool and one block's rows of one layer are only a
+// few KB, so the hardware's stream prefetchers never get ahead of the reads: without this, a decode
+// step at batch 56 read its KV at 9 GB/s on two threads, against 21 for a sequential read.
+template <typename E>
+HOT inline void prefetch_keys(const E* k, const E* v, const int64_t* off, int64_t from, int64_t to, int64_t bytes) {
+  for (int64_t t = from; t < to; ++t) {
+    const char* kt = reinterpret_cast<const char*>(k + off[t]);
+    const char* vt = reinterpret_cast<const char*>(v + off[t]);
+    for (int64_t b = 0; b < bytes; b += 64) {
+      __builtin_prefetch(kt + b, 0, 3);
+      __builtin_prefetch(vt + b, 0, 3);
+    }
+  }
+}
+
 // Scaled scores of one row for keys 0..n (n a multiple of W, key t at k + off[t], at position
 // first + t), -inf past the row's position. dp is a multiple of NC chunks of 2W, usually equal.
+// With ahead (the V rows, at ahead + off[t]), it prefetches the K and V rows (row_bytes each) of the
+// keys kPrefetchKeys past those it scores.
 template <int NC, typename Q, typename E>
 HOT inline void row_scores(const Q* q, const E* k, const int64_t* off, int64_t n, int64_t dp, float scale,
-                           float first, float position, float* s) {
+                           float first, float position, float* s, const E* ahead = nullptr, int64_t row_bytes = 0) {
   constexpr int64_t step = NC * 2 * W;
   const QChunks<NC, Q> head(q);
   for (int64_t c = 0; c < n; c += W) {
+    if (ahead) prefetch_keys(k, ahead, off, std::min(c + kPrefetchKeys, n), std::min(c + kPrefetchKeys + W, n), row_bytes);
     vfloat part[W];
     for (int t = 0; t < W; ++t) part[t] = head.dot(k + off[c + t]);
     for (int64_t d = step; d < dp; d += step) {
@@ -450,13 +471,19 @@ struct PagedAttention {
       const int64_t tb = std::min(kKeyTile, keys - t0), n = round_up(tb, 2 * W);
       const TileRows<E> tile = tile_rows<E>(it, t0, tb, n, sc);
       if (valid) tile_bias(it, t0, tb, n, sc.bias.data());
+      // Rows read in place are prefetched: the tile's first keys now, the rest while row 0 scores
+      // (all the item's heads at once, a key's rows being adjacent in the pool).
+      const bool in_place = std::is_same_v<E, scalar_t> && D == Dp;
+      const int64_t row_bytes = it.heads * D * int64_t(sizeof(E));
+      if (in_place) prefetch_keys(tile.k, tile.v, sc.off.data(), 0, std::min(kPrefetchKeys, n), row_bytes);
       for (int64_t h = 0; h < it.heads; ++h) {
         const int64_t r0 = h * RG;
         for (int64_t r = r0; r < r0 + RG; ++r) {
           float* s = sc.scores.data() + r * kKeyTile;
           with_chunks(Dp / (2 * W), [&](auto NC) {
             row_scores<decltype(NC)::value>(qs + r * Dp, tile.k + h * tile.head_stride, sc.off.data(), n, Dp,
-                                            scale, float(t0), sc.pos[r], s);
+                                            scale, float(t0), sc.pos[r], s, in_place && r == 0 ? tile.v : nullptr,
+                                            row_bytes);
           });
           if (valid) add_bias(s, sc.bias.data(), n);
           sc.alpha[r] = softmax_step(s, n, sc.m[r], sc.l[r]);
