@@ -172,7 +172,6 @@ def run(quick: bool) -> BenchResult:
         plots.append(_plot_ablation(per_trace, path=ABLATION_PLOT))
     return BenchResult(
         bench="cacheopt", quick=quick, ratios=ratios, targets=targets,
-        meets={k: ratios[k] >= v for k, v in targets.items()},
         ceilings={"oracle_estimate_mae_tokens": 0.0,
                   "slo_attainment_alone": float(np.mean([t["alone"].slo_attainment for t in per_trace.values()]))},
         config={"traces": traces, "requests_per_run": n, "train_requests": n_train, "scale": SCALE, "dtype": fastest_dtype("cpu"),

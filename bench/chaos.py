@@ -415,10 +415,9 @@ def _result(plan: Plan, quick: bool, chaos: Chaos, overload: Overload, inspectio
     rows += overload_rows
     ratios |= overload_ratios
     targets |= overload_targets
-    meets = {k: ratios[k] <= targets[k] for k in targets}
     failed = sum(not r.result.ok for r in requests)
     return BenchResult(
-        bench="chaos", quick=quick, ratios=ratios, targets=targets, meets=meets,
+        bench="chaos", quick=quick, ratios=ratios, targets=targets, directions=dict.fromkeys(targets, "<="),
         ceilings={"capacity req/s": chaos.capacity},
         config={"model": plan.model, "topology": "1P1D (kvmesh up --prefill 1 --decode 1), float32, dense weights",
                 "faults": list(plan.faults), "rate req/s": chaos.rate, "capacity req/s": chaos.capacity,

@@ -145,7 +145,7 @@ async def _measure(url: str, token: str, redis_url: str, ops: int, quick: bool) 
     _plot({k: v for k, v in samples.items() if k[0] == "lookup 64 NodeIDs" or k[0].startswith("Redis")})
     return BenchResult(
         bench="kvmeta", quick=quick, ratios=ratios, targets=targets,
-        meets={key: ratios[key] <= target for key, target in targets.items()},
+        directions=dict.fromkeys(targets, "<="),
         ceilings={"redis_ping_p50_ms": by[("Redis PING (ceiling)", "redis-py")].cells["p50 ms"]},
         config={"ops_per_phase": ops, "nodeids_per_lookup": BLOCKS, "holders": 2, "concurrency": CONCURRENCY,
                 "transport": "loopback", "event_loop": "uvloop"},

@@ -158,7 +158,6 @@ def run(quick: bool) -> BenchResult:
                  cells=_cells(b[(m, s)])) for s in rates_b for m in METHODS]
     return BenchResult(
         bench="layerkv", quick=quick, ratios=ratios, targets=targets_,
-        meets={k: ratios[k] >= v for k, v in targets_.items()},
         ceilings={"memcpy_gbps": memcpy, "memcpy_64mb_gbps": memcpy_64mb, "engine_device_to_cxl_gbps": engine_copy,
                   "copied_bytes": float(copied), "prefill_1024_ms": slo.prefill_ms,
                   "decode_step_ms": slo.decode_step_ms, "prefill_longest_ms": slo.prefill_longest_ms},

@@ -440,10 +440,6 @@ def compare(cells: dict[tuple[str, float], dict[str, float]], rates: tuple[float
     return ratios, read
 
 
-def meets(ratios: dict[str, float]) -> dict[str, bool]:
-    return {key: bool(not math.isnan(ratios[key]) and ratios[key] >= target) for key, target in TARGETS.items()}
-
-
 def _order(value: float) -> float:
     return math.inf if math.isnan(value) else value
 
@@ -629,7 +625,7 @@ def _result(quick: bool, plan: Plan, cells: dict, checkpoint: Path, gguf: Path |
                 f"vs vLLM {capacities['vllm']:g} req/s: {_fmt(ratios['capacity_ratio_kvmesh_vs_vllm'])} "
                 f"(target {TARGETS['capacity_ratio_kvmesh_vs_vllm']:g})"
                 + (", a lower bound: kvmesh held at every swept rate" if read["capacity_ratio_is_lower_bound"] else ""))
-    return BenchResult(bench="peer", quick=quick, ratios=ratios, targets=dict(TARGETS), meets=meets(ratios),
+    return BenchResult(bench="peer", quick=quick, ratios=ratios, targets=dict(TARGETS),
                        ceilings=ceilings, config=config, rows=rows, plots=[_plot(cells, plan.rates, measured)],
                        headline=headline)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import operator
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +22,44 @@ class Row(msgspec.Struct, kw_only=True):
     cells: dict[str, float]
 
 
+# How a key's ratio is held against its target. A target is a floor (">=") unless its bench says otherwise.
+DIRECTIONS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+
+
+def judge(ratios: Mapping[str, float], targets: Mapping[str, float], directions: Mapping[str, str]) -> dict[str, bool]:
+    """Whether each target is met: its ratio compared with it in its direction. A ratio that is missing
+    or NaN (its measurement failed) misses: a target is never dropped."""
+    met = {}
+    for key, target in targets.items():
+        value = ratios.get(key, math.nan)
+        met[key] = bool(not math.isnan(value) and DIRECTIONS[directions.get(key, ">=")](value, target))
+    return met
+
+
 class BenchResult(msgspec.Struct, kw_only=True):
+    """What a benchmark measured. `meets` is derived here, from ratios, targets and directions, so no
+    bench judges its own keys: every target gets a direction (">=" unless given) and a ratio (NaN when
+    its measurement is missing, which misses)."""
+
     bench: str
     quick: bool
     ratios: dict[str, float]
     targets: dict[str, float]
-    meets: dict[str, bool]
     ceilings: dict[str, float]
     config: dict[str, Any]
     rows: list[Row]
     headline: str
+    directions: dict[str, str] = {}
+    meets: dict[str, bool] = {}
     plots: list[str] = []
+
+    def __post_init__(self) -> None:
+        unknown = {k: d for k, d in self.directions.items() if k not in self.targets or d not in DIRECTIONS}
+        if unknown:
+            raise ValueError(f"directions for no target, or not one of {', '.join(DIRECTIONS)}: {unknown}")
+        self.directions = {key: self.directions.get(key, ">=") for key in self.targets}
+        self.ratios = {**self.ratios, **{key: math.nan for key in self.targets if key not in self.ratios}}
+        self.meets = judge(self.ratios, self.targets, self.directions)
 
 
 def save_figure(fig, path: Path, dpi: int = 110) -> str:
@@ -63,7 +93,8 @@ def show(result: BenchResult) -> None:
     console.print(table)
     for key, value in result.ratios.items():
         target = result.targets.get(key)
-        verdict = "" if target is None else f"  (target {target:g}: {'meets' if result.meets[key] else 'MISSES'})"
+        verdict = "" if target is None else \
+            f"  (target {result.directions[key]} {target:g}: {'meets' if result.meets[key] else 'MISSES'})"
         console.print(f"{key} = {value:.3f}{verdict}")
     for plot in result.plots:
         console.print(f"plot: {plot}")

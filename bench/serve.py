@@ -259,8 +259,6 @@ def _result(plan: Plan, quick: bool, sweeps: dict[str, list[LoadResult]],
             stages = breakdown(measured[(s.key, w)])
             if stages is not None:
                 breakdowns[f"{s.label} / {w}"] = stages
-    targets = {key: value for key, value in TARGETS.items() if key in ratios}
-    meets = {key: bool(ratios[key] <= t if key in AT_MOST else ratios[key] >= t) for key, t in targets.items()}
     plots = [_plot_latency(plan, sweeps, {(s.label, w): measured[(s.key, w)] for s in setups for w in plan.workloads})]
     if breakdowns:
         plots.append(_plot_breakdown(breakdowns))
@@ -272,7 +270,8 @@ def _result(plan: Plan, quick: bool, sweeps: dict[str, list[LoadResult]],
     rates = {w: {"colocated": sweeps[w][-1].rate, **{s.key: 2 * sweeps[w][-1].rate for s in plan.setups}}
              for w in plan.workloads}
     return BenchResult(
-        bench="serve", quick=quick, ratios=ratios, targets=targets, meets=meets, ceilings=ceilings,
+        bench="serve", quick=quick, ratios=ratios, targets=dict(TARGETS), ceilings=ceilings,
+        directions=dict.fromkeys(AT_MOST, "<="),
         config={**_config(plan, sweeps, breakdowns, skipped), "rate_rps": rates}, rows=rows,
         plots=[str(p) for p in plots],
         headline=f"arxiv: (1) 1P1D pull at {2 * rate:g} req/s has P90 end-to-end latency "
@@ -318,7 +317,7 @@ def _target_result(target: str, plan: Plan, quick: bool, sweeps: dict[str, list[
         plots.append(_plot_breakdown(breakdowns))
     last = summarize(sweeps[plan.workloads[0]][-1])
     return BenchResult(
-        bench="serve", quick=quick, ratios=ratios, targets={}, meets={}, ceilings=ceilings,
+        bench="serve", quick=quick, ratios=ratios, targets={}, ceilings=ceilings,
         config={**_config(plan, sweeps, breakdowns, []), "target": target}, rows=rows,
         plots=[str(p) for p in plots],
         headline=f"{target}: {plan.workloads[0]} at {last['offered_rps']:g} req/s: P90 TTFT {last['ttft_p90_ms']:.0f} ms, "

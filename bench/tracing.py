@@ -137,7 +137,7 @@ def _result(plan: Plan, quick: bool, rate: float, saturation: float | None,
         plots += [SPAN_FILE.parent / "breakdown.png", SPAN_FILE.parent / "latency_cdf.png"]
     return BenchResult(
         bench="tracing", quick=quick, ratios=ratios, targets={"p50_overhead": TARGET},
-        meets={"p50_overhead": bool(ratios["p50_overhead"] <= TARGET)},
+        directions={"p50_overhead": "<="},
         ceilings={"untraced_e2e_p50_ms": off["e2e_p50_ms"], "untraced_e2e_p90_ms": off["e2e_p90_ms"]},
         config={**_config(plan, rate, saturation, loads), "requests_sent_traced": sent_traced,
                 "report": _report_config(report, report_note),

@@ -15,6 +15,5 @@ def test_cacheopt_bench_compares_the_allocation_policies_and_writes_the_contract
     assert set(result["ratios"]) == {"p99_tbt_ratio_block_vs_cacheopt", "p99_ttft_ratio_block_vs_cacheopt",
                                      "slo_attainment_cacheopt", "slo_attainment_block",
                                      "predictor_mae_ratio_rlp_vs_ours"}
-    assert set(result["meets"]) == set(result["targets"])
     assert {row["path"] for row in result["rows"]} >= {"block", "rlp", "s3", "cacheopt"}
     assert Path(tmp_path / result["plots"][0]).stat().st_size > 0

@@ -15,7 +15,7 @@ def test_car_bench_compares_recompute_lru_and_car_with_and_without_prefetch(tmp_
     assert {"ttft_reduction_vs_recompute", "ttft_ratio_lru_vs_car"} == set(result["targets"])
     assert {"ttft_reduction_vs_recompute", "ttft_ratio_lru_vs_car", "hit_ratio_device",
             "hit_ratio_cxl"} <= result["ratios"].keys()
-    assert set(result["meets"]) == set(result["targets"]) and "reload_gbps" in result["ceilings"]
+    assert "reload_gbps" in result["ceilings"]
     assert {row["path"] for row in result["rows"]} >= {"recompute", "lru", "car", "car+prefetch", "+sparsify"}
     assert {"sparsify_reload_bytes_ratio_dense_vs_sparse", "sparsify_quality_cost_nats"} <= result["ratios"].keys()
     assert len(result["plots"]) == 2 and all(Path(tmp_path / plot).stat().st_size > 0 for plot in result["plots"])

@@ -14,7 +14,6 @@ def test_layerkv_bench_compares_fcfs_and_layerkv_with_and_without_its_scheduler(
     result, done = quick_bench(tmp_path, "layerkv", timeout=300)
     assert {"mean_ttft_ratio_fcfs_vs_layerkv", "throughput_ratio_layerkv_vs_fcfs",
             "violation_rate_drop"} == set(result["targets"]) <= result["ratios"].keys()
-    assert set(result["meets"]) == set(result["targets"])
     assert {"memcpy_gbps", "engine_device_to_cxl_gbps"} <= result["ceilings"].keys()
     assert {row["path"] for row in result["rows"]} == {"fcfs", "layerkv-noslo", "layerkv"}
     assert Path(tmp_path / result["plots"][0]).stat().st_size > 0

@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from kvmesh.bench.peer import TARGETS, capacity, compare, figures, meets, percentile, prompts_at, turns
+from kvmesh.bench.peer import TARGETS, capacity, compare, figures, percentile, prompts_at, turns
+from kvmesh.bench.report import judge
 
 RATES = (0.5, 1.0, 1.5, 2.0, 3.0)
 
@@ -58,7 +59,7 @@ def test_keys_compare_the_faster_vllm_with_the_fastest_kvmesh_at_each_rate():
     # the minimum over 0.5, 1 and 1.5 req/s: 1000/800, 1100/900, 2000/1600
     assert read["min_to_capacity_rates"] == [0.5, 1.0, 1.5]
     assert ratios["p90_e2el_ratio_vllm_vs_kvmesh_min_to_capacity"] == pytest.approx(1100 / 900)
-    assert meets(ratios) == {"p90_e2el_ratio_vllm_vs_kvmesh_min_to_capacity": True,
+    assert judge(ratios, TARGETS, {}) == {"p90_e2el_ratio_vllm_vs_kvmesh_min_to_capacity": True,
                              "capacity_ratio_kvmesh_vs_vllm": True}
     assert not read["capacity_ratio_is_lower_bound"]
 
@@ -72,7 +73,7 @@ def test_capacity_below_the_lowest_rate_is_credited_the_lowest_to_vllm_and_zero_
     assert read["min_to_capacity_rates"] == [0.5]
     ratios, read = compare(cells_of(vllm=sweep([1000] * 5), kvmesh_colocated=slow), RATES)
     assert ratios["capacity_ratio_kvmesh_vs_vllm"] == 0.0
-    assert meets(ratios)["capacity_ratio_kvmesh_vs_vllm"] is False
+    assert judge(ratios, TARGETS, {})["capacity_ratio_kvmesh_vs_vllm"] is False
 
 
 def test_failed_requests_sit_at_the_top_and_two_infinities_compare_to_nothing():
@@ -80,7 +81,7 @@ def test_failed_requests_sit_at_the_top_and_two_infinities_compare_to_nothing():
     ratios, _ = compare(cells_of(vllm=sweep([inf, inf, 1, 1, 1]), kvmesh_colocated=sweep([inf, 2, 1, 1, 1])), RATES)
     assert math.isnan(ratios["p90_e2el_ratio_vllm_vs_kvmesh@0.5"])
     assert ratios["p90_e2el_ratio_vllm_vs_kvmesh@1"] == inf
-    assert not meets({**ratios, "p90_e2el_ratio_vllm_vs_kvmesh_min_to_capacity": math.nan})[
+    assert not judge({**ratios, "p90_e2el_ratio_vllm_vs_kvmesh_min_to_capacity": math.nan}, TARGETS, {})[
         "p90_e2el_ratio_vllm_vs_kvmesh_min_to_capacity"]
     assert set(TARGETS) <= set(ratios)
 

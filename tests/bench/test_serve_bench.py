@@ -13,7 +13,6 @@ pytestmark = BENCH_TIMEOUT
 def test_serve_bench_drives_real_clusters_and_writes_the_contract(tmp_path: Path):
     result, _ = quick_bench(tmp_path, "serve", timeout=600)
     assert {"p90_latency_reduction_vs_colocated", "transfer_share"} <= result["ratios"].keys()
-    assert set(result["meets"]) == set(result["targets"])
     breakdown = result["config"]["breakdown_ms"]["(1) 1P1D pull / arxiv"]  # from the admission's kvmesh field
     assert set(breakdown) == {"prefill_queue", "prefill", "decode_queue", "transfer", "decode"}
     assert Path(tmp_path / result["plots"][0]).stat().st_size > 0
