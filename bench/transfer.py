@@ -88,16 +88,18 @@ def run(quick: bool) -> BenchResult:
               "tcp_frac_of_ceiling": pool_sized["tcp"] / ceilings["socket_gbps"],
               "tcp_frac_of_pool_stream": pool_sized["tcp"] / ceilings["socket_pool_gbps"],
               "shm_frac_of_ceiling": pool_sized["shm"] / ceilings["memcpy_gbps"]}
-    targets = {"pull_vs_message_4k": 5.0, "tcp_frac_of_ceiling": 0.7, "shm_frac_of_ceiling": 0.7}
-    # The peers' figures end when their reads complete, so ours are compared at the same point (reads
-    # landed); the _with_complete ratio adds our COMPLETE/ACK round trip, which they do not have.
+    # The target is held against the batched baseline, what a user would write; per block is a row.
+    targets = {"pull_vs_message_batched_4k": 5.0, "tcp_frac_of_ceiling": 0.7, "shm_frac_of_ceiling": 0.7}
+    # The peers' figures end when their reads complete; ours that carry a target include the COMPLETE/ACK
+    # round trip, since the user waits for the whole hand-off. At the reads' end (`pull_landed_vs_`) is
+    # information. A peer that is not installed misses its targets (NaN): config.peers_skipped says why.
     landed = lambda backend, size: measured[(backend, "pull", size, key_count)][2]  # noqa: E731
     for peer, ours in PEER_BACKEND.items():
+        targets[f"pull_vs_{peer}_4k"] = targets[f"pull_vs_{peer}_min"] = 1.0
         if all((peer, s) in peers for s in sizes):
-            per_size = [landed(ours, s) / peers[(peer, s)] for s in sizes]
-            ratios[f"pull_vs_{peer}_4k"], ratios[f"pull_vs_{peer}_min"] = per_size[0], min(per_size)
-            ratios[f"pull_with_complete_vs_{peer}_min"] = min(at(ours, "pull", s) / peers[(peer, s)] for s in sizes)
-            targets[f"pull_vs_{peer}_4k"] = targets[f"pull_vs_{peer}_min"] = 1.0
+            whole = [at(ours, "pull", s) / peers[(peer, s)] for s in sizes]
+            ratios[f"pull_vs_{peer}_4k"], ratios[f"pull_vs_{peer}_min"] = whole[0], min(whole)
+            ratios[f"pull_landed_vs_{peer}_min"] = min(landed(ours, s) / peers[(peer, s)] for s in sizes)
     _plot(measured, pool_sized, peers, ceilings, sizes, key_count)
     return BenchResult(
         bench="transfer", quick=quick, ratios=ratios, targets=targets,
@@ -107,7 +109,8 @@ def run(quick: bool) -> BenchResult:
                 "pool_sized_bytes": POOL_BLOCKS * sizes[-1], "peers_skipped": _peer_reasons()},
         rows=rows, plots=[str(PLOT)],
         headline=f"4 KB blocks, {key_count} of them, tcp: KVDirect pull {at('tcp', 'pull'):.2f} GB/s = "
-                 f"{ratios['pull_vs_message_4k']:.1f}x per-block message passing (target 5x); pool-sized pull at "
+                 f"{ratios['pull_vs_message_batched_4k']:.1f}x batched message passing (target 5x), "
+                 f"{ratios['pull_vs_message_4k']:.1f}x per block; pool-sized pull at "
                  f"{ratios['tcp_frac_of_ceiling']:.0%} of one TCP stream, shm at {ratios['shm_frac_of_ceiling']:.0%} of memcpy")
 
 

@@ -27,5 +27,10 @@ def test_unknown_bench_is_refused():
 def test_transfer_bench_writes_the_contract(tmp_path: Path):
     result, _ = quick_bench(tmp_path, "transfer", timeout=600)
     assert {"pull_vs_message_4k", "pull_vs_nocoalesce_4k", "tcp_frac_of_ceiling", "shm_frac_of_ceiling"} <= result["ratios"].keys()
+    # The target is against batched message passing; each peer's targets stay, missed, when it is not installed.
+    peers = {f"pull_vs_{peer}_{at}" for peer in ("mooncake_tcp", "nixl", "nixl_tcp") for at in ("4k", "min")}
+    assert set(result["targets"]) == {"pull_vs_message_batched_4k", "tcp_frac_of_ceiling", "shm_frac_of_ceiling", *peers}
+    for peer in result["config"]["peers_skipped"]:
+        assert result["meets"][f"pull_vs_{peer}_min"] is False
     assert {"memcpy_gbps", "socket_gbps"} <= result["ceilings"].keys()
     assert Path(tmp_path / result["plots"][0]).stat().st_size > 0
