@@ -76,7 +76,6 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,7 +84,7 @@ import numpy as np
 from kvmesh.infra.local.processes import ROOT, free_port
 from kvmesh.infra.local.processes import VLLM_VENV_PYTHON as VLLM_PYTHON
 
-from .report import BenchResult, Row, save_figure
+from .report import BenchResult, Row, percentile, save_figure
 
 SERVED_NAME = "SmolLM2-135M-Instruct"
 KVMESH = ROOT / ".venv" / "bin" / "kvmesh"
@@ -351,18 +350,6 @@ def _client_main() -> int:
 
 
 # -- figures and the rule -------------------------------------------------------------------------
-
-
-def percentile(values: Iterable[float], q: float) -> float:
-    """numpy's linear percentile, with infinite values (failed requests) allowed at the top."""
-    ordered = sorted(values)
-    if not ordered:
-        return math.inf
-    rank = q / 100 * (len(ordered) - 1)
-    low, high = math.floor(rank), math.ceil(rank)
-    if math.isinf(ordered[high]):
-        return math.inf
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def figures(result: dict | None, prompts: int) -> dict[str, float]:

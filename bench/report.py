@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,19 @@ class BenchResult(msgspec.Struct, kw_only=True):
         self.directions = {key: self.directions.get(key, ">=") for key in self.targets}
         self.ratios = {**self.ratios, **{key: math.nan for key in self.targets if key not in self.ratios}}
         self.meets = judge(self.ratios, self.targets, self.directions)
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """numpy's linear percentile, with infinite values (failed requests) allowed at the top: the
+    contract's every-request figures count a failure as missing any SLO. No values: infinite."""
+    ordered = sorted(values)
+    if not ordered:
+        return math.inf
+    rank = q / 100 * (len(ordered) - 1)
+    low, high = math.floor(rank), math.ceil(rank)
+    if math.isinf(ordered[high]):
+        return math.inf
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def save_figure(fig, path: Path, dpi: int = 110) -> str:

@@ -21,7 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help="state, token and logs (%(default)s)")
     up.add_argument("--prefill", type=int, default=1, help="prefill engines (default 1)")
     up.add_argument("--decode", type=int, default=1, help="decode engines (default 1)")
-    up.add_argument("--colocated", action="store_true", help="one engine doing prefill and decode instead")
+    up.add_argument("--colocated", type=_positive, nargs="?", const=1, default=0, metavar="N",
+                    help="N engines (1 if not given) each doing prefill and decode, instead of --prefill/--decode")
     up.add_argument("--backend", choices=("native", "vllm"), default="native",
                     help="the engines: kvmesh's own (native) or stock vLLM with kvmesh's KV connector")
     up.add_argument("--model", help="the engines' model: a preset (tiny, small), a packaged model, a checkpoint "
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         from kvmesh.infra.local.topology import Topology
         _observability_env(args)
         try:
-            topology = Topology(colocated=1, prefill=0, decode=0) if args.colocated else \
+            topology = Topology(colocated=args.colocated, prefill=0, decode=0) if args.colocated else \
                 Topology(prefill=args.prefill, decode=args.decode)
             return run_up(args.run_dir, args.config, args.redis_url, topology, args.backend, args.model)
         except (StartError, ValueError, FileNotFoundError) as exc:

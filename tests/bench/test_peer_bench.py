@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from kvmesh.bench.peer import TARGETS, capacity, compare, figures, percentile, prompts_at, turns
-from kvmesh.bench.report import judge
+from kvmesh.bench.peer import TARGETS, capacity, compare, figures, prompts_at, turns
+from kvmesh.bench.report import judge, percentile
 
 RATES = (0.5, 1.0, 1.5, 2.0, 3.0)
 

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from kvmesh.bench.loadgen import breakdown, poisson_arrivals, run_load, served_model, summarize
+from kvmesh.bench.loadgen import (LoadResult, RequestResult, breakdown, poisson_arrivals, run_load, served_model,
+                                  summarize)
 from kvmesh.bench.workloads import WorkRequest
 
 KEY = "sk-test"
@@ -156,6 +157,18 @@ async def test_refusals_and_errors_in_the_stream_are_failures(double: Double):
                             extra_body={"fail_after": 2})
     assert "engine_failed" in broken.results[0].error and not broken.results[0].ok
     assert summarize(broken)["failed"] == 1 and np.isnan(summarize(broken)["e2e_p90_ms"])
+    assert summarize(broken)["e2e_p90_every_ms"] == np.inf   # every request counts: the failure sits on top
+
+
+def test_every_request_percentiles_put_a_failure_at_the_top():
+    ok = [RequestResult(index=i, prompt_tokens=4, max_tokens=2, arrival=0.0, ttft=0.1 * i, e2e=float(i),
+                        token_times=[0.1 * i, float(i)], completion_tokens=2) for i in range(1, 10)]
+    failed = RequestResult(index=9, prompt_tokens=4, max_tokens=2, arrival=0.0, error="timeout")
+    figures = summarize(LoadResult(rate=1.0, wall_s=10.0, results=[*ok, failed], unsent=0))
+    assert figures["e2e_p50_ms"] == pytest.approx(5000) and figures["e2e_p90_ms"] == pytest.approx(8200)
+    # ten requests, one failed: the P50 moves up half a rank, the P90 lands between 9 s and the failure
+    assert figures["e2e_p50_every_ms"] == pytest.approx(5500) and figures["e2e_p90_every_ms"] == np.inf
+    assert figures["failed"] == 1 and figures["ttft_p50_every_ms"] == pytest.approx(550)
 
 
 async def test_served_model_is_the_first_listed(double: Double):
