@@ -467,14 +467,14 @@ struct PagedAttention {
     std::fill(sc.l.begin(), sc.l.begin() + rows, 0.0f);
 
     const int64_t keys = first + nq;  // keys visible to the last query
+    // Rows read in place are prefetched: each tile's first keys at its start, the rest while row 0
+    // scores (all the item's heads at once, a key's rows being adjacent in the pool).
+    const bool in_place = std::is_same_v<E, scalar_t> && D == Dp;
+    const int64_t row_bytes = it.heads * D * int64_t(sizeof(E));
     for (int64_t t0 = 0; t0 < keys; t0 += kKeyTile) {
       const int64_t tb = std::min(kKeyTile, keys - t0), n = round_up(tb, 2 * W);
       const TileRows<E> tile = tile_rows<E>(it, t0, tb, n, sc);
       if (valid) tile_bias(it, t0, tb, n, sc.bias.data());
-      // Rows read in place are prefetched: the tile's first keys now, the rest while row 0 scores
-      // (all the item's heads at once, a key's rows being adjacent in the pool).
-      const bool in_place = std::is_same_v<E, scalar_t> && D == Dp;
-      const int64_t row_bytes = it.heads * D * int64_t(sizeof(E));
       if (in_place) prefetch_keys(tile.k, tile.v, sc.off.data(), 0, std::min(kPrefetchKeys, n), row_bytes);
       for (int64_t h = 0; h < it.heads; ++h) {
         const int64_t r0 = h * RG;
