@@ -84,6 +84,7 @@ class CachedBlockView:
     hits: int
     score: float = 0.0        # CaR III-B.3
     tier: str = "device"      # where its blocks are
+    depth: int = 0            # its block's index in the prompt: 0 for the first block of a prefix chain
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

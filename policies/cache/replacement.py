@@ -1,11 +1,14 @@
-"""Cache replacement: which idle prefix-cache nodes give up their space when a pool needs it.
+"""Cache replacement: which idle prefix-cache nodes give up their space first when a pool needs it.
 
-Signature: (candidates, needed) -> node ids to evict, at least `needed` of them when there are enough.
+A policy ranks one idle node: (view) -> a sortable key, the lowest evicted first. The engine keeps
+its idle nodes in a heap by that key (services/engine/eviction_queue.py), so it ranks a node when it
+goes idle or its score changes, never every idle node per allocation. Every key ends with the
+node's depth in its prefix chain, deepest first, then its id: among nodes a request let go of at
+once, the chain's tail goes before the head it hangs from (a head evicted first would leave its
+tail cached but unreachable), and the order never depends on the order nodes went idle.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 from kvmesh.policies.views import CachedBlockView
 
@@ -20,12 +23,12 @@ RUN_SCORE = 1
 DONE_SCORE = -(WINDOW_SCORE + RUN_SCORE)
 
 
-def lru(candidates: Sequence[CachedBlockView], needed: int) -> list[str]:
+def lru(node: CachedBlockView) -> tuple:
     """Least recently used first."""
-    return [c.node_id for c in sorted(candidates, key=lambda c: c.last_access)[:needed]]
+    return node.last_access, -node.depth, node.node_id
 
 
-def car(candidates: Sequence[CachedBlockView], needed: int) -> list[str]:
+def car(node: CachedBlockView) -> tuple:
     """CaR III-B.3: the lowest score first; among equal scores the least recently used (LRU as the
-    tie-break), then the node id, so the order never depends on the candidates' order."""
-    return [c.node_id for c in sorted(candidates, key=lambda c: (c.score, c.last_access, c.node_id))[:needed]]
+    tie-break)."""
+    return node.score, node.last_access, -node.depth, node.node_id

@@ -33,6 +33,7 @@ from kvmesh.policies.swap_recompute import SwapCurves
 from kvmesh.policies.views import CachedBlockView, PoolView
 
 from .attention.block_copy import copy_rows
+from .eviction_queue import EvictionQueue
 from .kv_pool import KVPool
 from .policy_set import Policies
 from .request import Request
@@ -49,6 +50,11 @@ class CachedNode:
     tier: str = "device"
     score: int = 0        # CaR III-B.3: the sum of what live requests added (Request.scores)
     sparsified: bool = False  # CaR III-D: its least-attended tokens were dropped on the way to the cxl tier
+    depth: int = 0        # its block's index in the prompt
+
+    def view(self) -> CachedBlockView:
+        return CachedBlockView(node_id=self.node_id, last_access=self.last_access, hits=self.hits, score=self.score,
+                               tier=self.tier, depth=self.depth)
 
 
 class BlockManager:
@@ -65,7 +71,7 @@ class BlockManager:
         self.high_water = high_water   # CaR: share of the device tier in use past which idle nodes move out
         self.cached: dict[str, CachedNode] = {}
         self.evictable: dict[str, CachedNode] = {}    # nodes no request holds, in either tier
-        self._idle: Counter = Counter()                # of those, per tier
+        self._idle = {tier: EvictionQueue(policies.cache_policy) for tier in pools}  # of those, per tier
         self._named: dict[str, set[int]] = {tier: set() for tier in pools}  # blocks that belong to a cached node
         self.hit_tokens = 0             # prompt tokens served from the prefix cache, all time
         self.lookup_blocks = 0          # full blocks looked up in the prefix cache, all time
@@ -111,13 +117,13 @@ class BlockManager:
 
     def free(self, tier: str) -> int:
         """Blocks of `tier` a request could get now (unused cached blocks count: they can be evicted)."""
-        return self.pools[tier].free_count + self._idle[tier] * self.num_layers
+        return self.pools[tier].free_count + len(self._idle[tier]) * self.num_layers
 
     def pool_view(self) -> PoolView:
         """What the policies see of the pools. Asked for by every policy call (several per request
         and step), it is rebuilt only when a count it reports has changed; read-only mappings, as
         every caller shares it."""
-        counts = (*[self._idle[t] for t in self.pools], *[p.free_count for p in self.pools.values()])
+        counts = (*[len(self._idle[t]) for t in self.pools], *[p.free_count for p in self.pools.values()])
         if self._view is None or self._view[0] != counts:
             view = PoolView(block_size=self.block_size, num_layers=self.num_layers,
                             free=MappingProxyType({t: self.free(t) for t in self.pools}),
@@ -212,7 +218,7 @@ class BlockManager:
             if node_id in self.cached:
                 continue
             blocks = [layer.blocks[index] for layer in request.layers]
-            node = self.cached[node_id] = CachedNode(node_id, blocks, refs=1, last_access=now)
+            node = self.cached[node_id] = CachedNode(node_id, blocks, refs=1, last_access=now, depth=index)
             self._changed(node)
             self._named["device"].update(blocks)
             request.cached_nodes.append(node_id)
@@ -238,7 +244,7 @@ class BlockManager:
     def _pin(self, node: CachedNode) -> None:
         if node.refs == 0:
             del self.evictable[node.node_id]
-            self._idle[node.tier] -= 1
+            self._idle[node.tier].discard(node.node_id)
         node.refs += 1
 
     def _let_go(self, node_id: str) -> None:
@@ -246,7 +252,13 @@ class BlockManager:
         node.refs -= 1
         if node.refs == 0:
             self.evictable[node_id] = node
-            self._idle[node.tier] += 1
+            self._idle[node.tier].put(node.view())
+
+    def _rescored(self, node: CachedNode) -> None:
+        """An idle node's score changed: the cache policy ranks it again."""
+        self._changed(node)
+        if self.evictable.get(node.node_id) is node:
+            self._idle[node.tier].put(node.view())
 
     # -- CaR: scores, tiers of the cache ----------------------------------------------------------
 
@@ -255,7 +267,7 @@ class BlockManager:
         or was sent to run); forget_scores takes it all back when the request ends."""
         for node in nodes:
             node.score += amount
-            self._changed(node)
+            self._rescored(node)
             earlier, given = request.scores.get(node.node_id, (node, 0))
             # What it gave a node of the same content since evicted went with that node.
             request.scores[node.node_id] = node, (given if earlier is node else 0) + amount
@@ -266,7 +278,7 @@ class BlockManager:
         for node_id, (node, given) in request.scores.items():
             if self.cached.get(node_id) is node:
                 node.score -= given
-                self._changed(node)
+                self._rescored(node)
         request.scores = {}
 
     def offload_idle(self) -> int:
@@ -287,10 +299,11 @@ class BlockManager:
         """Free the space of `nodes_needed` idle nodes of `tier` (the cache policy picks them, among
         those scored at most `max_score` if given): device nodes move to the cxl tier while it has
         room (CaR), else they are dropped."""
-        candidates = [CachedBlockView(node_id=n.node_id, last_access=n.last_access, hits=n.hits, score=n.score,
-                                      tier=n.tier) for n in self.evictable.values()
-                      if n.tier == tier and (max_score is None or n.score <= max_score)]
-        chosen = [self.cached[i] for i in self.policies.cache_policy(candidates, nodes_needed)]
+        idle = self._idle[tier]
+        if idle.rank is not self.policies.cache_policy:   # switched at run time (PUT /v1/policy)
+            idle.use(self.policies.cache_policy)
+        chosen = [self.cached[i] for i in idle.pop(nodes_needed, None if max_score is None else
+                                                     lambda node: node.score <= max_score)]
         for node in self._offload(chosen) if tier == "device" and self.cache_cxl else chosen:
             self._drop_node(node)
         return len(chosen)
@@ -418,7 +431,7 @@ class BlockManager:
     def _drop_node(self, node: CachedNode) -> None:
         self._changed(node, dropped=True)
         del self.evictable[node.node_id]
-        self._idle[node.tier] -= 1
+        self._idle[node.tier].discard(node.node_id)
         del self.cached[node.node_id]
         pool = self.pools[node.tier]
         for block in node.blocks:

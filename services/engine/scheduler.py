@@ -106,9 +106,9 @@ class Scheduler:
         for queue in (self.running, self.waiting, self.swapped, self.pulling):
             if request in queue:
                 queue.remove(request)
+        self.blocks.forget_scores(request)   # first: its nodes go idle already rescored, ranked once
         if release:
             self.blocks.release(request)
-        self.blocks.forget_scores(request)
         self.ledger.settle(request)
         request.status, request.finish_reason = Status.FINISHED, reason
 

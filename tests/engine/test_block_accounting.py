@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvmesh.policies import registry
+from kvmesh.policies.cache import lru
 from kvmesh.policies.offload.plan import OffloadInput, OffloadPlan
 from kvmesh.services.engine.block_manager import BlockManager
 from kvmesh.services.engine.kv_pool import BlockShape, KVPool
@@ -131,6 +132,8 @@ def assert_exact_accounting(blocks: BlockManager, scheduler: Scheduler) -> None:
     for request in live_requests(scheduler):
         scores.update({node_id: given for node_id, (node, given) in request.scores.items()
                        if blocks.cached.get(node_id) is node})
+    for tier, idle in blocks._idle.items():   # the eviction queue: every idle node of the tier, ranked as it is now
+        assert dict(idle._views) == {i: n.view() for i, n in blocks.evictable.items() if n.tier == tier}
     for node in blocks.cached.values():
         assert node.refs == node_refs[node.node_id]
         assert (node.refs == 0) == (node.node_id in blocks.evictable)
@@ -244,6 +247,47 @@ def test_fully_cached_prompt_writes_its_last_token_into_a_copy():
     assert [layer.blocks[0] for layer in second.layers] == blocks.cached[first.node_ids[0]].blocks  # shared
     assert_exact_accounting(blocks, scheduler)
     assert_everything_returns(blocks, scheduler)
+
+
+RANKED: Counter = Counter()
+
+
+def counting_lru(node):
+    RANKED[node.node_id] += 1
+    return lru(node)
+
+
+registry.HOOKS["cache_policy"]["counting_lru"] = counting_lru
+
+
+def test_the_cache_policy_ranks_a_node_when_it_goes_idle_not_every_idle_node_per_allocation():
+    """Making room costs a heap pop per node evicted: with a full cache, each new prompt evicts the
+    least recently used prefix, and no node is ranked more than once (it never changed while idle)."""
+    RANKED.clear()
+    blocks, scheduler = make(device_blocks=8)
+    blocks.policies.set({"cache_policy": "counting_lru"})
+    rng = random.Random(0)
+    prompts = [[i] * BLOCK + [0] for i in range(1, 13)]   # one full block each: a node of 2 blocks (2 layers)
+    for i, prompt in enumerate(prompts):
+        scheduler.add(Request(f"r{i}", prompt, SamplingParams(max_tokens=1), float(i), LAYERS))
+        simulate_step(scheduler, float(i), rng)
+        assert len(blocks.cached) == min(i + 1, 3)   # 8 blocks: 3 nodes cached, room for the 4th prompt's blocks
+    assert len(RANKED) == len(prompts) and set(RANKED.values()) == {1}
+    assert [blocks.cached[n].node_id for n in blocks.evictable] == list(blocks.evictable)
+    assert_everything_returns(blocks, scheduler)
+
+
+def test_a_cache_policy_switched_at_run_time_orders_the_next_eviction():
+    blocks, scheduler = make(device_blocks=8)
+    rng = random.Random(0)
+    for i, prompt in enumerate(([1, 1, 1, 1, 2], [3, 3, 3, 3, 4], [5, 5, 5, 5, 6])):
+        scheduler.add(Request(f"r{i}", prompt, SamplingParams(max_tokens=1), float(i), LAYERS))
+        simulate_step(scheduler, float(i), rng)
+    oldest, middle, newest = blocks.evictable.values()
+    blocks.add_score(Request("x", [0], SamplingParams(max_tokens=1), 0.0, LAYERS), [oldest], 1)
+    blocks.policies.set({"cache_policy": "car"})   # now the oldest, scored, outranks the others
+    assert blocks._evict("device", 1) == 1
+    assert set(blocks.cached) == {oldest.node_id, newest.node_id}
 
 
 def test_cache_policy_evicts_idle_prefixes_when_the_pool_needs_room():

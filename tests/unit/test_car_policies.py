@@ -96,10 +96,21 @@ def test_a_request_s_scores_net_zero_over_its_life():
     assert WINDOW_SCORE + RUN_SCORE + DONE_SCORE == 0
 
 
+def eviction_order(rank, nodes: list[CachedBlockView]) -> list[str]:
+    return [node.node_id for node in sorted(nodes, key=rank)]
+
+
 def test_car_evicts_the_lowest_score_then_the_least_recently_used():
     nodes = [CachedBlockView("hot", last_access=1.0, hits=5, score=2), CachedBlockView("b", last_access=5.0, hits=0),
              CachedBlockView("a", last_access=3.0, hits=9), CachedBlockView("cold", last_access=9.0, hits=0, score=-1),
              CachedBlockView("tie", last_access=3.0, hits=0)]
-    assert evict(nodes, 4) == ["cold", "a", "tie", "b"]
-    assert evict(nodes, 10) == ["cold", "a", "tie", "b", "hot"]
-    assert lru(nodes, 2) == ["hot", "a"]   # the baseline ignores scores
+    assert eviction_order(evict, nodes) == ["cold", "a", "tie", "b", "hot"]
+    assert eviction_order(lru, nodes)[:2] == ["hot", "a"]   # the baseline ignores scores
+
+
+@pytest.mark.parametrize("rank", [evict, lru])
+def test_a_chain_let_go_at_once_is_evicted_tail_first(rank):
+    """A head evicted before its tail would leave the tail cached but unreachable."""
+    chain = [CachedBlockView(f"n{depth}", last_access=4.0, hits=0, depth=depth) for depth in (0, 1, 2)]
+    older = CachedBlockView("older", last_access=1.0, hits=0, depth=0)
+    assert eviction_order(rank, [*chain, older]) == ["older", "n2", "n1", "n0"]

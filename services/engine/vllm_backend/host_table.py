@@ -15,13 +15,13 @@ No vLLM import here: the table is plain state, tested on its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.policies.cache.replacement import DONE_SCORE, RUN_SCORE, WINDOW_SCORE
 from kvmesh.policies.views import CachedBlockView
 
-Replacement = Callable[[Sequence[CachedBlockView], int], list[str]]
+from ..eviction_queue import EvictionQueue, Rank
 
 
 @dataclass
@@ -37,7 +37,7 @@ class HostNode:
 @dataclass
 class HostTable:
     capacity: int
-    replacement: Replacement
+    replacement: Rank
     nodes: dict[str, HostNode] = field(default_factory=dict)
     # All time: blocks looked up, found (and loaded), written to the tier, and nodes evicted from it.
     looked_up: int = 0
@@ -45,6 +45,7 @@ class HostTable:
     saved: int = 0
     evicted: int = 0
     _free: list[int] = field(default_factory=list)
+    _idle: EvictionQueue = field(init=False)            # the unpinned nodes, in the replacement's order
     _changed: set[str] = field(default_factory=set)     # published to kvmeta next
     _dropped: set[str] = field(default_factory=set)
 
@@ -52,6 +53,7 @@ class HostTable:
         if self.capacity < 0:
             raise ValueError(f"the cxl tier needs a capacity >= 0 blocks, got {self.capacity}")
         self._free = list(range(self.capacity - 1, -1, -1))
+        self._idle = EvictionQueue(self.replacement)
 
     def match(self, node_ids: Sequence[str], start: int) -> int:
         """How many of `node_ids[start:]`, in a row from `start`, the tier holds (a prefix lookup
@@ -68,6 +70,7 @@ class HostTable:
         for node_id in node_ids:
             node = self.nodes[node_id]
             node.pins += 1
+            self._idle.discard(node_id)
             node.hits += 1
             node.last_access = now
             node.score += RUN_SCORE + WINDOW_SCORE
@@ -83,7 +86,7 @@ class HostTable:
         are those of the first len(result) nodes."""
         short = len(node_ids) - len(self._free)
         if short > 0:
-            for victim in self.replacement([_view(n) for n in self.nodes.values() if not n.pins], short):
+            for victim in self._idle.pop(short):
                 self._evict(victim)
         slots = []
         for node_id in node_ids[:len(self._free)]:
@@ -103,7 +106,7 @@ class HostTable:
             return False
         node.last_access = now
         node.score += RUN_SCORE + WINDOW_SCORE
-        self._changed.add(node_id)
+        self._rescored(node)
         return True
 
     def release(self, node_ids: Iterable[str]) -> None:
@@ -112,11 +115,19 @@ class HostTable:
             node = self.nodes.get(node_id)
             if node is not None:
                 node.score += DONE_SCORE
-                self._changed.add(node_id)
+                self._rescored(node)
 
     def unpin(self, node_ids: Iterable[str]) -> None:
         for node_id in node_ids:
-            self.nodes[node_id].pins -= 1
+            node = self.nodes[node_id]
+            node.pins -= 1
+            if not node.pins:
+                self._idle.put(_view(node))
+
+    def _rescored(self, node: HostNode) -> None:
+        self._changed.add(node.node_id)
+        if not node.pins:
+            self._idle.put(_view(node))
 
     def note_changes(self, node_ids: Iterable[str]) -> None:
         """Journal these again as they are now, held or dropped (telling kvmeta of them failed)."""
