@@ -56,7 +56,7 @@ class Served:
 class RunStats:
     served: list[Served]
     preemptions: dict[str, int]
-    compute_s: float
+    busy_s: float    # the run's real seconds: the engine busy, the idle gaps skipped before arrivals not counted
 
 
 def replay(engine: Engine, requests: list[TraceRequest], arrivals: np.ndarray, targets: list[Targets],
@@ -87,7 +87,7 @@ def replay(engine: Engine, requests: list[TraceRequest], arrivals: np.ndarray, t
                 del live[request_id]
                 advance()
     return RunStats([served[i] for i in range(len(requests))],
-                    {k: v - before.get(k, 0) for k, v in engine.preemptions.items()}, clock() - start)
+                    {k: v - before.get(k, 0) for k, v in engine.preemptions.items()}, clock() - start - clock.offset)
 
 
 def capacity(engine: Engine, requests: list[TraceRequest], targets: list[Targets], max_tokens: int, repeats: int,

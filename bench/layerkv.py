@@ -18,7 +18,9 @@ A, the context sweep (Fig. 4): prompts of CONTEXTS tokens, outputs of 128 (512 s
 Poisson arrivals at one rate for every context: RATE_A times the requests per second FCFS completes
 at the longest context with every request there at once (measured first, in this run: the best of
 two runs; --quick, one).
-B (Fig. 6-8): a ShareGPT-shaped trace (layerkv_traces) at RATES_B times FCFS's capacity on it.
+B (Fig. 6-8): real instructions at RATES_B times FCFS's capacity on them: the held-out part of
+instruction_trace, their prompts' lengths and the default model's own answer lengths (where the paper
+uses ShareGPT; layerkv_traces).
 
 SLOs: LayerKV 5.2.4's 3000 ms TTFT and 200 ms TPOT for Llama-2-7B on one L20, scaled by how much
 slower this machine is. On the L20, a 1024-token prefill is ~13.8 TFLOP at ~60% of the 119.5
@@ -26,15 +28,22 @@ TFLOP/s dense fp16 peak, ~190 ms, and a decode step reads 13.5 GB of weights at 
 ~20 ms. The TTFT SLO is 3000 / 190 of this engine's 1024-token prefill and the TPOT SLO 200 / 20 of
 its decode step (batch 1, 1024 tokens of context), both timed at the start of the run. A request
 violates when its TTFT or its TPOT is over its SLO. Requests carry the SLOs (the TPOT SLO as the TBT
-SLO) and a synthetic prediction of their output length (layerkv_traces.targets).
+SLO) and the predicted range of their output length as serving gives it: the predictor service's
+`embedding` predictor trained on the other instructions (B; A's prompts are token ids, so its history
+predictor, fed A-shaped requests), Eq. 4's confidence at the run's rate, and admission's
+predicted_lengths (layerkv_traces).
 
 The prefill and offload fits (Eq. 3 and 4) are profiled once, on the first LayerKV engine, and
 handed to the others (the same machine and pools: what each would measure).
 
 Keys: mean_ttft_ratio_fcfs_vs_layerkv and throughput_ratio_layerkv_vs_fcfs at the longest context
-of A (targets 10 and 0.97; throughput is output tokens per second of compute time),
-violation_rate_drop (points, B, at the first rate where FCFS violates for half its requests or
-more, the highest rate if none; target 15). The same for layerkv-noslo, without targets.
+of A (targets 10 and 0.97; throughput is output tokens per second the engine was busy: the replay
+skips idle time before an arrival, and that time is not counted), violation_rate_drop (points, B,
+at the first rate where FCFS violates for half its requests or more, the highest rate if none: the
+load where the baseline is overloaded is the one SLO-aware admission is for, and below it both
+methods meet their SLOs; target 15), and violation_rate_drop_at_<share>x at every rate of B, without
+a target. The same for layerkv-noslo, without targets. Information: the device tier's tokens a layer
+over the longest request of A and of B, and the predictor's error on B.
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ import numpy as np
 import torch
 from rich.progress import Progress
 
+from kvmesh.policies.length.predictors import Prediction
 from kvmesh.policies.views import blocks_for
 from kvmesh.services.engine.dtypes import fastest_dtype
 from kvmesh.services.engine.engine import Engine
@@ -57,11 +67,14 @@ from kvmesh.services.engine.factory import EngineConfig, build_engine
 from kvmesh.services.engine.kv_pool import BlockShape
 from kvmesh.services.engine.layer_profile import LayerProfile
 from kvmesh.services.engine.models import PRESETS
+from kvmesh.services.engine.request import Targets
 from kvmesh.services.engine.sampling import SamplingParams
+from kvmesh.services.predictor.encoder import encoder
 
 from .cacheopt_serving import RunStats, capacity, replay
 from .cacheopt_traces import TraceRequest
-from .layerkv_traces import OUTPUT_LEN, fixed, sharegpt, targets
+from .instruction_trace import instruction_trace
+from .layerkv_traces import OUTPUT_LEN, fixed, predict, targets, trained_predictor
 from .loadgen import poisson_arrivals
 from .report import BenchResult, Row, save_figure
 
@@ -76,7 +89,8 @@ LONGEST = CONTEXTS[-1]
 DEVICE_HOLDS = 1.5     # the device tier holds this many of the longest requests, every layer
 CXL_HOLDS = 16         # the cxl tier holds this many longest requests, every layer
 RATE_A = 1.0           # A's arrival rate: this share of FCFS's capacity at the longest context
-RATES_B = (0.5, 1.5, 3.0, 4.5)  # B's: shares of FCFS's capacity on the ShareGPT-shaped trace
+RATES_B = (0.5, 1.5, 3.0, 4.5)  # B's: shares of FCFS's capacity on the instructions
+B_OUTPUT_SCALE = 0.25  # B's answer lengths, scaled as A's outputs are (the paper's 512 -> 128)
 CAPACITY_RUNS = 2      # FCFS's capacity is the best of this many runs (--quick: one)
 # Llama-2-7B on one L20 (see the docstring), and LayerKV 5.2.4's SLOs there.
 L20_PREFILL_1024_MS, L20_DECODE_STEP_MS = 190.0, 20.0
@@ -111,7 +125,8 @@ def run(quick: bool) -> BenchResult:
     rates_b = RATES_B[2:3] if quick else RATES_B
     n_a, n_b = (4, 12) if quick else (32, 96)
     repeats = 1 if quick else CAPACITY_RUNS
-    slo = _slos()
+    slo = _slos(probes=1 if quick else 3)
+    embed = encoder()
     a: dict[tuple[str, int], Metrics] = {}
     b: dict[tuple[str, float], Metrics] = {}
     profile: list[LayerProfile] = []
@@ -121,26 +136,41 @@ def run(quick: bool) -> BenchResult:
         advance = lambda: progress.advance(task)  # noqa: E731
         longest = fixed(n_a, LONGEST, seed=1)
         rate_a = RATE_A * _capacity(longest, advance, repeats)
-        trace = sharegpt(n_b, seed=2)
+        trace = instruction_trace("serve", n_b, output_scale=B_OUTPUT_SCALE, seed=2)
+        b_max = max(r.output_len for r in trace)
+        b_predictor = trained_predictor(instruction_trace("train", output_scale=B_OUTPUT_SCALE), embed)
         capacity_b = _capacity(trace, advance, repeats)
         for context in contexts:
             requests = longest if context == LONGEST else fixed(n_a, context, seed=1)
+            a_predictor = trained_predictor(fixed(n_a, context, seed=100), embed)
+            told = targets(predict(a_predictor, requests, OUTPUT_LEN, rate_a), OUTPUT_LEN, slo.ttft_ms, slo.tpot_ms)
             arrivals = poisson_arrivals(n_a, rate_a, seed=3)
             for method in METHODS:
                 progress.update(task, description=f"A: {method}, {context}-token prompts at {rate_a:.2f} req/s")
-                a[(method, context)] = _serve(method, requests, arrivals, slo, profile, advance)
+                a[(method, context)] = _serve(method, requests, arrivals, told, slo, profile, advance)
+        predicted_b: dict[float, list[Prediction]] = {}
         for share in rates_b:
+            predicted_b[share] = predict(b_predictor, trace, b_max, share * capacity_b)
+            told = targets(predicted_b[share], b_max, slo.ttft_ms, slo.tpot_ms)
             arrivals = poisson_arrivals(n_b, share * capacity_b, seed=4)
             for method in METHODS:
                 progress.update(task, description=f"B: {method} at {share * capacity_b:.2f} req/s")
-                b[(method, share)] = _serve(method, trace, arrivals, slo, profile, advance)
+                b[(method, share)] = _serve(method, trace, arrivals, told, slo, profile, advance)
     at = next((s for s in rates_b if b[("fcfs", s)].violation_rate >= 0.5), rates_b[-1])
     ratios = {}
     for method, suffix in (("layerkv", ""), ("layerkv-noslo", "_noslo")):
         ours, base = a[(method, LONGEST)], a[("fcfs", LONGEST)]
         ratios[f"mean_ttft_ratio_fcfs_vs_layerkv{suffix}"] = base.mean_ttft_ms / ours.mean_ttft_ms
         ratios[f"throughput_ratio_layerkv{suffix}_vs_fcfs"] = ours.throughput_tok_s / base.throughput_tok_s
-        ratios[f"violation_rate_drop{suffix}"] = 100 * (b[("fcfs", at)].violation_rate - b[(method, at)].violation_rate)
+        for share in rates_b:
+            ratios[f"violation_rate_drop{suffix}_at_{share:g}x"] = \
+                100 * (b[("fcfs", share)].violation_rate - b[(method, share)].violation_rate)
+        ratios[f"violation_rate_drop{suffix}"] = ratios[f"violation_rate_drop{suffix}_at_{at:g}x"]
+    device_tokens = _config("fcfs").device_blocks // PRESETS[MODEL].num_layers * BLOCK_SIZE
+    ratios["device_tier_over_longest_a"] = device_tokens / (LONGEST + OUTPUT_LEN)
+    ratios["device_tier_over_longest_b"] = device_tokens / max(len(r.prompt_ids) + r.output_len for r in trace)
+    predictor_b = _predictor_summary(trace, predicted_b)
+    ratios["predictor_mae_ratio_mean_vs_ours_b"] = predictor_b["mean_length_mae_tokens"] / predictor_b["mae_tokens"]
     # The engine's device -> cxl copies (its start-up profile, the largest size timed) against one
     # contiguous torch copy of the same bytes, and of 64 MB (out of the caches).
     copied = profile[0].copy_blocks[-1] * BlockShape(BLOCK_SIZE, PRESETS[MODEL].num_kv_heads, PRESETS[MODEL].head_dim,
@@ -154,7 +184,7 @@ def run(quick: bool) -> BenchResult:
                 "violation_rate_drop": 15.0}
     rows = [Row(compared=f"A: {c}-token prompts, {rate_a:.2f} req/s", path=m, cells=_cells(a[(m, c)]))
             for c in contexts for m in METHODS]
-    rows += [Row(compared=f"B: ShareGPT-shaped, {s * capacity_b:.2f} req/s{' *' if s == at else ''}", path=m,
+    rows += [Row(compared=f"B: instructions, {s * capacity_b:.2f} req/s{' *' if s == at else ''}", path=m,
                  cells=_cells(b[(m, s)])) for s in rates_b for m in METHODS]
     return BenchResult(
         bench="layerkv", quick=quick, ratios=ratios, targets=targets_,
@@ -166,10 +196,11 @@ def run(quick: bool) -> BenchResult:
                 "requests_b": n_b,
                 "rate_a": rate_a, "capacity_b": capacity_b, "rates_b": [s * capacity_b for s in rates_b],
                 "violation_rate_at": at * capacity_b, "ttft_slo_ms": slo.ttft_ms, "tpot_slo_ms": slo.tpot_ms,
+                "device_tokens_per_layer": device_tokens, "b_output_scale": B_OUTPUT_SCALE, "predictor_b": predictor_b,
                 "layer_profile": _profile_summary(profile[0])},
         rows=rows, plots=[_plot(a, b, contexts, rates_b, rate_a, capacity_b)],
         headline=(f"at {LONGEST}-token prompts: mean TTFT {ratios['mean_ttft_ratio_fcfs_vs_layerkv']:.2f}x lower with "
-                  f"LayerKV, throughput {ratios['throughput_ratio_layerkv_vs_fcfs']:.2f}x FCFS's; ShareGPT-shaped at "
+                  f"LayerKV, throughput {ratios['throughput_ratio_layerkv_vs_fcfs']:.2f}x FCFS's; real instructions at "
                   f"{at * capacity_b:.2f} req/s: {ratios['violation_rate_drop']:.0f} points fewer SLO violations"))
 
 
@@ -204,12 +235,11 @@ def _engine(method: str, profile: list[LayerProfile]) -> Engine:
     return engine
 
 
-def _serve(method: str, requests: list[TraceRequest], arrivals: np.ndarray, slo: Slos, profile: list[LayerProfile],
-           advance: Callable[[], None]) -> Metrics:
+def _serve(method: str, requests: list[TraceRequest], arrivals: np.ndarray, told: list[Targets], slo: Slos,
+           profile: list[LayerProfile], advance: Callable[[], None]) -> Metrics:
     engine = _engine(method, profile)
     try:
-        stats = replay(engine, requests, arrivals, targets(requests, slo.ttft_ms, slo.tpot_ms, seed=5),
-                       max(r.output_len for r in requests), advance)
+        stats = replay(engine, requests, arrivals, told, max(r.output_len for r in requests), advance)
         _assert_all_blocks_free(engine, method)
     finally:
         if engine.runner.staging is not None:
@@ -230,16 +260,16 @@ def _assert_all_blocks_free(engine: Engine, method: str) -> None:
 def _capacity(requests: list[TraceRequest], advance: Callable[[], None], repeats: int) -> float:
     """Requests per second FCFS completes with every request there at once (the best of `repeats`)."""
     engine = build_engine(_config("fcfs"))
-    best = capacity(engine, requests, targets(requests, 1e9, 1e9), max(r.output_len for r in requests), repeats,
+    best = capacity(engine, requests, [Targets()] * len(requests), max(r.output_len for r in requests), repeats,
                     advance)
     _assert_all_blocks_free(engine, "capacity")
     return best
 
 
-def _slos() -> Slos:
+def _slos(probes: int) -> Slos:
     """This machine's 1024-token prefill and batch-1 decode step (medians) on the baseline's engine,
     LayerKV 5.2.4's SLOs scaled by them against the L20's; and the longest prompt's prefill alone,
-    the floor under A's TTFT."""
+    the floor under A's TTFT. `probes` runs of each."""
     engine = build_engine(_config("fcfs"))
 
     def prefill_then_decode(prompt_len: int, seed: int) -> tuple[float, list[float]]:
@@ -255,8 +285,8 @@ def _slos() -> Slos:
         return prefill, steps
 
     prefill_then_decode(1024, seed=10)  # a warm-up
-    runs = [prefill_then_decode(1024, seed=11 + i) for i in range(3)]
-    longest = [prefill_then_decode(LONGEST, seed=20 + i)[0] for i in range(3)]
+    runs = [prefill_then_decode(1024, seed=11 + i) for i in range(probes)]
+    longest = [prefill_then_decode(LONGEST, seed=20 + i)[0] for i in range(probes)]
     _assert_all_blocks_free(engine, "probe")
     prefill_ms = 1e3 * float(np.median([prefill for prefill, _ in runs]))
     step_ms = 1e3 * float(np.median([step for _, steps in runs for step in steps]))
@@ -286,8 +316,22 @@ def _metrics(stats: RunStats, slo: Slos, offloaded: int, restored: int) -> Metri
     violated = (ttft > slo.ttft_ms) | (tpot > slo.tpot_ms)
     return Metrics(mean_ttft_ms=float(ttft.mean()), p99_ttft_ms=float(np.percentile(ttft, 99)),
                    mean_tpot_ms=float(tpot.mean()),
-                   throughput_tok_s=float(sum(len(s.times) for s in stats.served) / stats.compute_s),
+                   throughput_tok_s=float(sum(len(s.times) for s in stats.served) / stats.busy_s),
                    violation_rate=float(violated.mean()), layers_offloaded=offloaded, layers_restored=restored)
+
+
+def _predictor_summary(trace: list[TraceRequest], predicted: dict[float, list[Prediction]]) -> dict:
+    """B's predictions against the true lengths: the raw prediction's and the mean length's absolute
+    error, and at each rate Eq. 4's confidence and the padding it gave, in tokens."""
+    actual = np.array([r.output_len for r in trace])
+    raw = np.array([p.predicted for p in next(iter(predicted.values()))])
+    return {"mae_tokens": float(np.abs(raw - actual).mean()),
+            "mean_length_mae_tokens": float(np.abs(actual.mean() - actual).mean()),
+            "mean_length_tokens": float(actual.mean()),
+            "by_rate": [{"confidence": float(np.mean([p.confidence for p in ps])),
+                         "mean_padding_tokens": float(np.mean([p.padding for p in ps])),
+                         "estimate_mae_tokens": float(np.abs(np.array([p.estimated for p in ps]) - actual).mean())}
+                        for ps in predicted.values()]}
 
 
 def _cells(m: Metrics) -> dict[str, float]:

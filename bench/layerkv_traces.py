@@ -2,29 +2,32 @@
 
 - Fixed lengths (5.2.1, Fig. 4): every prompt of one length, every output of `OUTPUT_LEN` tokens
   (the paper's 512 scaled by 1/4, as its 16k-token contexts are scaled to what the CPU model's
-  device tier holds).
-- ShareGPT-shaped (5.2.3-5.2.4, Fig. 6-8), synthesised: no data set is downloaded. Lengths are
-  log-normal with ShareGPT's published means, 161 prompt and 338 output tokens (vLLM, Kwon et al.
-  SOSP 2023, Fig. 11; CacheOpt Table 1), prompts clipped to [4, 2048] (LayerKV 5.1: "from 4 to 2.3K
-  tokens"), outputs scaled by 1/4 like the fixed ones and clipped to [4, 248] (991 / 4).
+  device tier holds). Random token ids: a client that sends no text.
+- Real instructions (5.2.3-5.2.4, Fig. 6-8, where the paper uses ShareGPT): instruction_trace's
+  held-out instructions, their prompts' lengths and the default model's own answer lengths (no data
+  set is downloaded; the file ships with the repository).
 
-Requests end at their trace length, as if they sampled EOS there (cacheopt_serving.replay).
+Requests end at their trace length, as if they sampled EOS there (cacheopt_serving.replay). What
+the engine is told of a request's length is what admission tells it in serving: the predictor's
+answer (predicted, padded), turned into the range LayerKV reads by admission's own function.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
+from kvmesh.policies.length import LengthQuery, adaptive_confidence
+from kvmesh.policies.length.embedding import EmbeddingPredictor, FitSettings, fit
+from kvmesh.policies.length.predictors import Prediction
+from kvmesh.services.admission.predictor_client import PredictedLength, predicted_lengths
 from kvmesh.services.engine.request import Targets
 
 from .cacheopt_traces import TraceRequest
-from .workloads import END_ID, FIRST_ID, Lengths
+from .workloads import END_ID, FIRST_ID
 
 OUTPUT_LEN = 128                                            # LayerKV 5.2.1's 512, scaled by 1/4
-SHAREGPT_PROMPT = Lengths(mean=161.0, sigma=1.0, low=4, high=2048)
-SHAREGPT_OUTPUT = Lengths(mean=338.0 / 4, sigma=0.8, low=4, high=248)
-PREDICTION_NOISE = 0.2    # the predicted median is the true length times U(1 - this, 1 + this)
-PREDICTION_RANGE = 0.25   # the predicted range is the median +- this share (its low bound is what Eq. 1 reads)
+TENANT = "layerkv"
 
 
 def fixed(n: int, prompt_len: int, output_len: int = OUTPUT_LEN, seed: int = 0) -> list[TraceRequest]:
@@ -32,20 +35,35 @@ def fixed(n: int, prompt_len: int, output_len: int = OUTPUT_LEN, seed: int = 0) 
     return [TraceRequest("", rng.integers(FIRST_ID, END_ID, prompt_len).tolist(), output_len) for _ in range(n)]
 
 
-def sharegpt(n: int, seed: int = 0) -> list[TraceRequest]:
-    rng = np.random.default_rng(seed)
-    prompts, outputs = SHAREGPT_PROMPT.sample(rng, n), SHAREGPT_OUTPUT.sample(rng, n)
-    return [TraceRequest("", rng.integers(FIRST_ID, END_ID, int(p)).tolist(), int(o)) for p, o in zip(prompts, outputs)]
+def trained_predictor(training: list[TraceRequest], embed) -> EmbeddingPredictor:
+    """The predictor service's `embedding` predictor after it has seen `training` finish: its model
+    fitted on the ones with text, its history base fed every length (the base answers a prompt sent
+    as token ids)."""
+    predictor = EmbeddingPredictor(embed, refit_every=None)
+    with_text = [r for r in training if r.text]
+    if with_text:
+        model, _ = fit(embed([r.text for r in with_text]),
+                       torch.tensor([r.output_len for r in with_text], dtype=torch.float32), FitSettings(seed=0))
+        predictor.install(model)
+    for request in training:
+        predictor.base.observe(_query(request, max(r.output_len for r in training)), request.output_len)
+    return predictor
 
 
-def targets(requests: list[TraceRequest], ttft_slo_ms: float, tpot_slo_ms: float, seed: int = 0) -> list[Targets]:
-    """Each request's SLOs (the TBT SLO is the TPOT SLO) and an honest synthetic prediction of its
-    output length, as LayerKV 3.1's range classifier would give: a median off the true length by up
-    to PREDICTION_NOISE, and a range of +-PREDICTION_RANGE around it."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for request in requests:
-        median = max(1, round(request.output_len * rng.uniform(1 - PREDICTION_NOISE, 1 + PREDICTION_NOISE)))
-        out.append(Targets(ttft_slo_ms=ttft_slo_ms, tbt_slo_ms=tpot_slo_ms, predicted_output_median=median,
-                           predicted_output_low=max(1, round(median * (1 - PREDICTION_RANGE)))))
-    return out
+def predict(predictor: EmbeddingPredictor, requests: list[TraceRequest], max_tokens: int, rate: float) -> list[Prediction]:
+    """What the predictor service answers for each request arriving at `rate` req/s (Eq. 4's c)."""
+    confidence = adaptive_confidence(rate)
+    return [predictor.predict(_query(r, max_tokens), confidence) for r in requests]
+
+
+def targets(predictions: list[Prediction], max_tokens: int, ttft_slo_ms: float, tpot_slo_ms: float) -> list[Targets]:
+    """Each request's SLOs (the TBT SLO is the TPOT SLO) and its predicted lengths as admission
+    passes them on."""
+    return [Targets(ttft_slo_ms=ttft_slo_ms, tbt_slo_ms=tpot_slo_ms,
+                    **predicted_lengths(PredictedLength(predicted=p.predicted, direction=p.direction.value,
+                                                        padding=p.padding, estimated=p.estimated), max_tokens))
+            for p in predictions]
+
+
+def _query(request: TraceRequest, max_tokens: int) -> LengthQuery:
+    return LengthQuery(tenant=TENANT, max_tokens=max_tokens, text=request.text or None)

@@ -3,7 +3,7 @@ preemption policies against vLLM's own block allocation, on one vLLM instance an
 in one run.
 
 The ShareGPT trace of `kvmesh bench cacheopt` (CacheOpt Table 1, lengths scaled by 1/4) with that
-bench's embedding predictor (trained on 1,000 requests, 400 with --quick). One vLLM instance (its CPU
+bench's embedding predictor (trained on 1,000 requests, 200 with --quick). One vLLM instance (its CPU
 build from .venv-vllm, one core, the `tiny` model in float32, 32-token blocks) runs KVMeshScheduler
 over `bench cacheopt`'s KV pool (about 3 mean requests, at least 2 of the longest); the policies are
 switched between runs. A request ends at its trace length (the instance aborts it there, as if it
@@ -75,7 +75,7 @@ def run(quick: bool) -> BenchResult:
     if missing:
         raise RuntimeError(f"kvmesh bench vllm_cacheopt needs vLLM: {missing}")
     trace = TRACES[TRACE]
-    n, n_train = (60, 400) if quick else (150, 1000)
+    n, n_train = (30, 200) if quick else (150, 1000)
     fractions = RATE_FRACTIONS[::2] if quick else RATE_FRACTIONS
     requests = trace.requests(n, seed=1)
     blocks = pool_blocks(trace, BLOCK_SIZE)

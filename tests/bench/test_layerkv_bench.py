@@ -15,6 +15,12 @@ def test_layerkv_bench_compares_fcfs_and_layerkv_with_and_without_its_scheduler(
     assert {"mean_ttft_ratio_fcfs_vs_layerkv", "throughput_ratio_layerkv_vs_fcfs",
             "violation_rate_drop"} == set(result["targets"]) <= result["ratios"].keys()
     assert {"memcpy_gbps", "engine_device_to_cxl_gbps"} <= result["ceilings"].keys()
+    # B's key at the rate the rule picks, and every rate's drop beside it (quick: one rate); the device
+    # tier against each part's longest request; the predictor that told the engine the lengths.
+    assert result["ratios"]["violation_rate_drop"] == result["ratios"]["violation_rate_drop_at_3x"]
+    assert {"device_tier_over_longest_a", "device_tier_over_longest_b",
+            "predictor_mae_ratio_mean_vs_ours_b"} <= result["ratios"].keys()
+    assert result["config"]["predictor_b"]["by_rate"][0]["confidence"] > 0
     assert {row["path"] for row in result["rows"]} == {"fcfs", "layerkv-noslo", "layerkv"}
     assert Path(tmp_path / result["plots"][0]).stat().st_size > 0
     assert "points fewer SLO violations" in " ".join(done.stdout.split())  # the headline, however rich wraps it

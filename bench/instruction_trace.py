@@ -1,0 +1,45 @@
+"""A trace of real instructions and the default model's own answer lengths (instruction_lengths.py).
+
+Each request keeps its instruction's text (what the length predictor reads), gets random token ids
+of its prompt's length (what the engine computes; a preset model cannot tell them from real ones)
+and ends after the tokens SmolLM2-135M-Instruct answered it with, times `output_scale` (the CPU
+benches scale outputs as they scale the papers' lengths). The file is split once, by a fixed seed,
+into instructions the predictor may learn from and instructions requests are drawn from, so no
+served prompt was seen in training.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+
+from .cacheopt_traces import TraceRequest
+from .instruction_lengths import INSTRUCTIONS, LENGTHS, read
+from .workloads import END_ID, FIRST_ID
+
+SERVED_SHARE = 0.25   # of the instructions, held out for serving
+
+
+@cache
+def _rows() -> tuple[dict, ...]:
+    rows = [{**instruction, **lengths} for instruction, lengths in zip(read(INSTRUCTIONS), read(LENGTHS), strict=True)]
+    order = np.random.default_rng(0).permutation(len(rows))
+    return tuple(rows[i] for i in order)
+
+
+def instructions(part: str) -> tuple[dict, ...]:
+    """The `train` or `serve` part of the file (shuffled once, seed 0)."""
+    rows = _rows()
+    cut = round(SERVED_SHARE * len(rows))
+    return {"serve": rows[:cut], "train": rows[cut:]}[part]
+
+
+def instruction_trace(part: str, n: int | None = None, output_scale: float = 1.0, seed: int = 0) -> list[TraceRequest]:
+    """`n` requests drawn without replacement from `part` (all of it when None), in a seeded order."""
+    rows = instructions(part)
+    rng = np.random.default_rng(seed)
+    picked = rng.permutation(len(rows))[:n]
+    return [TraceRequest(text=rows[i]["instruction"],
+                         prompt_ids=rng.integers(FIRST_ID, END_ID, rows[i]["prompt_tokens"]).tolist(),
+                         output_len=max(1, round(rows[i]["output_tokens"] * output_scale))) for i in picked]
