@@ -72,9 +72,13 @@ class FitSettings:
     steps: int = 300              # optimiser steps in each of the two training steps
     batch_size: int = 128
     learning_rate: float = 3e-3
-    # Step 2's direction labels come from predictions on the training data itself: a regressor that
-    # memorised its few hundred examples would leave only noise to label, so it is kept smooth.
-    weight_decay: float = 0.05
+    # AdamW's weight decays tried; the one whose model does best on the validation split is kept. The
+    # head is linear over a 384-dimension embedding, so a few hundred examples are about as many as it
+    # has weights per output: without strong decay it memorises them (on 432 real instructions its
+    # error was twice the mean length's; with 50, 0.84 of it), while a thousand with a strong signal
+    # need little. Step 2's direction labels also need a smooth regressor: one that memorised its
+    # examples would leave only noise to label.
+    weight_decays: tuple[float, ...] = (0.05, 1.0, 10.0, 50.0)
     validation: float = 0.1       # held-out fraction: the (b - a) range and the reported errors
     coverage: float = 0.9         # (b - a) spans this central fraction of the validation errors
     seed: int = 0
@@ -85,9 +89,9 @@ class FitSettings:
                              f"{self.batch_size}")
         if not (0 < self.validation < 1 and 0 < self.coverage < 1):
             raise ValueError(f"validation and coverage must be in (0, 1), got {self.validation} and {self.coverage}")
-        if not (self.learning_rate > 0 and self.weight_decay >= 0):
-            raise ValueError(f"learning_rate must be > 0 and weight_decay >= 0, got {self.learning_rate} "
-                             f"and {self.weight_decay}")
+        if not (self.learning_rate > 0 and self.weight_decays and min(self.weight_decays) >= 0):
+            raise ValueError(f"learning_rate must be > 0 and weight_decays some values >= 0, got {self.learning_rate} "
+                             f"and {self.weight_decays}")
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,7 @@ class FitReport:
     error_low: float          # the model's error band (see LengthModel)
     error_high: float
     kept_previous: bool       # a refit that did worse than the model it started from returns that one
+    weight_decay: float | None = None  # the one of FitSettings.weight_decays kept (None: kept_previous)
 
 
 Progress = Callable[[int, int], None]  # (optimiser steps done, steps in all)
@@ -152,10 +157,11 @@ Progress = Callable[[int, int], None]  # (optimiser steps done, steps in all)
 def fit(embeddings: Tensor, lengths: Tensor, settings: FitSettings = FitSettings(),
         start: LengthModel | None = None, progress: Progress | None = None) -> tuple[LengthModel, FitReport]:
     """Train on (n, dim) `embeddings` and their n actual output `lengths` (tokens) in CacheOpt's two
-    steps, on a random split of all but `settings.validation` of them; the rest measures the model and
-    gives its error band. With `start` (a refit) training goes on from that model's weights and
-    standardisation, and when the result does worse on the validation split, `start` is returned
-    (with its band measured afresh on the same split)."""
+    steps, on a random split of all but `settings.validation` of them, once per weight decay of
+    `settings`; the rest measures each model, the best is kept and gives its error band. With `start`
+    (a refit) training goes on from that model's weights and standardisation, and when the result
+    does worse on the validation split, `start` is returned (with its band measured afresh on the
+    same split)."""
     x = embeddings.detach().to(torch.float32)
     y = lengths.detach().to(x.device, torch.float32)
     if x.ndim != 2 or y.shape != (x.shape[0],):
@@ -166,33 +172,42 @@ def fit(embeddings: Tensor, lengths: Tensor, settings: FitSettings = FitSettings
         raise ValueError("embeddings must be finite and lengths >= 0")
     if start is not None and start.dim != x.shape[1]:
         raise ValueError(f"embeddings of dim {x.shape[1]} cannot refit a model of dim {start.dim}")
-    generator = torch.Generator().manual_seed(settings.seed)
-    order = torch.randperm(x.shape[0], generator=generator).to(x.device)
+    order = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(settings.seed)).to(x.device)
     held = max(2, round(settings.validation * x.shape[0]))
     val, train = order[:held], order[held:]
-    net = copy.deepcopy(start.net) if start is not None else _fresh_net(x[train], y[train], settings)
-    net.to(x.device)
-
-    def done(step: int) -> None:
-        if progress is not None:
-            progress(step, 2 * settings.steps)
-
-    target = (torch.log1p(y[train]) - net.y_mean) / net.y_scale
-    # Step 1: the regressor alone, on the ground-truth lengths.
-    regressor = [*net.hidden.parameters(), *net.length.parameters()]
-    _optimise(net, regressor, x[train], target, None, settings, generator, done)
-    # Step 2: label each training example's deviation from its step-1 prediction, then train everything.
-    with torch.no_grad():
-        under = (torch.log1p(y[train]) > net.predict(x[train])[0]).float()
-    _optimise(net, list(net.parameters()), x[train], target, under, settings, generator,
-              lambda s: done(settings.steps + s))
-
-    model, report = _measure(net, x[val], y[val], y[train], settings.coverage, train.numel())
+    total = 2 * settings.steps * len(settings.weight_decays)
+    fits = []
+    for i, weight_decay in enumerate(settings.weight_decays):
+        def done(step: int, before: int = 2 * settings.steps * i) -> None:
+            if progress is not None:
+                progress(before + step, total)
+        net = _train(x[train], y[train], settings, weight_decay, start, done)
+        model, report = _measure(net, x[val], y[val], y[train], settings.coverage, train.numel())
+        fits.append((model, replace(report, weight_decay=weight_decay)))
+    model, report = min(fits, key=lambda fitted: fitted[1].mae)
     if start is not None:
         previous, previous_report = _measure(start.net, x[val], y[val], y[train], settings.coverage, train.numel())
         if previous_report.mae < report.mae:
             return previous, replace(previous_report, kept_previous=True)
     return model, report
+
+
+def _train(x: Tensor, y: Tensor, settings: FitSettings, weight_decay: float, start: LengthModel | None,
+           done: Callable[[int], None]) -> LengthNet:
+    """CacheOpt's two training steps on (x, y), from `start`'s net or a fresh one."""
+    generator = torch.Generator().manual_seed(settings.seed)
+    net = copy.deepcopy(start.net) if start is not None else _fresh_net(x, y, settings)
+    net.to(x.device)
+    target = (torch.log1p(y) - net.y_mean) / net.y_scale
+    # Step 1: the regressor alone, on the ground-truth lengths.
+    regressor = [*net.hidden.parameters(), *net.length.parameters()]
+    _optimise(net, regressor, x, target, None, settings, weight_decay, generator, done)
+    # Step 2: label each training example's deviation from its step-1 prediction, then train everything.
+    with torch.no_grad():
+        under = (torch.log1p(y) > net.predict(x)[0]).float()
+    _optimise(net, list(net.parameters()), x, target, under, settings, weight_decay, generator,
+              lambda s: done(settings.steps + s))
+    return net
 
 
 def _fresh_net(x: Tensor, y: Tensor, settings: FitSettings) -> LengthNet:
@@ -208,11 +223,12 @@ def _fresh_net(x: Tensor, y: Tensor, settings: FitSettings) -> LengthNet:
 
 
 def _optimise(net: LengthNet, parameters: list[nn.Parameter], x: Tensor, target: Tensor, under: Tensor | None,
-              settings: FitSettings, generator: torch.Generator, progress: Callable[[int], None]) -> None:
+              settings: FitSettings, weight_decay: float, generator: torch.Generator,
+              progress: Callable[[int], None]) -> None:
     """`settings.steps` AdamW steps on random mini-batches, the learning rate on a cosine to 0; the loss
     is the squared error of the standardised log length, plus the classifier's cross-entropy when
     `under` labels are given."""
-    optimiser = torch.optim.AdamW(parameters, lr=settings.learning_rate, weight_decay=settings.weight_decay)
+    optimiser = torch.optim.AdamW(parameters, lr=settings.learning_rate, weight_decay=weight_decay)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimiser, settings.steps)
     batch = min(settings.batch_size, x.shape[0])
     for step in range(settings.steps):

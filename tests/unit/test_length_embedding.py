@@ -57,6 +57,27 @@ def test_two_step_training_learns_the_length_far_better_than_the_mean():
     assert (fresh_y - predicted).abs().mean() < 0.4 * (fresh_y - y.mean()).abs().mean()  # 15.6 vs 60.6
 
 
+def test_with_about_as_many_examples_as_weights_the_fit_keeps_a_strong_decay_and_beats_the_mean():
+    """384 dimensions, 400 examples and a weak signal (a real prompt's embedding against its answer
+    length): a lightly decayed head memorises them and does worse than the mean length on new ones."""
+    weights = torch.Generator().manual_seed(7)
+    w = torch.randn(384, generator=weights) / math.sqrt(384)
+
+    def weak(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(n, 384, generator=g)
+        return x, (200 + 100 * (x @ w) + 50 * torch.randn(n, generator=g)).clamp(min=1).round()
+
+    x, y = weak(400, seed=0)
+    fresh_x, fresh_y = weak(1000, seed=1)
+    mean_error = float((fresh_y - y.mean()).abs().mean())
+    light, _ = fit(x, y, FitSettings(weight_decays=(0.05,)))
+    model, report = fit(x, y, FitSettings())
+    assert report.weight_decay == max(FitSettings().weight_decays)
+    assert float((fresh_y - light.lengths(fresh_x)[0]).abs().mean()) > 2 * mean_error   # measured: 486 vs 79
+    assert float((fresh_y - model.lengths(fresh_x)[0]).abs().mean()) < mean_error       # 73
+
+
 def test_the_classifier_learns_which_way_the_length_deviates():
     x, y = synthetic(2000, seed=0, skewed=True)
     model, report = fit(x, y, FitSettings())
