@@ -11,6 +11,7 @@ up: setup
 test: setup
 	.venv/bin/python -m pytest -n 2 --dist loadfile
 
-# Optional: the peer libraries `kvmesh bench transfer` compares against (Mooncake, NIXL).
+# Optional: the peer libraries `kvmesh bench transfer` compares against (Mooncake, NIXL), and NIXL
+# for vLLM's NixlConnector, `kvmesh bench vllm`'s P/D baseline.
 peers: setup
 	@scripts/setup.sh --peers

@@ -9,6 +9,9 @@ Setups (the same requests, in one run):
              data plane: the decode worker pulls the prompt's blocks one-sided, then COMPLETEs
   kvmesh_shm the same over the shm data plane: the decode worker reads the prefill instance's KV
              cache (vLLM's private memory) by cross-memory attach, the kernel copying
+  nixl       the same two instances with vLLM's NixlConnector, its production P/D connector: the
+             decode worker reads the prompt's blocks from the prefill instance's KV cache (host
+             memory on vLLM's CPU build) through NIXL (UCX); needs `nixl` in .venv-vllm (make peers)
   example    the same two instances with vLLM's ExampleConnector: the prefill saves each layer's KV
              to files in shared storage, the decode loads them
   colocated  one instance (core 0), no connector, at half the request rate: half the hardware
@@ -18,20 +21,28 @@ rate: TTFT (arrival to the decode instance's first token), TBT, end-to-end laten
 the hand-off rate, KV bytes of the loaded prompt blocks over the time from the prefill's end to the
 decode's first token (what a client waits for the hand-off, the decode's first step included).
 
-Keys, at the comparison rate (the lowest at which colocated's mean TBT is twice its own at the
-lowest rate, else the highest; the mean, since a prefill that stalls the decodes sharing its steps
-shows there and not in the median of the gaps): p90_latency_ratio_example_vs_kvmesh (P90
-end-to-end latency, target > 1), p90_latency_ratio_example_vs_kvmesh_shm, p90_latency_reduction_vs_colocated (1 -
-kvmesh / colocated P90 end-to-end, target 0.3), kv_gbps_kvmesh, kv_gbps_kvmesh_shm, kv_gbps_example
-(hand-off GB/s; kvmesh's target: above example's).
+Keys, each read at a rate stated here, before the run:
+- p90_latency_ratio_nixl_vs_kvmesh (P90 end-to-end latency, target > 1: NixlConnector is the P/D
+  baseline a vLLM user would choose), and beside it the same against ExampleConnector and for the
+  shm data plane, at the peers' rate: the highest rate at which no P/D setup collapsed (its P90
+  latency within COLLAPSE times its own at the lowest rate), the lowest if every one did. A rate
+  where a baseline's queue runs away would make any ratio there large. Every rate's ratio is
+  reported too (..._at_<rate>).
+- p90_latency_reduction_vs_colocated (1 - kvmesh / colocated P90 end-to-end, target 0.3), at the
+  colocated rate: the lowest at which colocated's mean TBT is twice its own at the lowest rate, else
+  the highest (KVDirect's framing: disaggregation pays once a colocated engine's prefills stall its
+  decodes; the mean, since a stall shows there and not in the median of the gaps).
+- kv_gbps_<setup>: the hand-off's GB/s at the peers' rate.
 """
 
 from __future__ import annotations
 
+import math
 import queue
 import tempfile
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +54,7 @@ from kvmesh.services.engine.models import PRESETS, save_preset_checkpoint
 
 from .report import BenchResult, Row, save_figure
 from .vllm_instance import BLOCK_SIZE
-from .vllm_process import VllmProcess, vllm_missing
+from .vllm_process import VllmProcess, nixl_missing, vllm_missing
 from .workloads import ARXIV, WorkRequest
 
 MODEL = "small"
@@ -51,8 +62,11 @@ MODEL = "small"
 # saturates on this machine (about 200 ms a prompt), which is about where colocated's mean TBT doubles.
 RATES = (1.0, 2.0, 3.0, 4.0, 5.0)
 REQUESTS, QUICK_REQUESTS = 48, 16
-SETUPS = ("kvmesh", "kvmesh_shm", "example", "colocated")
+SETUPS = ("kvmesh", "kvmesh_shm", "nixl", "example", "colocated")
 BACKENDS = {"kvmesh": "tcp", "kvmesh_shm": "shm"}   # the kvmesh connector's data plane, by setup
+PULLED = (*BACKENDS, "nixl")   # setups whose decode instance reads the prompt's KV from the prefill instance
+PEERS = ("nixl", "example")    # vLLM's own connectors, compared with kvmesh's
+COLLAPSE = 3.0   # a P/D setup whose P90 latency is past this times its own at the lowest rate has collapsed
 PLOT = Path("bench-results/vllm.png")
 LOGS = Path("bench-results/vllm-logs")   # each instance's output, by setup and rate
 STALL_S = 60.0   # no answer for this long once every request is sent: something is wrong
@@ -93,11 +107,13 @@ def run(quick: bool) -> BenchResult:
     n = QUICK_REQUESTS if quick else REQUESTS
     rates = RATES[::2] if quick else RATES
     requests = ARXIV.requests(n, seed=11)
+    nixl = nixl_missing()
+    setups = [s for s in SETUPS if s != "nixl" or nixl is None]   # without NIXL its keys stay, missing
     results: dict[tuple[str, float], Run] = {}
     with tempfile.TemporaryDirectory() as workdir, Progress(transient=True) as progress:
         model = save_preset_checkpoint(MODEL, Path(workdir) / "model", seed=0)
-        task = progress.add_task("vllm", total=len(SETUPS) * len(rates) * n)
-        for setup in SETUPS:
+        task = progress.add_task("vllm", total=len(setups) * len(rates) * n)
+        for setup in setups:
             for rate in rates:
                 progress.update(task, description=f"{setup} at {rate:g} req/s")
                 results[setup, rate] = _run(setup, model, Path(workdir), requests,
@@ -106,30 +122,37 @@ def run(quick: bool) -> BenchResult:
     figures = {key: r.figures() for key, r in results.items()}
     base_tbt = figures["colocated", rates[0]]["mean TBT ms"]
     compared = next((r for r in rates if figures["colocated", r]["mean TBT ms"] >= 2 * base_tbt), rates[-1])
-    at = {setup: figures[setup, compared] for setup in SETUPS}
-    ratios = {"p90_latency_ratio_example_vs_kvmesh": at["example"]["P90 latency ms"] / at["kvmesh"]["P90 latency ms"],
-              "p90_latency_reduction_vs_colocated": 1 - at["kvmesh"]["P90 latency ms"] / at["colocated"]["P90 latency ms"],
-              "p90_latency_ratio_example_vs_kvmesh_shm": (at["example"]["P90 latency ms"]
-                                                          / at["kvmesh_shm"]["P90 latency ms"]),
-              "kv_gbps_kvmesh": at["kvmesh"]["hand-off GB/s"], "kv_gbps_kvmesh_shm": at["kvmesh_shm"]["hand-off GB/s"],
-              "kv_gbps_example": at["example"]["hand-off GB/s"],
-              "comparison_rate": compared}
-    targets = {"p90_latency_ratio_example_vs_kvmesh": 1.0, "p90_latency_reduction_vs_colocated": 0.3}
+    paired = [s for s in setups if s != "colocated"]
+    standing = [r for r in rates if all(figures[s, r]["P90 latency ms"] <= COLLAPSE * figures[s, rates[0]]["P90 latency ms"]
+                                        for s in paired)]
+    peers_rate = standing[-1] if standing else rates[0]
+    p90 = defaultdict(lambda: math.nan, {key: f["P90 latency ms"] for key, f in figures.items()})
+    ratios = {"p90_latency_reduction_vs_colocated": 1 - p90["kvmesh", compared] / p90["colocated", compared],
+              "colocated_rate": compared, "peers_rate": peers_rate}
+    for peer in PEERS:
+        for ours in BACKENDS:
+            key = f"p90_latency_ratio_{peer}_vs_{ours}"
+            ratios[key] = p90[peer, peers_rate] / p90[ours, peers_rate]
+            ratios.update({f"{key}_at_{r:g}": p90[peer, r] / p90[ours, r] for r in rates})
+    ratios.update({f"kv_gbps_{s}": figures[s, peers_rate]["hand-off GB/s"] if s in paired else math.nan
+                   for s in SETUPS if s != "colocated"})
+    targets = {"p90_latency_ratio_nixl_vs_kvmesh": 1.0, "p90_latency_reduction_vs_colocated": 0.3}
     rows = [Row(compared=f"{rate:g} req/s" + (" (colocated: half)" if setup == "colocated" else ""), path=setup,
-                cells=figures[setup, rate]) for rate in rates for setup in SETUPS]
+                cells=figures[setup, rate]) for rate in rates for setup in setups]
     spec = PRESETS[MODEL]
     return BenchResult(
-        bench="vllm", quick=quick, ratios=ratios, targets=targets, directions={"p90_latency_ratio_example_vs_kvmesh": ">"},
+        bench="vllm", quick=quick, ratios=ratios, targets=targets, directions={"p90_latency_ratio_nixl_vs_kvmesh": ">"},
         ceilings={"memcpy_gbps": memcpy_gbps()},
         config={"model": MODEL, "dtype": "float32", "block_size": BLOCK_SIZE, "requests": n, "rates": list(rates),
                 "workload": "arxiv", "kv_bytes_per_token": 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4,
-                "cores": "prefill 0, decode 1; colocated 0", "data_planes": BACKENDS},
-        rows=rows, plots=[_plot(figures, rates, 2 * base_tbt)],
-        headline=(f"at {compared:g} req/s (colocated's mean TBT {at['colocated']['mean TBT ms']:.1f} ms, "
-                  f"{base_tbt:.1f} at the lowest rate): P90 latency (ms) " + ", ".join(
-                      f"{setup} {at[setup]['P90 latency ms']:,.0f}" for setup in SETUPS)
+                "cores": "prefill 0, decode 1; colocated 0", "data_planes": BACKENDS, "collapse": COLLAPSE,
+                **({"nixl_missing": nixl} if nixl else {})},
+        rows=rows, plots=[_plot(figures, setups, rates, 2 * base_tbt)],
+        headline=(f"at {peers_rate:g} req/s: P90 latency (ms) " + ", ".join(
+                      f"{setup} {p90[setup, peers_rate]:,.0f}" for setup in paired)
                   + f"; hand-off {ratios['kv_gbps_kvmesh']:.2f} (tcp), {ratios['kv_gbps_kvmesh_shm']:.2f} (shm), "
-                  f"{ratios['kv_gbps_example']:.2f} (example) GB/s"))
+                  f"{ratios['kv_gbps_nixl']:.2f} (nixl), {ratios['kv_gbps_example']:.2f} (example) GB/s; against "
+                  f"colocated at {compared:g} req/s: {ratios['p90_latency_reduction_vs_colocated']:.2f} lower P90"))
 
 
 def _run(setup: str, model: Path, workdir: Path, requests: list[WorkRequest], rate: float, advance) -> Run:
@@ -141,10 +164,14 @@ def _run(setup: str, model: Path, workdir: Path, requests: list[WorkRequest], ra
         # A fresh storage path each run: the prefill instance would otherwise load the KV an earlier
         # run saved for the same prompts, and skip its prefill.
         settings = ({"shared_storage_path": str(workdir / f"kv-files-{rate:g}")} if setup == "example"
-                    else {"backend": BACKENDS[setup]})
-        connector, port = ("example", 0) if setup == "example" else ("kvmesh", free_port())
-        instances = [VllmProcess(model, "kv_producer", "0", logs / f"{setup}-prefill.log", connector, port, **settings),
-                     VllmProcess(model, "kv_consumer", "1", logs / f"{setup}-decode.log", connector, **settings)]
+                    else {"backend": BACKENDS[setup]} if setup in BACKENDS else {})
+        connector = setup if setup in PEERS else "kvmesh"
+        # kvmesh's prefill side listens on its data port; each NixlConnector instance on a side channel.
+        ports = {"kvmesh": (free_port(), 0), "nixl": (free_port(), free_port()), "example": (0, 0)}[connector]
+        instances = [VllmProcess(model, "kv_producer", "0", logs / f"{setup}-prefill.log", connector, ports[0],
+                                 **settings),
+                     VllmProcess(model, "kv_consumer", "1", logs / f"{setup}-decode.log", connector, ports[1],
+                                 **settings)]
     try:
         for instance in instances:
             instance.ready()
@@ -173,7 +200,7 @@ def _drive(instances: list[VllmProcess], requests: list[WorkRequest], rate: floa
                 instances[0].send("add", id=str(sent), prompt=request.prompt_ids, max_tokens=request.max_tokens)
             else:
                 instances[0].send("add", id=str(sent), prompt=request.prompt_ids, max_tokens=1,
-                                  params={"do_remote_decode": True} if setup in BACKENDS else None)
+                                  params={"do_remote_decode": True} if setup in PULLED else None)
             sent += 1
         try:
             index, answer = answers.get(timeout=0.005 if sent < len(requests) else STALL_S)
@@ -228,7 +255,7 @@ def memcpy_gbps() -> float:
     return source.nbytes / best / 1e9
 
 
-def _plot(figures: dict, rates: tuple[float, ...], doubled_tbt_ms: float) -> str:
+def _plot(figures: dict, setups: list[str], rates: tuple[float, ...], doubled_tbt_ms: float) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -238,7 +265,7 @@ def _plot(figures: dict, rates: tuple[float, ...], doubled_tbt_ms: float) -> str
     doubled = axes[1].axhline(doubled_tbt_ms, color="grey", linestyle="--", linewidth=1,
                               label="colocated's at the lowest rate, doubled")
     for ax, metric in zip(axes, ("P90 TTFT ms", "mean TBT ms", "P90 latency ms")):
-        for setup in SETUPS:
+        for setup in setups:
             ax.plot(rates, [figures[setup, r][metric] for r in rates], marker="o",
                     label=setup + (" (at half the rate)" if setup == "colocated" else ""))
         ax.set_xlabel("requests/s to the P/D pair")

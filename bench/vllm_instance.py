@@ -49,6 +49,7 @@ CONNECTORS = {
     "kvmesh": dict(kv_connector="KVMeshConnector",
                    kv_connector_module_path="kvmesh.services.engine.vllm_backend.connector"),
     "example": dict(kv_connector="ExampleConnector"),   # vLLM's own: KV through files in shared storage
+    "nixl": dict(kv_connector="NixlConnector"),         # vLLM's production P/D connector (NIXL, host memory here)
 }
 
 
@@ -76,6 +77,8 @@ def main() -> None:
                       OMP_NUM_THREADS="1")
     if not args.kv_bytes:   # vLLM's CPU build takes this over kv_cache_memory_bytes
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    if args.connector == "nixl":   # NixlConnector's handshake listens where its environment says
+        os.environ.update(VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", VLLM_NIXL_SIDE_CHANNEL_PORT=str(args.data_port))
     from vllm import LLM
     from vllm.config import KVTransferConfig
 

