@@ -250,7 +250,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         """(blocks, slots): every full block this step completes that the tier does not hold yet, the
         slots taken in one go; blocks it holds already are scored for the request."""
         now = time.monotonic()
-        new: dict[str, int] = {}                          # node -> the block that computes it
+        new: dict[str, tuple[int, int]] = {}              # node -> the block that computes it, and its index
         owners: dict[str, list[TierRequest]] = {}         # requests computing a new node this step
         for request_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             tracked = self._tier_requests.get(request_id)
@@ -270,11 +270,11 @@ class KVMeshConnector(KVConnectorBase_V1):
                 if node_id in owners:   # another request computes it this step too
                     owners[node_id].append(tracked)
                 elif not self.table.use(node_id, now):
-                    new[node_id] = block_ids[index]
+                    new[node_id] = block_ids[index], index
                     owners[node_id] = [tracked]
             tracked.walked = full
         wanted = list(new)
-        slots = self.table.take_for_saves(wanted, now)
+        slots = self.table.take_for_saves([(node_id, new[node_id][1]) for node_id in wanted], now)
         kept = wanted[:len(slots)]
         for node_id in wanted[len(slots):]:   # every slot pinned this step: not kept
             for tracked in owners[node_id]:
@@ -283,7 +283,7 @@ class KVMeshConnector(KVConnectorBase_V1):
             for _ in owners[node_id][1:]:   # the other requests that computed it: scored as its users
                 self.table.use(node_id, now)
         self._pinned += kept
-        return [new[node_id] for node_id in kept], slots
+        return [new[node_id][0] for node_id in kept], slots
 
     def _node_ids(self, tracked: TierRequest, blocks: int | None = None) -> list[str]:
         """The request's NodeIDs, extended to `blocks` full blocks (all it has when None)."""

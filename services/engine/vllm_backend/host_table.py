@@ -32,6 +32,7 @@ class HostNode:
     score: int = 0
     hits: int = 0
     pins: int = 0
+    depth: int = 0      # its block's index in the prompt (replacement takes a chain's tail first)
 
 
 @dataclass
@@ -79,19 +80,19 @@ class HostTable:
         self.loaded += len(slots)
         return slots
 
-    def take_for_saves(self, node_ids: Sequence[str], now: float) -> list[int]:
-        """Slots for nodes requests have just computed (none of them held yet), each pinned and scored
-        for its request. When free slots run short, the idle nodes CaR's replacement ranks lowest give
-        theirs up, all chosen at once; nodes past what can be freed are not kept: the slots returned
-        are those of the first len(result) nodes."""
-        short = len(node_ids) - len(self._free)
+    def take_for_saves(self, nodes: Sequence[tuple[str, int]], now: float) -> list[int]:
+        """Slots for nodes requests have just computed, (NodeID, block index in its prompt) (none of
+        them held yet), each pinned and scored for its request. When free slots run short, the idle
+        nodes CaR's replacement ranks lowest give theirs up, all chosen at once; nodes past what can
+        be freed are not kept: the slots returned are those of the first len(result) nodes."""
+        short = len(nodes) - len(self._free)
         if short > 0:
             for victim in self._idle.pop(short):
                 self._evict(victim)
         slots = []
-        for node_id in node_ids[:len(self._free)]:
+        for node_id, depth in nodes[:len(self._free)]:
             node = self.nodes[node_id] = HostNode(node_id, self._free.pop(), now, score=RUN_SCORE + WINDOW_SCORE,
-                                                  pins=1)
+                                                  pins=1, depth=depth)
             self._changed.add(node_id)
             self._dropped.discard(node_id)
             slots.append(node.slot)
@@ -151,4 +152,4 @@ class HostTable:
 
 def _view(node: HostNode) -> CachedBlockView:
     return CachedBlockView(node_id=node.node_id, last_access=node.last_access, hits=node.hits,
-                           score=float(node.score), tier="cxl")
+                           score=float(node.score), tier="cxl", depth=node.depth)
