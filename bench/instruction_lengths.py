@@ -19,7 +19,6 @@ instructions. Regenerate (~15 min on two cores) with:
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -27,14 +26,9 @@ from tqdm import tqdm
 from kvmesh.services.engine.factory import EngineConfig, build_engine
 from kvmesh.services.engine.sampling import SamplingParams
 
-DATA = Path(__file__).with_name("data")
-INSTRUCTIONS = DATA / "instructions.jsonl"
-LENGTHS = DATA / "instruction_lengths.jsonl"
+from .instruction_trace import INSTRUCTIONS, LENGTHS, read
+
 MAX_OUTPUT = 512
-
-
-def read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def main() -> None:

@@ -10,15 +10,23 @@ served prompt was seen in training.
 
 from __future__ import annotations
 
+import json
 from functools import cache
+from pathlib import Path
 
 import numpy as np
 
 from .cacheopt_traces import TraceRequest
-from .instruction_lengths import INSTRUCTIONS, LENGTHS, read
 from .workloads import END_ID, FIRST_ID
 
+DATA = Path(__file__).with_name("data")
+INSTRUCTIONS = DATA / "instructions.jsonl"          # the instructions (category, text)
+LENGTHS = DATA / "instruction_lengths.jsonl"        # line for line, what the model did (instruction_lengths.py)
 SERVED_SHARE = 0.25   # of the instructions, held out for serving
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @cache

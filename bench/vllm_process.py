@@ -15,14 +15,20 @@ def vllm_missing() -> str | None:
     """None when .venv-vllm runs vLLM, else why not."""
     if not PYTHON.exists():
         return f"no {PYTHON.relative_to(ROOT)}: scripts/setup-vllm.sh could not install vLLM's CPU build here"
-    found = subprocess.run([PYTHON, "-c", "import vllm"], capture_output=True, text=True)
-    return None if found.returncode == 0 else f"vLLM does not import in .venv-vllm: {found.stderr[-300:]}"
+    error = _import_error("vllm")
+    return None if error is None else f"vLLM does not import in .venv-vllm: {error[-300:]}"
 
 
 def nixl_missing() -> str | None:
     """None when .venv-vllm has NIXL, which vLLM's NixlConnector loads, else why not."""
-    found = subprocess.run([PYTHON, "-c", "import nixl._api"], capture_output=True, text=True)
-    return None if found.returncode == 0 else f"no NIXL in .venv-vllm (make peers installs it): {found.stderr[-200:]}"
+    error = _import_error("nixl._api")
+    return None if error is None else f"no NIXL in .venv-vllm (make peers installs it): {error[-200:]}"
+
+
+def _import_error(module: str) -> str | None:
+    """What importing `module` in .venv-vllm writes to stderr when it fails; None when it imports."""
+    found = subprocess.run([PYTHON, "-c", f"import {module}"], capture_output=True, text=True)
+    return None if found.returncode == 0 else found.stderr
 
 
 class VllmProcess:

@@ -24,8 +24,7 @@ class EvictionQueue:
     def __init__(self, rank: Rank):
         self.rank = rank
         self._heap: list[tuple[Any, int, str]] = []
-        self._live: dict[str, int] = {}     # node id -> the sequence number of its current entry
-        self._views: dict[str, CachedBlockView] = {}
+        self._live: dict[str, tuple[int, CachedBlockView]] = {}  # node id -> its current entry's number, its view
         self._sequence = itertools.count()
 
     def __len__(self) -> int:
@@ -37,17 +36,15 @@ class EvictionQueue:
     def put(self, view: CachedBlockView) -> None:
         """Rank an idle node (again, if it is already in the queue)."""
         sequence = next(self._sequence)
-        self._live[view.node_id] = sequence
-        self._views[view.node_id] = view
+        self._live[view.node_id] = sequence, view
         heapq.heappush(self._heap, (self.rank(view), sequence, view.node_id))
         if len(self._heap) > 2 * len(self._live) + 64:
-            self._heap = [entry for entry in self._heap if self._live.get(entry[2]) == entry[1]]
+            self._heap = [entry for entry in self._heap if self._current(entry)]
             heapq.heapify(self._heap)
 
     def discard(self, node_id: str) -> None:
         """The node is no longer idle (or no longer cached)."""
-        if self._live.pop(node_id, None) is not None:
-            del self._views[node_id]
+        self._live.pop(node_id, None)
 
     def pop(self, n: int, accept: Callable[[CachedBlockView], bool] | None = None) -> list[str]:
         """Take out the `n` lowest-ranked nodes (among those `accept` takes, if given; the others stay)."""
@@ -56,9 +53,9 @@ class EvictionQueue:
         while len(taken) < n and self._heap:
             entry = heapq.heappop(self._heap)
             node_id = entry[2]
-            if self._live.get(node_id) != entry[1]:
+            if not self._current(entry):
                 continue
-            if accept is not None and not accept(self._views[node_id]):
+            if accept is not None and not accept(self._live[node_id][1]):
                 passed.append(entry)
                 continue
             self.discard(node_id)
@@ -69,7 +66,16 @@ class EvictionQueue:
 
     def use(self, rank: Rank) -> None:
         """Rank every node with `rank` from now on (the policy was switched)."""
-        views = list(self._views.values())
-        self.rank, self._heap, self._live, self._views = rank, [], {}, {}
+        views = [view for _, view in self._live.values()]
+        self.rank, self._heap, self._live = rank, [], {}
         for view in views:
             self.put(view)
+
+    def view(self, node_id: str) -> CachedBlockView:
+        """The view a queued node was last ranked by."""
+        return self._live[node_id][1]
+
+    def _current(self, entry: tuple[Any, int, str]) -> bool:
+        """Whether a heap entry is its node's latest (not left stale by a discard or a newer put)."""
+        live = self._live.get(entry[2])
+        return live is not None and live[0] == entry[1]

@@ -133,7 +133,8 @@ def assert_exact_accounting(blocks: BlockManager, scheduler: Scheduler) -> None:
         scores.update({node_id: given for node_id, (node, given) in request.scores.items()
                        if blocks.cached.get(node_id) is node})
     for tier, idle in blocks._idle.items():   # the eviction queue: every idle node of the tier, ranked as it is now
-        assert dict(idle._views) == {i: n.view() for i, n in blocks.evictable.items() if n.tier == tier}
+        ours = {i: n.view() for i, n in blocks.evictable.items() if n.tier == tier}
+        assert len(idle) == len(ours) and all(idle.view(i) == view for i, view in ours.items())
     for node in blocks.cached.values():
         assert node.refs == node_refs[node.node_id]
         assert (node.refs == 0) == (node.node_id in blocks.evictable)
