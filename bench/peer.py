@@ -12,12 +12,17 @@ The setups:
   vllm                 stock vLLM's CPU build, its production mode: `python -m
                        vllm.entrypoints.openai.api_server --model CKPT --dtype bfloat16 --max-model-len 2048`,
                        VLLM_CPU_OMP_THREADS_BIND=0-1, VLLM_CPU_KVCACHE_SPACE=1 (GiB)
+  vllm_dp2             the same with vLLM's data parallelism (`--data-parallel-size 2`), one engine core process
+                       a CPU core (VLLM_CPU_OMP_THREADS_BIND=0|1): vLLM's own answer to many small requests on
+                       few cores, the counterpart of kvmesh_colocated_x2
   vllm_fp32            the same in float32: in bfloat16 vLLM 0.32's CPU build answers this model with wrong
                        text ("What is the capital of France?" -> "L'Étoile, la Marseillaise, ..."), in float32
                        it says Paris, as transformers and kvmesh do; both count as vLLM
   vllm_gguf            the same server on the GGUF file (`--model FILE.gguf --tokenizer CKPT --quantization
                        gguf`); a build that refuses it is skipped, the reason in config["skipped"]
   kvmesh_colocated     `kvmesh up --colocated`: one engine, the launcher gives it both cores' threads (2)
+  kvmesh_colocated_x2  `kvmesh up --colocated 2`: two engines, each prefill and decode on one thread (the
+                       launcher's cores / engines), the scheduler routing each request to one of them
   kvmesh_1p1d          `kvmesh up`: one prefill and one decode engine, one thread each
   kvmesh_vllm_backend  `kvmesh up --backend vllm --colocated`: kvmesh's services, the engine on stock vLLM;
                        skipped (with the reason) when it does not start
@@ -44,7 +49,7 @@ end-to-end latency count as infinite, at the top of the distribution (vLLM's own
 failures out; these do not). Figures in ms: P50/P90 TTFT, TPOT, ITL (ITL from vLLM's report, completed
 requests) and E2EL; req/s is vLLM's request_throughput (completed over the run's duration).
 
-Keys. "vLLM" at a rate is the fastest (lowest P90 E2EL) of vllm, vllm_gguf and vllm_fp32 at that rate, named in
+Keys. "vLLM" at a rate is the fastest (lowest P90 E2EL) of vllm, vllm_dp2, vllm_gguf and vllm_fp32 at that rate, named in
 config["vllm_at_rate"]; "kvmesh" is the fastest kvmesh setup at that rate.
   p90_e2el_ratio_vllm_vs_kvmesh@R        vLLM's P90 E2EL over kvmesh's, at every rate R
   p90_e2el_ratio_vllm_vs_{setup}@R       the same for each kvmesh setup on its own
@@ -115,14 +120,17 @@ class Setup:
     args: tuple[str, ...] = ()         # `kvmesh up`'s arguments (kvmesh setups)
     optional: bool = False             # skipped, with the reason, when it does not start
     dtype: str = "bfloat16"            # a vLLM server's --dtype
+    ranks: int = 1                     # a vLLM server's --data-parallel-size, the cores split between its ranks
 
 
 SETUPS = (
     Setup("vllm", "vllm", "vllm"),
+    Setup("vllm_dp2", "vllm dp2", "vllm", ranks=2, optional=True),
     Setup("vllm_gguf", "vllm (gguf)", "vllm", optional=True),
     # vLLM 0.32's CPU build answers this model with wrong text in bfloat16 (docs/vllm.md); float32 is right
     Setup("vllm_fp32", "vllm fp32", "vllm", dtype="float32"),
     Setup("kvmesh_colocated", "kvmesh colocated", "kvmesh", ("--colocated",)),
+    Setup("kvmesh_colocated_x2", "kvmesh 2 colocated", "kvmesh", ("--colocated", "2")),
     Setup("kvmesh_1p1d", "kvmesh 1P1D", "kvmesh", ()),
     Setup("kvmesh_vllm_backend", "kvmesh vllm-backend", "kvmesh", ("--backend", "vllm", "--colocated"), optional=True),
 )
@@ -146,8 +154,9 @@ class VllmServer:
         self.port = free_port()
         self.argv = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", *model,
                      "--served-model-name", SERVED_NAME, "--dtype", setup.dtype, "--port", str(self.port),
-                     "--max-model-len", "2048"]
-        self.env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": str(KV_BYTES // 2**30),
+                     "--max-model-len", "2048"] + (["--data-parallel-size", str(setup.ranks)] if setup.ranks > 1 else [])
+        self.env = {"VLLM_CPU_OMP_THREADS_BIND": cores_per_rank(sorted(os.sched_getaffinity(0)), setup.ranks),
+                    "VLLM_CPU_KVCACHE_SPACE": str(KV_BYTES // 2**30),
                     "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
         self.log = logs / f"{setup.key}-server.log"
         self.url, self.api_key = f"http://127.0.0.1:{self.port}", None
@@ -170,6 +179,16 @@ class VllmServer:
         if self.process is None:
             return
         _stop_group(self.process.pid, self.process)
+
+
+def cores_per_rank(cores: list[int], ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` data-parallel ranks: the cores split evenly, '|' between
+    ranks ([0, 1], 1 -> "0,1"; [0, 1], 2 -> "0|1")."""
+    if not 1 <= ranks <= len(cores):
+        raise ValueError(f"cannot split {len(cores)} cores between {ranks} ranks")
+    share = len(cores) // ranks
+    runs = [cores[i * share:(i + 1) * share] for i in range(ranks)]
+    return "|".join(",".join(map(str, run)) for run in runs)
 
 
 class KvmeshCluster:
@@ -589,9 +608,10 @@ def _result(quick: bool, plan: Plan, cells: dict, checkpoint: Path, gguf: Path |
         "model": SERVED_NAME, "checkpoint": str(checkpoint), "gguf": str(gguf),
         "dtype": {**{s.key: s.dtype for s in SETUPS if s.kind == "vllm"},
                   "kvmesh": "auto: bfloat16 where native, float32 on the vllm backend on a CPU"},
-        "cores": "0-1 for every setup; all are up at once, measured one at a time (the others idle), in an order "
+        "cores": "0-1 for every setup (vllm_dp2: 0 for one rank, 1 for the other); all are up at once, measured one at a time (the others idle), in an order "
                  "that rotates by one setup a rate; the client runs on the same cores", "kv_cache_bytes": KV_BYTES,
-        "kvmesh_threads": {"kvmesh_colocated": "2 (launcher: cores / engines)", "kvmesh_1p1d": "1 per engine",
+        "kvmesh_threads": {"kvmesh_colocated": "2 (launcher: cores / engines)", "kvmesh_colocated_x2": "1 per engine",
+                           "kvmesh_1p1d": "1 per engine",
                            "kvmesh_vllm_backend": "2 (launcher: OMP_NUM_THREADS=2, VLLM_CPU_OMP_THREADS_BIND=0; "
                                                   "vLLM runs inside the engine's process, eager)"},
         "rates_rps": list(plan.rates), "prompts": {f"{r:g}": plan.prompts[r] for r in plan.rates},

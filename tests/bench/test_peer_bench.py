@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from kvmesh.bench.peer import TARGETS, capacity, compare, figures, prompts_at, turns
+from kvmesh.bench.peer import TARGETS, capacity, compare, cores_per_rank, figures, prompts_at, turns
 from kvmesh.bench.report import judge, percentile
 
 RATES = (0.5, 1.0, 1.5, 2.0, 3.0)
@@ -115,3 +115,13 @@ def test_setups_take_turns_in_an_order_that_rotates_every_rate():
         ["vllm", "vllm_fp32", "kvmesh_colocated"], ["vllm_fp32", "kvmesh_colocated", "vllm"],
         ["kvmesh_colocated", "vllm", "vllm_fp32"], ["vllm", "vllm_fp32", "kvmesh_colocated"]]
     assert turns([], 2) == []
+
+
+def test_vllm_data_parallel_ranks_split_the_cores_evenly():
+    """vllm_dp2 binds each of vLLM's engine processes to cores of its own, as kvmesh_colocated_x2's engines
+    each compute on one thread; one rank keeps every core (the setups' default)."""
+    assert cores_per_rank([0, 1], 1) == "0,1"
+    assert cores_per_rank([0, 1], 2) == "0|1"
+    assert cores_per_rank([0, 1, 2, 3, 4], 2) == "0,1|2,3"
+    with pytest.raises(ValueError, match="3 ranks"):
+        cores_per_rank([0, 1], 3)
