@@ -1,9 +1,11 @@
 """CacheOpt (issue 7) against vLLM's block allocation, RLP and S^3, and its own ablations, in one run.
 
-For each trace of `cacheopt_traces` (CacheOpt Table 1, scaled): the embedding length predictor is
-trained on 1,000 requests of the trace (200 with --quick) and predicts the served ones; the block
-baseline is run with every request at once to measure the engine's capacity (the best of two runs;
---quick: one), and every method then
+The trace: real instructions and SmolLM2-135M-Instruct's own answer lengths (`instruction_trace`; no
+length is written into a prompt's wording), answers scaled by `SCALE` (1/4, as the CPU benches scale
+the papers' lengths: mean 76 tokens, longest 128). The embedding length predictor is trained on the
+file's 480 training instructions (200 with --quick) and predicts 150 of its 160 held-out ones (40);
+the block baseline is run with every request at once to measure the engine's capacity (the best of
+two runs; --quick: one), and every method then
 serves the same requests at a sweep of Poisson rates (fractions of that capacity; --quick: 40
 requests, the lowest and highest fraction). The methods that do not read SLOs (block, RLP, S^3) run
 first: their mean TTFT and TBT over the sweep set the SLOs as CacheOpt section 5 does, mean x a
@@ -22,10 +24,11 @@ computes it natively, else float32) with a KV pool that holds about `POOL_REQUES
 and at least two of the longest, so KV is what they compete for.
 
 Keys (at the highest rate the block baseline sustains: normalised latency at most twice its own at
-the lowest rate; geometric mean over the traces): p99_tbt_ratio_block_vs_cacheopt,
+the lowest rate; a geometric mean over the traces, of which there is one): p99_tbt_ratio_block_vs_cacheopt,
 p99_ttft_ratio_block_vs_cacheopt (targets 2 and 1.5), slo_attainment_cacheopt (target 0.9; TTFT and
 TBT SLOs both met), slo_attainment_block, and predictor_mae_ratio_rlp_vs_ours (mean absolute error of
-RLP's estimated length over ours, all traces' requests).
+RLP's estimated length over ours, all traces' requests). Reported beside them: Eq. 4's confidence c at
+each rate, the padding it gives in tokens, and the predictor's error against the mean length's.
 
 Ceiling: the same requests served one at a time, each alone in the engine, with the same SLOs
 (slo_attainment_alone). No batch can give a request a shorter prefill or shorter steps than it gets
@@ -54,13 +57,15 @@ from kvmesh.services.engine.request import Targets
 from kvmesh.services.predictor.encoder import encoder
 
 from .cacheopt_serving import RunStats, capacity, replay
-from .cacheopt_traces import SCALE, TRACES, Trace, TraceRequest
+from .instruction_trace import InstructionTrace, TraceRequest
 from .loadgen import poisson_arrivals
 from .report import BenchResult, Row
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+SCALE = 0.25               # answer lengths, as the CPU benches scale the papers' (RLP's and S^3's constants too)
+TRACES = {trace.name: trace for trace in (InstructionTrace(SCALE),)}
 PLOT = Path("bench-results/cacheopt.png")
 ABLATION_PLOT = Path("bench-results/cacheopt_ablation.png")
 BLOCK_SIZE = 16
@@ -113,9 +118,9 @@ class Metrics:
 
 def run(quick: bool) -> BenchResult:
     torch.set_num_threads(1 if quick else 2)  # quick: the suite's smoke run, beside another worker
-    traces = ["sharegpt"] if quick else list(TRACES)
+    traces = list(TRACES)
     methods = MAIN if quick else MAIN + ABLATIONS
-    n, n_train = (40, 200) if quick else (150, 1000)  # quick: the suite's smoke run
+    n, n_train = (40, 200) if quick else (150, None)  # quick: the suite's smoke run; None: every training row
     fractions = RATE_FRACTIONS[::2] if quick else RATE_FRACTIONS
     rows: list[Row] = []
     per_trace: dict[str, dict] = {}
@@ -158,6 +163,8 @@ def run(quick: bool) -> BenchResult:
                                    "TTFT SLO": alone.ttft_attainment, "TBT SLO": alone.tbt_attainment,
                                    "SLO": alone.slo_attainment, "norm lat ms": alone.normalised_latency_ms}))
             rows += _predictor_rows(name, trace, requests, predicted, rates[-1], errors)
+            per_trace[name]["eq4"] = eq4 = padding_at_rates(trace, requests, predicted, rates)
+            rows += [Row(compared=f"{name} Eq. 4", path=f"{rate:.1f} req/s", cells=cells) for rate, cells in eq4.items()]
     ratios = {
         "p99_tbt_ratio_block_vs_cacheopt": _geomean([t["tbt_ratio"] for t in per_trace.values()]),
         "p99_ttft_ratio_block_vs_cacheopt": _geomean([t["ttft_ratio"] for t in per_trace.values()]),
@@ -194,8 +201,8 @@ class Predicted:
     raw: list[int]            # the model's own lengths
 
 
-def predictions(trace: Trace, requests: list[TraceRequest], n_train: int, embed) -> Predicted:
-    training = trace.requests(n_train, seed=1000)
+def predictions(trace: InstructionTrace, requests: list[TraceRequest], n_train: int | None, embed) -> Predicted:
+    training = trace.training(n_train, seed=1000)
     vectors = embed([r.text for r in training])
     model, _ = fit(vectors, torch.tensor([r.output_len for r in training], dtype=torch.float32), FitSettings(seed=0))
     served = embed([r.text for r in requests])
@@ -205,11 +212,11 @@ def predictions(trace: Trace, requests: list[TraceRequest], n_train: int, embed)
     return Predicted(predictor, raw)
 
 
-def _query(trace: Trace, request: TraceRequest) -> LengthQuery:
+def _query(trace: InstructionTrace, request: TraceRequest) -> LengthQuery:
     return LengthQuery(tenant=trace.name, max_tokens=trace.output.high, text=request.text)
 
 
-def estimates(kind: str, trace: Trace, requests: list[TraceRequest], predicted: Predicted, rate: float) -> list[int | None]:
+def estimates(kind: str, trace: InstructionTrace, requests: list[TraceRequest], predicted: Predicted, rate: float) -> list[int | None]:
     """Each request's estimated output length under a method's predictor rule: the predictors of
     policies/length over the same embedding model (RLP's padding and S^3's bucket scaled like the
     lengths), ours with Eq. 4's confidence at this rate."""
@@ -223,7 +230,21 @@ def estimates(kind: str, trace: Trace, requests: list[TraceRequest], predicted: 
     return [predictor.predict(_query(trace, r), confidence).estimated for r in requests]
 
 
-def _predictor_rows(name: str, trace: Trace, requests: list[TraceRequest], predicted: Predicted, rate: float,
+def padding_at_rates(trace: InstructionTrace, requests: list[TraceRequest], predicted: Predicted,
+                     rates: list[float]) -> dict[float, dict[str, float]]:
+    """Eq. 4's confidence at each rate and the padding Eq. 3 then gives our estimates, in tokens (mean
+    over the requests), with the estimates' error."""
+    actual = np.array([r.output_len for r in requests])
+    out = {}
+    for rate in rates:
+        confidence = adaptive_confidence(rate)
+        told = [predicted.model.predict(_query(trace, r), confidence) for r in requests]
+        out[rate] = {"c": confidence, "padding tok": float(np.mean([p.padding for p in told])),
+                     "estimate MAE tok": float(np.abs(np.array([p.estimated for p in told]) - actual).mean())}
+    return out
+
+
+def _predictor_rows(name: str, trace: InstructionTrace, requests: list[TraceRequest], predicted: Predicted, rate: float,
                     errors: dict[str, list[float]]) -> list[Row]:
     """The estimates' errors at the trace's highest rate (ours adapts its confidence to it)."""
     actual = np.array([r.output_len for r in requests])
@@ -242,14 +263,14 @@ def _predictor_rows(name: str, trace: Trace, requests: list[TraceRequest], predi
 
 # -- serving --------------------------------------------------------------------------------------
 
-def pool_blocks(trace: Trace, block_size: int) -> int:
+def pool_blocks(trace: InstructionTrace, block_size: int) -> int:
     """A KV pool of about POOL_REQUESTS mean requests of the trace, and at least LONGEST_IN_POOL of its longest."""
     mean_total = trace.prompt.mean + trace.output.mean
     longest = trace.prompt.high + trace.output.high
     return max(math.ceil(POOL_REQUESTS * mean_total / block_size), math.ceil(LONGEST_IN_POOL * longest / block_size))
 
 
-def _engine(trace: Trace, method: Method):
+def _engine(trace: InstructionTrace, method: Method):
     blocks = pool_blocks(trace, BLOCK_SIZE)
     return build_engine(EngineConfig(model="tiny", dtype=fastest_dtype("cpu"), block_size=BLOCK_SIZE, device_blocks=blocks * 4,
                                      cxl_blocks=blocks * 8, prefix_caching=False, policies=method.policies,
@@ -261,7 +282,7 @@ class Slos:
     the SLO-unaware ones, over the sweep) times a per-request scale from [0.5, 2.5], the TTFT SLO
     times the prompt's chunks."""
 
-    def __init__(self, trace: Trace, requests: list[TraceRequest], token_budget: int = 512):
+    def __init__(self, trace: InstructionTrace, requests: list[TraceRequest], token_budget: int = 512):
         rng = np.random.default_rng(3)
         self.scale = rng.uniform(0.5, 2.5, len(requests))
         self.chunks = np.array([math.ceil(len(r.prompt_ids) / token_budget) for r in requests])

@@ -16,7 +16,7 @@ from kvmesh.services.engine.engine import Engine
 from kvmesh.services.engine.request import Request, Targets
 from kvmesh.services.engine.sampling import SamplingParams
 
-from .cacheopt_traces import TraceRequest
+from .instruction_trace import TraceRequest
 
 
 class SkippingClock:

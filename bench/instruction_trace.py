@@ -11,18 +11,58 @@ served prompt was seen in training.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import numpy as np
 
-from .cacheopt_traces import TraceRequest
 from .workloads import END_ID, FIRST_ID
 
 DATA = Path(__file__).with_name("data")
 INSTRUCTIONS = DATA / "instructions.jsonl"          # the instructions (category, text)
 LENGTHS = DATA / "instruction_lengths.jsonl"        # line for line, what the model did (instruction_lengths.py)
 SERVED_SHARE = 0.25   # of the instructions, held out for serving
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    text: str              # what the length predictor reads
+    prompt_ids: list[int]  # what the engine computes
+    output_len: int        # when the request ends (its EOS), unknown to the engine
+
+
+@dataclass(frozen=True)
+class Span:
+    """The mean and the longest of a trace's lengths, in tokens (what a KV pool is sized by)."""
+
+    mean: float
+    high: int
+
+
+@dataclass(frozen=True)
+class InstructionTrace:
+    """The file as a bench's trace: served requests from the `serve` part, training requests from the
+    `train` part, answer lengths times `output_scale`."""
+
+    output_scale: float = 1.0
+    name: str = "instructions"
+
+    def requests(self, n: int | None, seed: int) -> list[TraceRequest]:
+        return instruction_trace("serve", n, self.output_scale, seed)
+
+    def training(self, n: int | None, seed: int) -> list[TraceRequest]:
+        return instruction_trace("train", n, self.output_scale, seed)
+
+    @property
+    def prompt(self) -> Span:
+        lengths = [r["prompt_tokens"] for r in _rows()]
+        return Span(float(np.mean(lengths)), max(lengths))
+
+    @property
+    def output(self) -> Span:
+        lengths = [_scaled(r["output_tokens"], self.output_scale) for r in _rows()]
+        return Span(float(np.mean(lengths)), max(lengths))
 
 
 def read(path: Path) -> list[dict]:
@@ -50,4 +90,8 @@ def instruction_trace(part: str, n: int | None = None, output_scale: float = 1.0
     picked = rng.permutation(len(rows))[:n]
     return [TraceRequest(text=rows[i]["instruction"],
                          prompt_ids=rng.integers(FIRST_ID, END_ID, rows[i]["prompt_tokens"]).tolist(),
-                         output_len=max(1, round(rows[i]["output_tokens"] * output_scale))) for i in picked]
+                         output_len=_scaled(rows[i]["output_tokens"], output_scale)) for i in picked]
+
+
+def _scaled(output_tokens: int, output_scale: float) -> int:
+    return max(1, round(output_tokens * output_scale))

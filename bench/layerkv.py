@@ -72,8 +72,7 @@ from kvmesh.services.engine.sampling import SamplingParams
 from kvmesh.services.predictor.encoder import encoder
 
 from .cacheopt_serving import RunStats, capacity, replay
-from .cacheopt_traces import TraceRequest
-from .instruction_trace import instruction_trace
+from .instruction_trace import TraceRequest, instruction_trace
 from .layerkv_traces import OUTPUT_LEN, fixed, predict, targets, trained_predictor
 from .loadgen import poisson_arrivals
 from .report import BenchResult, Row, save_figure

@@ -23,7 +23,7 @@ from kvmesh.policies.length.predictors import Prediction
 from kvmesh.services.admission.predictor_client import PredictedLength, predicted_lengths
 from kvmesh.services.engine.request import Targets
 
-from .cacheopt_traces import TraceRequest
+from .instruction_trace import TraceRequest
 from .workloads import END_ID, FIRST_ID
 
 OUTPUT_LEN = 128                                            # LayerKV 5.2.1's 512, scaled by 1/4

@@ -2,8 +2,9 @@
 preemption policies against vLLM's own block allocation, on one vLLM instance and the same requests,
 in one run.
 
-The ShareGPT trace of `kvmesh bench cacheopt` (CacheOpt Table 1, lengths scaled by 1/4) with that
-bench's embedding predictor (trained on 1,000 requests, 200 with --quick). One vLLM instance (its CPU
+The trace of `kvmesh bench cacheopt` (real instructions, SmolLM2's own answer lengths scaled by 1/4)
+with that bench's embedding predictor (trained on the file's 480 training instructions, 200 with
+--quick). One vLLM instance (its CPU
 build from .venv-vllm, one core, the `tiny` model in float32, 32-token blocks) runs KVMeshScheduler
 over `bench cacheopt`'s KV pool (about 3 mean requests, at least 2 of the longest); the policies are
 switched between runs. A request ends at its trace length (the instance aborts it there, as if it
@@ -41,10 +42,10 @@ from rich.progress import Progress
 from kvmesh.services.engine.models import PRESETS, save_preset_checkpoint
 from kvmesh.services.predictor.encoder import encoder
 
-from .cacheopt import (SUSTAIN_FACTOR, Method, Slos, estimates, metrics_of, plot_sweep, pool_blocks, predictions,
-                       summary_at_rates)
+from .cacheopt import (SUSTAIN_FACTOR, TRACES, Method, Slos, estimates, metrics_of, plot_sweep, pool_blocks,
+                       predictions, summary_at_rates)
 from .cacheopt_serving import RunStats, Served
-from .cacheopt_traces import TRACES, Trace
+from .instruction_trace import InstructionTrace
 from .loadgen import poisson_arrivals
 from .report import BenchResult, Row
 from .vllm_instance import BLOCK_SIZE
@@ -52,7 +53,7 @@ from .vllm import read_answers
 from .vllm_process import VllmProcess, vllm_missing
 
 MODEL = "tiny"
-TRACE = "sharegpt"
+TRACE = "instructions"
 LOGS = Path("bench-results/vllm-logs")
 PLOT = Path("bench-results/vllm_cacheopt.png")
 RATE_FRACTIONS = (0.6, 0.9, 1.2)
@@ -75,7 +76,7 @@ def run(quick: bool) -> BenchResult:
     if missing:
         raise RuntimeError(f"kvmesh bench vllm_cacheopt needs vLLM: {missing}")
     trace = TRACES[TRACE]
-    n, n_train = (30, 200) if quick else (150, 1000)
+    n, n_train = (30, 200) if quick else (150, None)   # None: every training instruction
     fractions = RATE_FRACTIONS[::2] if quick else RATE_FRACTIONS
     requests = trace.requests(n, seed=1)
     blocks = pool_blocks(trace, BLOCK_SIZE)
@@ -146,7 +147,7 @@ def _block_bytes() -> int:
     return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * BLOCK_SIZE * 4   # K and V, float32
 
 
-def _capacity(driver: _Driver, trace: Trace, requests, advance) -> float:
+def _capacity(driver: _Driver, trace: InstructionTrace, requests, advance) -> float:
     """Requests per second vLLM's block allocation completes with every request there at once."""
     stats = driver.serve(METHODS[0], requests, np.zeros(len(requests)), [None] * len(requests), trace.output.high,
                          advance)

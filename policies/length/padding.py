@@ -15,6 +15,11 @@ from enum import StrEnum
 DEFAULT_CONFIDENCE = 0.9
 DEFAULT_ALPHA = 0.9
 DEFAULT_BETA = 100.0
+# Eq. 4 reads lambda in requests per millisecond. The paper does not name the unit; in requests per
+# second, beta = 100 would give c = 3e-4 at its own ShareGPT rate (28 req/s), so padding would vanish
+# at every rate it measures and Fig. 17f's beta sweep could change nothing. Per millisecond, c = 0.82
+# at 1 req/s, 0.24 at 28 and 0.18 at 40: the range section 5 and Fig. 17 discuss.
+RATE_PER_MS = 1e-3
 
 
 class Direction(StrEnum):
@@ -51,9 +56,10 @@ def padded_length(predicted: int, padding: float, direction: Direction, max_toke
 
 
 def adaptive_confidence(arrival_rate: float, alpha: float = DEFAULT_ALPHA, beta: float = DEFAULT_BETA) -> float:
-    """Confidence c_i for arrival rate lambda (requests per second), CacheOpt Eq. 4:
-    c_i = alpha / (1 + beta * lambda), with alpha the confidence at lambda -> 0 and beta > 0 how fast
-    it falls as the rate rises (a higher rate wants less padding, hence less confidence).
+    """Confidence c_i for an arrival rate given in requests per second, CacheOpt Eq. 4:
+    c_i = alpha / (1 + beta * lambda) with lambda that rate in requests per millisecond (RATE_PER_MS),
+    alpha the confidence at lambda -> 0 and beta > 0 how fast it falls as the rate rises (a higher
+    rate wants less padding, hence less confidence).
 
     The paper allows 0 < alpha <= 1; alpha = 1 is refused here because at lambda = 0 it gives c = 1,
     for which Eq. 3 has no finite padding."""
@@ -63,5 +69,5 @@ def adaptive_confidence(arrival_rate: float, alpha: float = DEFAULT_ALPHA, beta:
         raise ValueError(f"beta must be a finite number > 0, got {beta}")
     if not (math.isfinite(arrival_rate) and arrival_rate >= 0):
         raise ValueError(f"arrival rate must be a finite number >= 0 requests/s, got {arrival_rate}")
-    return alpha / (1 + beta * arrival_rate)
+    return alpha / (1 + beta * arrival_rate * RATE_PER_MS)
 

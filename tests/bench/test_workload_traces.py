@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvmesh.bench.instruction_trace import instruction_trace, instructions
+from kvmesh.bench.instruction_trace import InstructionTrace, instruction_trace, instructions
 from kvmesh.bench.layerkv_traces import targets
 from kvmesh.policies.length.padding import Direction
 from kvmesh.policies.length.predictors import Prediction
@@ -24,6 +24,17 @@ def test_a_request_keeps_its_text_its_prompt_length_and_its_scaled_answer_length
         row = rows[request.text]
         assert len(request.prompt_ids) == row["prompt_tokens"]
         assert request.output_len == max(1, round(row["output_tokens"] * 0.25))
+
+
+def test_the_cacheopt_trace_serves_held_out_instructions_and_trains_on_the_rest():
+    trace = InstructionTrace(output_scale=0.25)
+    served, training = trace.requests(None, seed=1), trace.training(None, seed=1000)
+    assert (len(served), len(training)) == (160, 480)
+    assert {r.text for r in served}.isdisjoint(r.text for r in training)
+    every = served + training
+    assert trace.output.high == max(r.output_len for r in every) == 128   # 512 tokens (the cap) x 0.25
+    assert trace.prompt.high == max(len(r.prompt_ids) for r in every)
+    assert trace.output.mean == sum(r.output_len for r in every) / 640
 
 
 def test_the_engine_is_told_what_admission_passes_on_from_the_predictor():

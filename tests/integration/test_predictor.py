@@ -66,14 +66,15 @@ async def test_a_prediction_reflects_the_observed_lengths(client):
 
 
 async def test_the_confidence_falls_as_the_call_rate_rises(start_predictor):
-    url = start_predictor(KVMESH_PREDICTOR_RATE_WINDOW_S="1", KVMESH_PREDICTOR_BETA="1").url
+    url = start_predictor(KVMESH_PREDICTOR_RATE_WINDOW_S="1", KVMESH_PREDICTOR_BETA="1000").url
     async with ServiceClient(url, token=TOKEN) as client:
         await observe(client, 100, 200)
         first = await predict(client)
-        assert first["confidence"] == pytest.approx(0.9 / (1 + 1.0))  # one call: lambda = 1 / window
+        # one call: 1 req/s (1 / window), 0.001 req/ms
+        assert first["confidence"] == pytest.approx(0.9 / (1 + 1000 * 0.001))
         burst = await asyncio.gather(*(predict(client) for _ in range(50)))
         assert max(p["confidence"] for p in burst) < first["confidence"]
-        assert min(p["confidence"] for p in burst) < 0.9 / (1 + 20)  # lambda > 20 req/s by the end
+        assert min(p["confidence"] for p in burst) < 0.9 / (1 + 20)  # over 20 req/s by the end
         assert min(p["padding"] for p in burst) < first["padding"]   # less confidence, less padding
         busy = (await client.call("GET", "/v1/config", into=dict))["arrival_rate"]
         await asyncio.sleep(2.0)  # two windows without calls: the rate falls by e^2

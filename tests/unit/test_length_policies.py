@@ -112,18 +112,19 @@ def test_estimated_length_stays_in_bounds_and_under_is_never_below_over(predicte
     assert 1 <= over <= under <= max_tokens
 
 
-# -- Eq. 4: c_i = alpha / (1 + beta * lambda) --------------------------------------------------------
+# -- Eq. 4: c_i = alpha / (1 + beta * lambda), lambda in requests per millisecond ------------------
 
 def test_eq4_defaults_are_the_papers():
     assert (DEFAULT_CONFIDENCE, DEFAULT_ALPHA, DEFAULT_BETA) == (0.9, 0.9, 100.0)
 
 
-@pytest.mark.parametrize("rate, alpha, beta, confidence", [
-    (0.0, 0.9, 100, 0.9),            # 0.9 / (1 + 100 * 0)    = 0.9, the maximum
-    (0.01, 0.9, 100, 0.45),          # 0.9 / (1 + 100 * 0.01) = 0.9 / 2  = 0.45
-    (0.08, 0.9, 100, 0.1),           # 0.9 / (1 + 100 * 0.08) = 0.9 / 9  = 0.1
-    (1.0, 0.9, 100, 0.9 / 101),      # 0.9 / (1 + 100 * 1)    = 0.00891
-    (1.5, 0.5, 2, 0.125),            # 0.5 / (1 + 2 * 1.5)    = 0.5 / 4  = 0.125
+@pytest.mark.parametrize("rate, alpha, beta, confidence", [   # rate in req/s, lambda = rate / 1000
+    (0.0, 0.9, 100, 0.9),            # 0.9 / (1 + 100 * 0)     = 0.9, the maximum
+    (1.0, 0.9, 100, 0.9 / 1.1),      # 0.9 / (1 + 100 * 0.001) = 0.818
+    (10.0, 0.9, 100, 0.45),          # 0.9 / (1 + 100 * 0.01)  = 0.9 / 2  = 0.45
+    (28.0, 0.9, 100, 0.9 / 3.8),     # the paper's ShareGPT rate: 0.237
+    (80.0, 0.9, 100, 0.1),           # 0.9 / (1 + 100 * 0.08)  = 0.9 / 9  = 0.1
+    (1500.0, 0.5, 2, 0.125),         # 0.5 / (1 + 2 * 1.5)     = 0.5 / 4  = 0.125
 ])
 def test_eq4_confidence_from_arrival_rate(rate, alpha, beta, confidence):
     assert adaptive_confidence(rate, alpha, beta) == pytest.approx(confidence)
