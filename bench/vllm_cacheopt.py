@@ -1,12 +1,12 @@
 """CacheOpt's allocation on stock vLLM (issues 7 and 10): KVMeshScheduler's kv_allocation and
-preemption policies against vLLM's own block allocation, on one vLLM instance and the same requests,
-in one run.
+preemption policies against stock vLLM's own scheduler, on the same requests, in one run.
 
 The trace of `kvmesh bench cacheopt` (real instructions, SmolLM2's own answer lengths scaled by 1/4)
 with that bench's embedding predictor (trained on the file's 480 training instructions, 200 with
---quick). One vLLM instance (its CPU
-build from .venv-vllm, one core, the `tiny` model in float32, 32-token blocks) runs KVMeshScheduler
-over `bench cacheopt`'s KV pool (about 3 mean requests, at least 2 of the longest); the policies are
+--quick). Two vLLM instances (its CPU
+build from .venv-vllm, on the same core, one measured at a time, the `tiny` model in float32, 32-token
+blocks, `bench cacheopt`'s KV pool: about 3 mean requests, at least 2 of the longest): one with stock
+vLLM's scheduler, the baseline a vLLM user runs, and one with KVMeshScheduler, whose policies are
 switched between runs. A request ends at its trace length (the instance aborts it there, as if it
 sampled EOS) while its max_tokens is the trace's longest output, so no policy reads its length. The
 block baseline's capacity is measured with every request there at once; each method then serves
@@ -14,13 +14,15 @@ the same Poisson arrivals at fractions of it. SLOs as `bench cacheopt` sets them
 methods' mean TTFT and TBT x U(0.5, 2.5) per request.
 
 Methods (KVMeshScheduler's policies; the request's estimated length):
-  block      block_at_a_time, latest arrival preempted first   vLLM's own; no estimate read
-  rlp        estimate, the same order                          predicted + 100 tokens (scaled)
+  block      stock vLLM's scheduler (not KVMeshScheduler)      no estimate read
+  rlp        estimate, latest arrival preempted first (vLLM's) predicted + 100 tokens (scaled)
   cacheopt   cacheopt allocation and preemption order          Eq. 3-4 padding in the predicted direction
   guarded    the same with kvmesh's victim guard               the same
   oracle     as cacheopt                                       the true length: the ceiling of allocation
                                                                by estimate
-The ledger keeps one block (32 tokens, 2-4% of the pool) as CacheOpt's global reservation.
+KVMeshScheduler's ledger keeps one block (32 tokens, 2-4% of the pool) as CacheOpt's global
+reservation; stock vLLM keeps none. Preemptions under stock vLLM are the preempted ids its steps
+report (vllm_instance's count).
 
 Keys, at the highest rate the block baseline sustains (normalised latency at most twice its own at
 the lowest rate), as in `bench cacheopt`: p99_tbt_ratio_block_vs_cacheopt,
@@ -63,7 +65,7 @@ STALL_S = 120.0    # a run with no request ending for this long has hung
 
 VLLM_ORDER = {"preemption_order": "latest_arrival_first", "prefill_admission": "fcfs"}
 COOPT = {"kv_allocation": "cacheopt", "preemption_order": "cacheopt", "prefill_admission": "fcfs"}
-METHODS = (Method("block", {"kv_allocation": "block_at_a_time", **VLLM_ORDER}, "none"),
+METHODS = (Method("block", {}, "none"),   # no policies: stock vLLM's scheduler
            Method("rlp", {"kv_allocation": "estimate", **VLLM_ORDER}, "rlp"),
            Method("cacheopt", COOPT, "ours"),
            Method("guarded", {**COOPT, "kv_allocation": "cacheopt_guarded"}, "ours"),
@@ -88,16 +90,18 @@ def run(quick: bool) -> BenchResult:
         predicted = predictions(trace, requests, n_train, encoder())
         model = save_preset_checkpoint(MODEL, Path(workdir) / "model", seed=0)
         progress.update(task, description="starting vLLM")
-        instance = VllmProcess(model, "kv_both", "0", LOGS / "cacheopt.log", connector="none",
-                               kv_bytes=(blocks + 1) * _block_bytes(),   # and vLLM's null block
-                               max_model_len=trace.prompt.high + trace.output.high, max_num_seqs=MAX_NUM_SEQS,
-                               scheduler={"policies": METHODS[0].policies,
-                                          "allocation": {"reserved_blocks": RESERVED_BLOCKS}})
+        common = dict(connector="none", kv_bytes=(blocks + 1) * _block_bytes(),   # and vLLM's null block
+                      max_model_len=trace.prompt.high + trace.output.high, max_num_seqs=MAX_NUM_SEQS)
+        stock = VllmProcess(model, "kv_both", "0", LOGS / "cacheopt-stock.log", **common)
+        ours = VllmProcess(model, "kv_both", "0", LOGS / "cacheopt.log", **common,
+                           scheduler={"policies": METHODS[1].policies, "allocation": {"reserved_blocks": RESERVED_BLOCKS}})
         try:
-            instance.ready()
-            driver = _Driver(instance)
+            stock.ready()
+            ours.ready()
+            on_stock, on_ours = _Driver(stock), _Driver(ours)
+            drivers = {m.name: on_ours if m.policies else on_stock for m in METHODS}
             progress.update(task, description="capacity", total=(len(METHODS) * len(fractions) + 1) * n)
-            capacity = _capacity(driver, trace, requests, lambda: progress.advance(task))
+            capacity = _capacity(drivers["block"], trace, requests, lambda: progress.advance(task))
             rates = [capacity * f for f in fractions]
             slos = Slos(trace, requests)
             for method in METHODS:   # SLO-unaware first: their means set everyone's SLOs
@@ -107,13 +111,15 @@ def run(quick: bool) -> BenchResult:
                                else estimates(method.estimate, trace, requests, predicted, rate))
                     targets = [{"ttft_slo_ms": t, "tbt_slo_ms": b, **({"predicted_output_len": e} if e else {})}
                                for e, t, b in zip(lengths, *slos.ms())]
+                    driver = drivers[method.name]
                     runs[method.name, rate] = driver.serve(method, requests, poisson_arrivals(n, rate, seed=2),
                                                            targets, trace.output.high, lambda: progress.advance(task))
                     planned[f"{method.name}@{rate:.1f}"] = driver.planned
                 if method.name == SLO_UNAWARE[-1]:
                     slos.calibrate([runs[m, r] for m in SLO_UNAWARE for r in rates])
         finally:
-            instance.stop()
+            stock.stop()
+            ours.stop()
     rows: list[Row] = []
     metrics = {key: metrics_of(stats, slos) for key, stats in runs.items()}
     summary = summary_at_rates(TRACE, rates, metrics, METHODS, rows)
@@ -169,7 +175,8 @@ class _Driver:
 
     def serve(self, method: Method, requests, arrivals: np.ndarray, targets: list[dict | None], max_tokens: int,
               advance) -> RunStats:
-        self.ask("policies", policies=method.policies)
+        if method.policies:   # KVMeshScheduler's; stock vLLM's scheduler has none to switch
+            self.ask("policies", policies=method.policies)
         before = self.ask("scheduler")
         start = time.time() + 0.2
         times: dict[int, list[float]] = {}

@@ -20,7 +20,8 @@ lines prefixed with "@@ " on stdout (other output is vLLM's):
       ends the request after that many tokens, as if it sampled EOS, while its policies see max_tokens)
   {"op": "policies", "policies": {hook: name}} -> {"policies": {...}}: KVMeshScheduler's, switched
   {"op": "scheduler"} -> {"preemptions": N, "planned_preemptions": N, "allocations_grown": {...}}:
-      KVMeshScheduler's counts, all time (planned: victims its allocation plan named, not vLLM)
+      KVMeshScheduler's counts, all time (planned: victims its allocation plan named, not vLLM); under
+      stock vLLM's scheduler the preempted ids its steps reported, nothing planned or grown
   {"op": "blocks"} -> {"free": N, "total": N}: vLLM's own block pool
   {"op": "digest", "blocks": [ids]} -> {"digest": hex}: sha256 of those blocks in every layer
   {"op": "pulled", "request": remote request id} -> {"blocks": [local ids], "bytes": N}: its latest pull
@@ -105,6 +106,8 @@ class Driver:
         self.llm = llm
         self.engine = llm.llm_engine
         self.scheduler = self.engine.engine_core.engine_core.scheduler
+        if not hasattr(self.scheduler, "preemptions"):   # stock vLLM's: count what its steps report
+            self.scheduler.schedule = PreemptionCount(self.scheduler.schedule)
         self.token_times: dict[str, list[float]] = {}   # of requests added with "add"
         self.added: dict[str, float] = {}                # and when each was
         self.stop_after: dict[str, int] = {}             # and how many tokens each ends at
@@ -138,6 +141,9 @@ class Driver:
         return {"policies": self.scheduler.policy_names}
 
     def _scheduler(self, command: dict) -> dict:
+        if isinstance(self.scheduler.schedule, PreemptionCount):
+            return {"preemptions": self.scheduler.schedule.preemptions, "planned_preemptions": 0,
+                    "allocations_grown": {}}
         return {"preemptions": self.scheduler.preemptions, "planned_preemptions": self.scheduler.planned_preemptions,
                 "allocations_grown": self.scheduler.ledger.grown}
 
@@ -215,6 +221,18 @@ class Driver:
                 reply({"done": output.request_id, "added": self.added.pop(output.request_id),
                        "token_times": times[:stop], "token_ids": list(output.outputs[0].token_ids)[:stop],
                        "cached_tokens": output.num_cached_tokens, "kv_transfer_params": output.kv_transfer_params})
+
+
+class PreemptionCount:
+    """Stock vLLM's `Scheduler.schedule`, counting the requests each step's output says it preempted."""
+
+    def __init__(self, schedule):
+        self.schedule, self.preemptions = schedule, 0
+
+    def __call__(self, *args, **kwargs):
+        output = self.schedule(*args, **kwargs)
+        self.preemptions += len(output.preempted_req_ids or ())
+        return output
 
 
 def sampling(max_tokens: int, kv_transfer_params: dict | None, targets: dict | None = None):
