@@ -108,6 +108,9 @@ KV_BYTES = 2**30                       # every setup's KV cache, split between i
 # starts only while this much memory an engine is available: the OOM killer would otherwise take a
 # setup already measured, mid-run (it did, 2026-11-27).
 ENGINE_MEMORY = 2.75 * 2**30
+# An optional setup (rows only) also leaves this much for the setups already up to grow into: with
+# 3-5 GiB free the guard alone let vllm_fp32 and the vllm backend start, and memory ran out (16:51).
+OPTIONAL_MARGIN = 4 * 2**30
 TARGETS = {"p90_e2el_ratio_vllm_vs_kvmesh_min_to_capacity": 1.2, "capacity_ratio_kvmesh_vs_vllm": 1.2}
 DRAIN_S = 240.0                        # a run's requests get num_prompts / rate + this long to finish
 START_TIMEOUT_S = 900.0                # vLLM compiles its model at start (about 2 min on a busy machine)
@@ -524,9 +527,11 @@ def run(quick: bool) -> BenchResult:
                     prebuilt = _prebuild()
                 progress.update(task, description=f"{setup.label}: starting")
                 available = available_memory()
-                if available < setup.engines * ENGINE_MEMORY:
+                needed = setup.engines * ENGINE_MEMORY + (OPTIONAL_MARGIN if setup.optional else 0)
+                if available < needed:
                     why = (f"not started: {available / 2**30:.1f} GiB of memory available with the setups before it "
-                           f"up, {setup.engines * ENGINE_MEMORY / 2**30:.1f} needed ({setup.engines} engines)")
+                           f"up, {needed / 2**30:.1f} needed ({setup.engines} engines"
+                           f"{' and a margin for those up' if setup.optional else ''})")
                     if not setup.optional:
                         raise RuntimeError(f"{setup.label} {why}")
                     skipped[setup.key] = why
