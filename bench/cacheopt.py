@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from rich.progress import Progress
 
-from kvmesh.policies.length import LengthQuery
+from kvmesh.policies.length import LengthPredictor, LengthQuery, Prediction
 from kvmesh.policies.length.embedding import EmbeddingPredictor, FitSettings, fit
 from kvmesh.policies.length.padding import Direction, adaptive_confidence, padded_length
 from kvmesh.policies.length.predictors import RLP_PADDING, S3_BUCKET, RLPPredictor, S3Predictor
@@ -226,8 +226,15 @@ def estimates(kind: str, trace: InstructionTrace, requests: list[TraceRequest], 
         return [padded_length(p, 0.1 * p, Direction.UNDER, trace.output.high) for p in predicted.raw]
     predictor = {"ours": predicted.model, "rlp": RLPPredictor(predicted.model, round(RLP_PADDING * SCALE)),
                  "s3": S3Predictor(predicted.model, round(S3_BUCKET * SCALE))}[kind]
-    confidence = adaptive_confidence(rate)  # with the predictor service's alpha and beta; RLP and S^3 ignore it
-    return [predictor.predict(_query(trace, r), confidence).estimated for r in requests]
+    return [p.estimated for p in _told(predictor, trace, requests, rate)]
+
+
+def _told(predictor: LengthPredictor, trace: InstructionTrace, requests: list[TraceRequest],
+          rate: float) -> list[Prediction]:
+    """What `predictor` says of each request at this rate, with Eq. 4's confidence there (the predictor
+    service's alpha and beta; RLP and S^3 ignore it)."""
+    confidence = adaptive_confidence(rate)
+    return [predictor.predict(_query(trace, r), confidence) for r in requests]
 
 
 def padding_at_rates(trace: InstructionTrace, requests: list[TraceRequest], predicted: Predicted,
@@ -237,9 +244,8 @@ def padding_at_rates(trace: InstructionTrace, requests: list[TraceRequest], pred
     actual = np.array([r.output_len for r in requests])
     out = {}
     for rate in rates:
-        confidence = adaptive_confidence(rate)
-        told = [predicted.model.predict(_query(trace, r), confidence) for r in requests]
-        out[rate] = {"c": confidence, "padding tok": float(np.mean([p.padding for p in told])),
+        told = _told(predicted.model, trace, requests, rate)
+        out[rate] = {"c": adaptive_confidence(rate), "padding tok": float(np.mean([p.padding for p in told])),
                      "estimate MAE tok": float(np.abs(np.array([p.estimated for p in told]) - actual).mean())}
     return out
 

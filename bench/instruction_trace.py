@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 
 import numpy as np
@@ -54,12 +54,12 @@ class InstructionTrace:
     def training(self, n: int | None, seed: int) -> list[TraceRequest]:
         return instruction_trace("train", n, self.output_scale, seed)
 
-    @property
+    @cached_property   # read for every request's query: worked out once
     def prompt(self) -> Span:
         lengths = [r["prompt_tokens"] for r in _rows()]
         return Span(float(np.mean(lengths)), max(lengths))
 
-    @property
+    @cached_property
     def output(self) -> Span:
         lengths = [_scaled(r["output_tokens"], self.output_scale) for r in _rows()]
         return Span(float(np.mean(lengths)), max(lengths))
