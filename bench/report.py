@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
+import os
+import platform
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,31 @@ def judge(ratios: Mapping[str, float], targets: Mapping[str, float], directions:
     return met
 
 
+# The CPU features the engine's kernels and oneDNN's bf16 matmuls choose between: with AMX tiles bf16
+# prefill ran 1.5-2.3x faster than on AVX512-BF16 alone (docs/benchmarks.md, "engine").
+INSTRUCTIONS = ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+@functools.cache
+def machine() -> dict[str, Any]:
+    """The CPU a result was measured on: its model, the cores this process may use, and which of
+    INSTRUCTIONS it has (from /proc/cpuinfo where there is one)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                name, _, value = line.partition(":")
+                if name.strip() == "model name":
+                    model = value.strip()
+                elif name.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return {"cpu": model, "cores": cores, "instructions": [i for i in INSTRUCTIONS if i in flags]}
+
+
 class BenchResult(msgspec.Struct, kw_only=True):
     """What a benchmark measured. `meets` is derived here, from ratios, targets and directions, so no
     bench judges its own keys: every target gets a direction (">=" unless given) and a ratio (NaN when
@@ -52,6 +80,7 @@ class BenchResult(msgspec.Struct, kw_only=True):
     directions: dict[str, str] = {}
     meets: dict[str, bool] = {}
     plots: list[str] = []
+    machine: dict[str, Any] = msgspec.field(default_factory=machine)  # sessions run on different CPUs
 
     def __post_init__(self) -> None:
         unknown = {k: d for k, d in self.directions.items() if k not in self.targets or d not in DIRECTIONS}
@@ -111,6 +140,8 @@ def show(result: BenchResult) -> None:
         console.print(f"{key} = {value:.3f}{verdict}")
     for plot in result.plots:
         console.print(f"plot: {plot}")
+    console.print(f"machine: {result.machine['cpu']}, {result.machine['cores']} cores, "
+                  f"{' '.join(result.machine['instructions']) or 'no AVX-512'}")
     console.print(result.headline)
 
 

@@ -56,3 +56,16 @@ def test_the_contract_check_catches_a_verdict_that_disagrees_with_its_ratio():
     del saved["directions"]["speedup"]
     with pytest.raises(AssertionError, match="direction"):
         assert_contract(saved)
+
+
+def test_every_result_names_the_cpu_it_was_measured_on():
+    """Sessions run on different machines (AMX or not changes bf16 figures 2x), so each saved result
+    says which CPU, how many cores it could use, and the instructions its kernels choose between."""
+    made = msgspec.json.decode(msgspec.json.encode(result({}, {})))
+    machine = made["machine"]
+    assert machine["cpu"] and machine["cores"] >= 1
+    assert set(machine["instructions"]) <= {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
+    with open("/proc/cpuinfo") as cpuinfo:
+        flags = next(line for line in cpuinfo if line.startswith("flags")).split()
+    assert ("amx_tile" in machine["instructions"]) == ("amx_tile" in flags)
+    assert ("avx512_bf16" in machine["instructions"]) == ("avx512_bf16" in flags)
