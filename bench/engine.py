@@ -58,7 +58,8 @@ HF_PATHS = {"transformers fp32": torch.float32, "transformers bf16": torch.bfloa
 
 def run(quick: bool) -> BenchResult:
     torch.set_num_threads(1)
-    shapes = {"smollm2": (64, 8) if quick else (256, 64), "tiny": (32, 16) if quick else (320, 128)}  # quick: a smoke run
+    # (prompt tokens, new tokens); quick: a smoke run
+    shapes = {"smollm2": (64, 8) if quick else (256, 64), "tiny": (32, 16) if quick else (320, 128)}
     repeats = 1 if quick else 3
     measured: dict[tuple[str, str, int], tuple[float, float]] = {}
     floors: dict[str, float] = {}
