@@ -28,8 +28,8 @@ class EngineConfig(ServiceConfig, kw_only=True):
     # A model from a GGUF file: multiply its Q4_1 / Q8_0 blocks as they ship in steps of up to
     # quantized_max_tokens tokens (decode; models/gguf_weights.py). auto: on a CPU with the C++ kernels.
     quantized_weights: Literal["auto", "on", "off"] = "auto"
-    # 0: what factory.quantized_max_tokens measured: 32 where bf16 steps take the AMX tile path (bf16
-    # weights, 1.3-1.6x oneDNN's dense bf16 at 2-32 rows), else 4 (float32 sums; crossover ~6)
+    # 0: what factory.quantized_max_tokens measured per kind of block: 32 where bf16 steps take the
+    # AMX tiles or (Q4_1) bf16 dot products, else 4 (float32 sums; crossover ~6)
     quantized_max_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     block_size: int = 16
     device_blocks: int = 0             # capacity of the device tier in blocks; 0: from device_bytes

@@ -29,7 +29,7 @@ from .model_source import resolve_model
 from .models import build_preset, load_checkpoint
 from .models.gguf_weights import load_gguf_weights
 from .policy_set import Policies
-from .quant import tile_path
+from .quant import BLOCK_BYTES, bf16_dots, tile_path
 from .scheduler import Scheduler
 from .layer_profile import profile_layerkv
 from .sparsity_profile import profile_sparsity
@@ -154,15 +154,17 @@ def wants_quantized(config: EngineConfig) -> bool:
     return torch.device(config.device).type == "cpu" and backend(config.device) == "cpp"
 
 
-def quantized_max_tokens(config: EngineConfig, dtype: torch.dtype) -> int:
-    """The most rows of x a step multiplies by the quantised blocks rather than the dense weights:
-    the setting, or (0) the measured crossover (docs/benchmarks.md, "engine"): 32 for bf16 on the AMX
-    tile path (it reads the 4-bit blocks at any batch, and computes on tiles; 1.15x dense bf16's time
-    at 64 rows), 4 otherwise (the float32 path computes on vectors and loses to oneDNN's bf16 at about
-    6 rows)."""
+def quantized_max_tokens(config: EngineConfig, dtype: torch.dtype) -> dict[str, int]:
+    """The most rows of x a step multiplies by each kind of quantised block rather than by the dense
+    weights: the setting for every kind, or (0) the measured crossovers (docs/engine.md). In bf16, 32
+    where the blocks take the AMX tiles or (Q4_1) bf16 dot products: they read a quarter of the bytes
+    and compute at about the dense bf16 rate, level with it at 32 rows. Otherwise 4: the float32 path
+    computes on vectors and loses to oneDNN's bf16 at about 6 rows."""
     if config.quantized_max_tokens:
-        return config.quantized_max_tokens
-    return 32 if dtype == torch.bfloat16 and tile_path(config.device) else 4
+        return {kind: config.quantized_max_tokens for kind in BLOCK_BYTES}
+    tiles = dtype == torch.bfloat16 and tile_path(config.device)
+    dots = dtype == torch.bfloat16 and bf16_dots(config.device)
+    return {"q4_1": 32 if tiles or dots else 4, "q8_0": 32 if tiles else 4}
 
 
 def uses_layerkv(config: EngineConfig, hook: str) -> bool:

@@ -14,12 +14,18 @@ A QuantizedWeight holds them split by field: qs (the nibbles or int8s in GGUF's 
 uint8 or [N, K] int8), scales (d) and, for Q4_1, mins (m) as float32 [N, K / 32]. float32 scales
 make d * q + m exact in float32 (d * q is), so the kernel and dequantize() agree with gguf's own
 dequantisation to the bit.
+
+bf16 x on a CPU with AVX512-BF16 takes its own kernel for Q4_1 (csrc/quant_linear_bf16.cpp): it sums
+quants times x on bf16 dot products and applies d and m once a block, reading the weight laid out 16
+rows side by side (`QuantizedWeight.interleaved`, built on first use). On AMX, from `tile_rows` rows
+the tile path takes over.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 import torch
@@ -46,6 +52,22 @@ def tile_path(device: torch.device | str) -> bool:
     return tile_rows(device) > 0
 
 
+def bf16_dots(device: torch.device | str) -> bool:
+    """Whether bf16 x multiplies Q4_1 weights on bf16 dot products here (csrc/quant_linear_bf16.cpp),
+    below tile_rows rows where there are AMX tiles, at any number of rows elsewhere."""
+    kernel = _kernel() if torch.device(device).type == "cpu" else None
+    return kernel is not None and _bf16_dot_rows(kernel) > 0
+
+
+@cache
+def _bf16_dot_rows(kernel: Any) -> int:
+    """Fewer rows of bf16 x than this take the bf16-dot kernel: up to the tile path's first, any
+    number without AMX, none where the kernels were built without AVX512-BF16."""
+    if not kernel.quant_linear_bf16_dots():
+        return 0
+    return kernel.quant_linear_tile_rows() or 2**62
+
+
 @dataclass(frozen=True, eq=False)
 class QuantizedWeight:
     """One [N, K] linear weight in Q4_1 or Q8_0 blocks (layout in the module docstring)."""
@@ -56,6 +78,7 @@ class QuantizedWeight:
     mins: Tensor | None = None
     _shape: tuple[int, int] = field(init=False, repr=False)
     _on_cpu: bool = field(init=False, repr=False)
+    _interleaved: tuple[Tensor, Tensor, Tensor] | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in BLOCK_BYTES:
@@ -164,8 +187,30 @@ class QuantizedWeight:
         self._check(x, residual)
         return torch_linear(self, x, residual)
 
+    def interleaved(self) -> tuple[Tensor, Tensor, Tensor]:
+        """This Q4_1 weight as q4_1_linear_bf16 reads it (csrc/quant_linear.h): qs, scales and mins of
+        16 rows side by side, rows past N zeros. Built on first use and kept; the GGUF layout stays
+        for the other paths."""
+        if self._interleaved is None:
+            if self.mins is None:
+                raise ValueError("QuantizedWeight.interleaved: Q4_1 weights only")
+            n, k = self.shape
+            blocks, groups = k // BLOCK, -(-n // 16)
+            rows = (0, 0, 0, groups * 16 - n)  # F.pad: zero rows at the end
+
+            def side_by_side(table: Tensor) -> Tensor:
+                return F.pad(table, rows).view(groups, 16, blocks).transpose(1, 2).reshape(groups, blocks * 16)
+
+            # byte 2r + p of step l of a group's block: byte 2l + p of row r's block
+            qs = F.pad(self.qs, rows).view(groups, 16, blocks, 8, 2).permute(0, 2, 3, 1, 4)
+            object.__setattr__(self, "_interleaved", (qs.reshape(groups, blocks * 256).contiguous(),
+                                                      side_by_side(self.scales), side_by_side(self.mins)))
+        return self._interleaved  # type: ignore[return-value]
+
     def _kernel_linear(self, kernel: Any, x: Tensor, residual: Tensor | None) -> Tensor:
         if self.mins is not None:
+            if x.dtype == torch.bfloat16 and x.shape[0] < _bf16_dot_rows(kernel):
+                return kernel.q4_1_linear_bf16(x, *self.interleaved(), self._shape[0], residual)
             return kernel.q4_1_linear(x, self.qs, self.scales, self.mins, residual)
         return kernel.q8_0_linear(x, self.qs, self.scales, residual)
 

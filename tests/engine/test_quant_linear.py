@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.services.engine.attention import paged
-from kvmesh.services.engine.quant import QuantizedWeight, tile_path, tile_rows, torch_linear
+from kvmesh.services.engine.quant import QuantizedWeight, bf16_dots, tile_path, tile_rows, torch_linear
 
 from .test_paged_attention import kernel, use_backend  # noqa: F401 - the fixture builds the kernel
 
@@ -203,6 +203,51 @@ def test_kernel_gives_the_same_bits_on_any_number_of_threads(cpp: None, tokens: 
         torch.set_num_threads(before)
 
 
+def test_bf16_dots_are_built_where_the_cpu_has_them(cpp: None) -> None:
+    """The kernels build with -march=native: a CPU with AVX512-BF16 gets the bf16-dot path."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo")
+    flags = set(next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")).split())
+    assert bf16_dots("cpu") == ({"avx512_bf16", "avx512bw"} <= flags)
+
+
+def test_interleaved_layout_holds_16_rows_side_by_side() -> None:
+    """Byte 2r + p of step l of group g's block b is GGUF byte 2l + p of row 16g + r's block b; the
+    scales and mins of a group's block are its 16 rows' in order; rows past N are zeros."""
+    w, _ = weight("q4_1", 20, 64)  # two blocks along K, a second group of 4 rows
+    qs, scales, mins = w.interleaved()
+    assert qs.shape == (2, 2 * 256) and scales.shape == mins.shape == (2, 2 * 16)
+    steps = qs.view(2, 2, 8, 16, 2)  # group, block, step, row, byte of the pair
+    for g, b, l, r, p in [(0, 0, 0, 0, 0), (0, 1, 7, 15, 1), (1, 0, 3, 2, 1), (1, 1, 5, 3, 0)]:
+        assert steps[g, b, l, r, p] == w.qs[16 * g + r, 16 * b + 2 * l + p]
+        assert scales[g, 16 * b + r] == w.scales[16 * g + r, b] and mins[g, 16 * b + r] == w.mins[16 * g + r, b]
+    assert not steps[1, :, :, 4:].any() and not scales.view(2, 2, 16)[1, :, 4:].any()
+    assert w.interleaved()[0] is qs  # built once
+
+
+@pytest.mark.skipif(not bf16_dots("cpu"), reason="the kernels built for a CPU with AVX512-BF16")
+def test_bf16_dot_kernel_rejects_bad_inputs_with_a_clear_error(kernel: object) -> None:  # noqa: F811
+    w, _ = weight("q4_1", 20, 64)
+    qs, scales, mins = w.interleaved()
+    x = randn(2, 64, dtype=torch.bfloat16)
+    kernel.q4_1_linear_bf16(x, qs, scales, mins, 20, None)  # the good call, for contrast
+    bad_calls = {
+        "x must be bfloat16": lambda: kernel.q4_1_linear_bf16(x.float(), qs, scales, mins, 20),
+        "N must be positive": lambda: kernel.q4_1_linear_bf16(x, qs, scales, mins, 0),
+        r"qs must be contiguous uint8 \[1, 512\]": lambda: kernel.q4_1_linear_bf16(x, qs, scales, mins, 16),
+        r"qs must be contiguous uint8 \[2, 768\]": lambda: kernel.q4_1_linear_bf16(randn(2, 96, dtype=torch.bfloat16),
+                                                                                   qs, scales, mins, 20),
+        "scales must be contiguous float32": lambda: kernel.q4_1_linear_bf16(x, qs, scales[:, :16].contiguous(),
+                                                                             mins, 20),
+        "mins must be contiguous float32": lambda: kernel.q4_1_linear_bf16(x, qs, scales, mins.double(), 20),
+        "residual must be": lambda: kernel.q4_1_linear_bf16(x, qs, scales, mins, 20, randn(2, 16, dtype=torch.bfloat16)),
+    }
+    for message, call in bad_calls.items():
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
 def test_no_rows_of_x_give_an_empty_result(cpp: None) -> None:
     w, _ = weight("q8_0", 8, 64)
     assert w.linear(torch.empty(0, 64)).shape == (0, 8)
@@ -323,6 +368,8 @@ def test_quantized_max_tokens_is_the_measured_crossover(cpp: None) -> None:
     from kvmesh.services.engine.config import EngineConfig
     from kvmesh.services.engine.factory import quantized_max_tokens
 
-    assert quantized_max_tokens(EngineConfig(quantized_max_tokens=7), torch.bfloat16) == 7
-    assert quantized_max_tokens(EngineConfig(), torch.float32) == 4
-    assert quantized_max_tokens(EngineConfig(), torch.bfloat16) == (32 if tile_path("cpu") else 4)
+    assert quantized_max_tokens(EngineConfig(quantized_max_tokens=7), torch.bfloat16) == {"q4_1": 7, "q8_0": 7}
+    assert quantized_max_tokens(EngineConfig(), torch.float32) == {"q4_1": 4, "q8_0": 4}
+    tiles, dots = tile_path("cpu"), bf16_dots("cpu")
+    assert quantized_max_tokens(EngineConfig(), torch.bfloat16) == {"q4_1": 32 if tiles or dots else 4,
+                                                                    "q8_0": 32 if tiles else 4}

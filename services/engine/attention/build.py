@@ -15,7 +15,8 @@ from kvmesh.libs import native
 
 NAME = "kvmesh_paged_attention"
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "block_copy.cpp", CSRC / "quant_linear.cpp")
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "block_copy.cpp", CSRC / "quant_linear.cpp",
+           CSRC / "quant_linear_bf16.cpp")
 
 
 def load_extension() -> ModuleType | None:

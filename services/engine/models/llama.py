@@ -111,8 +111,8 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config)
         self.head: Tensor | QuantizedLinear | None = None  # set by use_quantized; else the parameter
 
-    def use_quantized(self, weights: Mapping[str, QuantizedWeight], max_tokens: int) -> None:
-        """Multiply steps of up to `max_tokens` tokens by these quantised weights (gguf_weights.py),
+    def use_quantized(self, weights: Mapping[str, QuantizedWeight], max_tokens: Mapping[str, int]) -> None:
+        """Multiply steps of up to `max_tokens[kind]` tokens by these quantised weights (gguf_weights.py),
         keyed by our parameter names ("layers.0.qkv_proj", "lm_head"); longer ones keep the dense."""
         params = dict(self.named_parameters())
         for layer in self.layers:
@@ -121,7 +121,7 @@ class CausalLM(nn.Module):
             dense = self.embed_tokens if name == "lm_head" and self.lm_head is None else params[name]
             if tuple(dense.shape) != packed.shape:
                 raise ValueError(f"{name}: quantised weight {packed.shape}, the model's {tuple(dense.shape)}")
-            quantized = QuantizedLinear(packed, dense, max_tokens)
+            quantized = QuantizedLinear(packed, dense, max_tokens[packed.kind])
             if name == "lm_head":
                 self.head = quantized
             else:

@@ -885,6 +885,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_1_linear", &kvmesh::q4_1_linear, "x @ W^T (+ residual) for W in GGUF Q4_1 blocks", py::arg("x"),
         py::arg("qs"), py::arg("scales"), py::arg("mins"), py::arg("residual") = py::none(),
         py::call_guard<py::gil_scoped_release>());
+  m.def("q4_1_linear_bf16", &kvmesh::q4_1_linear_bf16,
+        "x @ W^T (+ residual) for bf16 x and W in Q4_1 blocks, 16 rows side by side", py::arg("x"), py::arg("qs"),
+        py::arg("scales"), py::arg("mins"), py::arg("N"), py::arg("residual") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quant_linear_bf16_dots", &kvmesh::quant_linear_bf16_dots,
+        "Whether q4_1_linear_bf16 is built here (a CPU with AVX512-BF16)");
   m.def("q8_0_linear", &kvmesh::q8_0_linear, "x @ W^T (+ residual) for W in GGUF Q8_0 blocks", py::arg("x"),
         py::arg("qs"), py::arg("scales"), py::arg("residual") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("copy_rows", &kvmesh::copy_rows, "Copy rows (KV blocks) of one tensor into rows of another",

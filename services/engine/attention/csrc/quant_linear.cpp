@@ -15,6 +15,9 @@
 // rounded to bf16 (the same bits as the model's dense bf16 weight) and multiplied into every row
 // of x by TDPBF16PS, which sums in float32. A decode step then reads the 4-bit weights at any batch
 // size instead of the dense bf16 ones: about a quarter of the bytes (see docs/engine.md).
+//
+// bf16 x on Q4_1 blocks below the tile path's rows has a faster kernel of its own, on a layout of
+// its own, where the CPU has AVX512-BF16 (quant_linear_bf16.cpp; quant.py chooses).
 #include "quant_linear.h"
 
 #include <ATen/Parallel.h>
@@ -24,6 +27,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "quant_checks.h"
 #include "vec.h"
 
 #if defined(__AVX512F__)
@@ -451,32 +455,6 @@ void amx_linear(const Rows& rows, const at::BFloat16* x, int64_t ldx, int64_t to
   });
 }
 #endif
-
-void check_x(const at::Tensor& x, const char* name) {
-  TORCH_CHECK_VALUE(x.device().is_cpu(), name, ": CPU tensors only");
-  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name,
-                    ": x must be float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1, name, ": x must be [T, K] with contiguous rows, got sizes ",
-                    x.sizes(), " strides ", x.strides());
-  TORCH_CHECK_VALUE(x.size(1) % kBlock == 0, name, ": K=", x.size(1), " is not a multiple of ", kBlock);
-}
-
-void check_residual(const at::Tensor& x, int64_t N, const c10::optional<at::Tensor>& residual, const char* name) {
-  if (residual.has_value()) {
-    const at::Tensor& res = *residual;
-    TORCH_CHECK_VALUE(res.device().is_cpu() && res.scalar_type() == x.scalar_type() && res.dim() == 2 &&
-                          res.size(0) == x.size(0) && res.size(1) == N && res.stride(1) == 1,
-                      name, ": residual must be a CPU [", x.size(0), ", ", N, "] tensor of x's dtype (",
-                      x.scalar_type(), ") with contiguous rows, got ", res.scalar_type(), " ", res.sizes());
-  }
-}
-
-void check_table(const at::Tensor& t, int64_t N, int64_t blocks, const char* what, const char* name) {
-  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == N &&
-                        t.size(1) == blocks && t.is_contiguous(),
-                    name, ": ", what, " must be contiguous float32 [", N, ", ", blocks, "] on the CPU, got ",
-                    t.scalar_type(), " ", t.sizes());
-}
 
 HOT inline void widen(const at::BFloat16* in, float* out, int64_t n) {  // n a multiple of W
   for (int64_t i = 0; i < n; i += W) store(out + i, load_float(in + i));

@@ -21,4 +21,14 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 // tile state by the kernel.
 int64_t quant_linear_tile_rows();
 
+// x [T, K] @ W^T (+ residual [T, N]) for bf16 x and W [N, K] in Q4_1 blocks laid out 16 rows side
+// by side (quant_linear_bf16.cpp), G = ceil(N / 16) groups of rows: qs uint8 [G, K / 32 * 256],
+// byte 2r + p of step l (32 bytes) of group g's block b the GGUF byte 2l + p of row 16g + r's block
+// b; scales and mins float32 [G, K / 32 * 16], [g, 16b + r] of row 16g + r's block b. Rows past N
+// are zeros. Summed in float32, rounded once to bf16.
+at::Tensor q4_1_linear_bf16(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
+                            const at::Tensor& mins, int64_t N, const c10::optional<at::Tensor>& residual);
+// Whether q4_1_linear_bf16 is built here (for a CPU with AVX512-BF16).
+bool quant_linear_bf16_dots();
+
 }  // namespace kvmesh
