@@ -5,6 +5,7 @@ with the RoutingPolicy signature)."""
 from __future__ import annotations
 
 from .. import plugins
+from .conditional import conditional
 from .least_loaded import least_loaded
 from .prefix_aware import prefix_aware
 from .round_robin import round_robin
@@ -14,9 +15,10 @@ POLICIES: dict[str, RoutingPolicy] = {
     "round_robin": round_robin,
     "least_loaded": least_loaded,
     "prefix_aware": prefix_aware,
+    "conditional": conditional,
 }
 
-DEFAULT = "least_loaded"
+DEFAULT = "conditional"
 
 
 def names() -> list[str]:

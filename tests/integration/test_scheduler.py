@@ -135,6 +135,22 @@ async def test_least_loaded_follows_heartbeats_and_spreads_a_burst_between_them(
     assert picks[:9] == [p1] * 9 and picks[9:] == [p0, p1, p0]
 
 
+async def test_conditional_prefills_on_the_decode_engine_while_the_prefill_engine_is_backed_up(cluster: Cluster):
+    p0, d0 = engine_id(cluster, "p0"), engine_id(cluster, "d0")
+    await cluster.register(p0, "prefill")
+    await cluster.register(d0, "decode")
+    await cluster.policy("conditional")
+    await cluster.kvmeta.heartbeat(p0, Load(free_blocks={"device": 1000}, waiting=1))
+    await cluster.until(lambda view: any(e.id == p0 and e.waiting == 1 for e in view.engines))
+    first = await cluster.route()  # one waiting: the pair, and now p0 has two and d0 one coming
+    second = await cluster.route()  # p0 backed up, but d0 has a request on its way
+    assert [(r.mode, r.policy) for r in (first, second)] == [("disaggregated", "conditional")] * 2
+    await cluster.kvmeta.heartbeat(d0, Load(free_blocks={"device": 1000}))  # d0 reports an empty queue
+    await cluster.until(lambda view: any(e.id == d0 and e.routed_since_heartbeat == 0 for e in view.engines))
+    third = await cluster.route()
+    assert (third.mode, third.engine.id, third.engine.role) == ("colocated", d0, "decode")
+
+
 async def test_a_departed_engine_stops_being_picked_within_a_second(cluster: Cluster):
     p0, p1, d0 = (engine_id(cluster, n) for n in ("p0", "p1", "d0"))
     for engine, role in ((p0, "prefill"), (p1, "prefill"), (d0, "decode")):

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.policies.routing import registry
+from kvmesh.policies.routing.conditional import MAX_PREFILL_QUEUE, conditional
 from kvmesh.policies.routing.least_loaded import least_loaded
 from kvmesh.policies.routing.prefix_aware import prefix_aware, score
 from kvmesh.policies.routing.round_robin import round_robin
 from kvmesh.policies.routing.views import EngineLoad, EngineView, RouteDecision, RouteQuery, RoutingState
 
-ALL = [round_robin, least_loaded, prefix_aware]
+ALL = [round_robin, least_loaded, prefix_aware, conditional]
 
 
 def engine(engine_id: str, role: str = "prefill", *, free: int = 100, total: int = 100, waiting: int = 0,
@@ -67,6 +68,32 @@ def test_least_loaded_breaks_ties_by_shorter_queue_then_fewer_running():
                engine("d0", "decode", running=3), engine("d1", "decode", running=1)]
     decision, _ = route(least_loaded, engines)
     assert (decision.prefill, decision.decode) == ("p2", "d1")
+
+
+# -- conditional disaggregation -------------------------------------------------------------------
+
+def test_conditional_pairs_engines_while_the_prefill_queue_is_short():
+    engines = [engine("p0", waiting=MAX_PREFILL_QUEUE - 1), engine("d0", "decode")]
+    decision, _ = route(conditional, engines)
+    assert (decision.mode, decision.prefill, decision.decode) == ("disaggregated", "p0", "d0")
+
+
+def test_conditional_prefills_on_the_decode_engine_while_the_prefill_engine_is_backed_up():
+    engines = [engine("p0", waiting=MAX_PREFILL_QUEUE), engine("d0", "decode", cached=3, running=12)]
+    decision, _ = route(conditional, engines)
+    assert (decision.mode, decision.engine, decision.cached_blocks) == ("colocated", "d0", 3)
+
+
+def test_conditional_keeps_the_pair_when_the_decode_engine_has_a_queue_too():
+    engines = [engine("p0", waiting=5), engine("d0", "decode", waiting=1)]
+    decision, _ = route(conditional, engines)
+    assert (decision.mode, decision.prefill, decision.decode) == ("disaggregated", "p0", "d0")
+
+
+def test_conditional_takes_the_least_loaded_decode_engine_as_least_loaded_pairs_it():
+    engines = [engine("p0", waiting=4), engine("d0", "decode", free=10), engine("d1", "decode", free=80)]
+    decision, _ = route(conditional, engines)
+    assert (decision.mode, decision.engine) == ("colocated", "d1")
 
 
 # -- prefix aware ---------------------------------------------------------------------------------
@@ -150,6 +177,6 @@ def test_no_engine_for_the_model_is_no_decision(policy):
 
 def test_registry_finds_every_policy_by_name():
     assert registry.names()[:3] == ["round_robin", "least_loaded", "prefix_aware"]
-    assert registry.resolve("prefix_aware") is prefix_aware and registry.DEFAULT == "least_loaded"
+    assert registry.resolve("prefix_aware") is prefix_aware and registry.DEFAULT == "conditional"
     with pytest.raises(KeyError, match="no routing policy named 'fastest'"):
         registry.resolve("fastest")
