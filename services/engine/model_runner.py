@@ -78,9 +78,12 @@ class ModelRunner:
         if reloads is not None:
             loading = LayerLoads(self.reload_side, reloads)
             attention, around = loading.wrap(attention), [loading, *around]
+        # A prompt's rows take the dense weights however few the step computes (a prefix-cache hit
+        # leaves a short tail), so its KV and first token do not depend on what was cached.
+        dense = any(r.num_computed < len(r.prompt_ids) for r in requests)
         try:
             hidden = self.model(torch.from_numpy(_padded(ids, rows)).to(device),
-                                torch.from_numpy(_padded(positions, rows)).to(device), attention)
+                                torch.from_numpy(_padded(positions, rows)).to(device), attention, dense=dense)
         finally:
             for copies in around:
                 copies.finish()
@@ -89,7 +92,7 @@ class ModelRunner:
         if num_tokens > len(chunks) or not all(samples):  # else each chunk is one sampling token: every row
             last = query_start[1:][samples] - 1
             hidden = hidden[torch.from_numpy(last.astype(np.int64)).to(device)]
-        return self.model.logits(hidden)
+        return self.model.logits(hidden, dense=dense)
 
     def _valid(self, stages: bool) -> torch.Tensor | None:
         """The pool's slot mask when some block may be sparsified (CaR III-D): one of the device

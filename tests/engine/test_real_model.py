@@ -126,6 +126,24 @@ def test_bf16_steps_on_the_4bit_blocks_are_as_close_to_float32_as_dense_bf16(smo
     assert blocks_error.mean() <= 1.25 * bf16_error.mean()
 
 
+def test_a_prompt_answers_the_same_whether_its_prefix_was_cached_or_not(smollm2: ModelSource) -> None:
+    """The serving configuration (bf16, 4-bit decode): a prompt's rows go through the dense weights
+    however few of them the step computes, so a prefix-cache hit that leaves a short tail gives the
+    same first token as the whole prompt did. This chat prompt's first token is a near tie in bf16
+    ("The" against "L", within 0.4): its 5-row tail on the exact 4-bit weights answered in French."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2.checkpoint)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                        add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    engine = engine_for(DEFAULT_MODEL, dtype="bfloat16", quantized_weights="on", prefix_caching=True)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    whole, tail = (run_all(engine, [ids], params)[0].output_ids for _ in range(2))
+    assert engine.blocks.hit_tokens == len(ids) // 16 * 16  # the second time, all but a 5-token tail
+    assert tokenizer.decode(whole).startswith("The capital of France is") and tail == whole
+    assert_all_blocks_free(engine)
+
+
 @pytest.mark.parametrize("quantized", ["on", "off"])
 def test_greedy_text_equals_transformers_generate(smollm2: ModelSource, prompt_ids, expected, quantized: str) -> None:
     engine = engine_for(DEFAULT_MODEL, block_size=16, device_bytes=256 * 2**20, quantized_weights=quantized)

@@ -44,15 +44,15 @@ class LayerOps(NamedTuple):
     linear: Callable[..., Tensor]
 
 
-def layer_ops(x: Tensor, quantized: bool = False) -> LayerOps:
+def layer_ops(x: Tensor, quantized: bool = False, dense: bool = False) -> LayerOps:
     """The implementations that serve tensors like x (its device and dtype) under the backend in force;
-    `quantized`: some weights are QuantizedLinear."""
+    `quantized`: some weights are QuantizedLinear; `dense`: multiply those by their dense weight."""
     kernel = _kernel() if x.is_cpu else None
     ops = TORCH_OPS
     if kernel is not None:
         ops = LayerOps(kernel.rms_norm, kernel.rotary, kernel.silu_mul,
                        _packed_linear if _packs(x.dtype, x.device) else _torch_linear)
-    return ops._replace(linear=_either_linear(ops.linear)) if quantized else ops
+    return ops._replace(linear=_either_linear(ops.linear, dense)) if quantized else ops
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -72,19 +72,20 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 
 
 def linear(x: Tensor, weight: Tensor | QuantizedLinear, bias: Tensor | None = None,
-           residual: Tensor | None = None) -> Tensor:
+           residual: Tensor | None = None, dense: bool = False) -> Tensor:
     """x @ weight.T + bias, or + residual (not both). bf16 on CPU runs oneDNN on the weight packed
     once for its blocked format: a third less time at decode batch sizes, and the same bits."""
     quantized = isinstance(weight, QuantizedLinear)
-    return layer_ops(weight.dense if quantized else weight, quantized).linear(x, weight, bias, residual)
+    return layer_ops(weight.dense if quantized else weight, quantized, dense).linear(x, weight, bias, residual)
 
 
-def _either_linear(dense_linear: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    """A linear that multiplies a QuantizedLinear's blocks when x has few rows, else its dense weight."""
+def _either_linear(dense_linear: Callable[..., Tensor], dense: bool = False) -> Callable[..., Tensor]:
+    """A linear that multiplies a QuantizedLinear's blocks when x has few rows (and not `dense`), else
+    its dense weight."""
     def either(x: Tensor, weight: Tensor | QuantizedLinear, bias: Tensor | None = None,
                residual: Tensor | None = None) -> Tensor:
         if type(weight) is QuantizedLinear:
-            if x.shape[0] > weight.max_tokens:
+            if dense or x.shape[0] > weight.max_tokens:
                 return dense_linear(x, weight.dense, bias, residual)
             y = weight.packed.linear(x, residual)
             return y if bias is None else y + bias

@@ -127,7 +127,7 @@ class CausalLM(nn.Module):
             else:
                 _, index, attribute = name.split(".")
                 self.layers[int(index)].weights[attribute] = quantized
-    def forward(self, input_ids: Tensor, positions: Tensor, attention: Attention) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor, attention: Attention, dense: bool = False) -> Tensor:
         """Final-normed hidden states [T, hidden] of T tokens flattened across sequences.
 
         `positions` [T] (int64) is each token's position in its own sequence, below
@@ -135,21 +135,22 @@ class CausalLM(nn.Module):
         `attention(layer, q, k, v)` with rotary applied to q and k; q, k and v are views into the
         layer's fused projection (last dim contiguous, rows strided), so a kernel that needs dense
         tensors must call .contiguous() itself. When `after_layer` is set, it is called with each
-        layer's index once that layer's KV is written (push mode sends it on from there).
+        layer's index once that layer's KV is written (push mode sends it on from there). `dense`:
+        multiply by the dense weights even where quantised blocks would serve (use_quantized).
         """
         h = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary(positions, h.dtype)
-        ops = layer_ops(h, quantized=self.head is not None)
+        ops = layer_ops(h, quantized=self.head is not None, dense=dense)
         for index, layer in enumerate(self.layers):
             h = layer(h, cos, sin, attention, ops)
             if self.after_layer is not None:
                 self.after_layer(index)
         return ops.rms_norm(h, self.norm, self.config.rms_norm_eps)
 
-    def logits(self, hidden: Tensor) -> Tensor:
-        """[N, hidden] -> [N, vocab] float32 (the matmul runs in the model's dtype)."""
+    def logits(self, hidden: Tensor, dense: bool = False) -> Tensor:
+        """[N, hidden] -> [N, vocab] float32 (the matmul runs in the model's dtype); `dense` as in forward."""
         head = self.head if self.head is not None else self.embed_tokens if self.lm_head is None else self.lm_head
-        return linear(hidden, head).float()
+        return linear(hidden, head, dense=dense).float()
 
     def hf_names(self) -> dict[str, tuple[tuple[str, int], ...]]:
         """Our parameter name -> ((Hugging Face tensor name, rows), ...) concatenated into it along dim 0."""
