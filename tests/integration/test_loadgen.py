@@ -112,7 +112,9 @@ async def test_ttft_tbt_and_end_to_end_follow_the_stream(double: Double):
     assert [r.error for r in load.results] == [None] * 3
     for r in load.results:
         assert TTFT_S <= r.ttft < TTFT_S + 0.1
-        assert GAP_S * 0.9 <= r.tbt < GAP_S + 0.03
+        # the server spaces the 4 later tokens GAP_S apart from TTFT_S; a first token read late (a
+        # busy machine) shortens what follows it by that lateness at most
+        assert GAP_S * 0.9 - (r.ttft - TTFT_S) / 4 <= r.tbt < GAP_S + 0.03
         assert r.e2e >= TTFT_S + 4 * GAP_S and r.e2e - r.token_times[-1] < 0.05
         assert r.completion_tokens == 5 and len(r.token_times) == 5
     figures = summarize(load)
