@@ -6,7 +6,7 @@
 
 namespace kvmesh {
 
-constexpr int64_t kQuantBlock = 32;  // weights per GGUF block, along K
+constexpr int kQuantBlock = 32;  // weights per GGUF block, along K
 
 inline void check_x(const at::Tensor& x, const char* name) {
   TORCH_CHECK_VALUE(x.device().is_cpu(), name, ": CPU tensors only");

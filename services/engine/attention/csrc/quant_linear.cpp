@@ -18,6 +18,7 @@
 //
 // bf16 x on Q4_1 blocks below the tile path's rows has a faster kernel of its own, on a layout of
 // its own, where the CPU has AVX512-BF16 (quant_linear_bf16.cpp; quant.py chooses).
+
 #include "quant_linear.h"
 
 #include <ATen/Parallel.h>
@@ -30,10 +31,6 @@
 #include "quant_checks.h"
 #include "vec.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define KVMESH_AMX 1
 #include <sys/syscall.h>
@@ -43,8 +40,7 @@
 namespace kvmesh {
 namespace {
 
-constexpr int kBlock = 32;  // weights per GGUF block, along K
-constexpr int kVecs = kBlock / W;
+constexpr int kVecs = kQuantBlock / W;
 // Row groups ahead whose bytes each group prefetches: the hardware prefetcher does not follow R
 // rows read side by side, and from DRAM this took one thread from ~6 to ~10 GB/s.
 constexpr int kPrefetchGroups = 2;
@@ -66,14 +62,14 @@ struct Q4_1Rows {
   HOT inline void prefetch(int64_t n, int64_t b, int count) const {
     if (n + count > rows) return;
     const int64_t i = n * blocks + b * count;
-    for (int line = 0; line < count * (kBlock / 2); line += 64) __builtin_prefetch(qs + i * (kBlock / 2) + line);
+    for (int line = 0; line < count * (kQuantBlock / 2); line += 64) __builtin_prefetch(qs + i * (kQuantBlock / 2) + line);
     __builtin_prefetch(scales + i);
     __builtin_prefetch(mins + i);
   }
 
   HOT inline void block(int64_t n, int64_t b, vfloat* w) const {
     const int64_t i = n * blocks + b;
-    const uint8_t* q = qs + i * (kBlock / 2);
+    const uint8_t* q = qs + i * (kQuantBlock / 2);
     const float d = scales[i], m = mins[i];
 #if defined(__AVX512F__)
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
@@ -81,10 +77,10 @@ struct Q4_1Rows {
     w[0] = _mm512_permutexvar_ps(bytes, values);
     w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values);
 #else
-    float f[kBlock];
-    for (int j = 0; j < kBlock / 2; ++j) {
+    float f[kQuantBlock];
+    for (int j = 0; j < kQuantBlock / 2; ++j) {
       f[j] = d * float(q[j] & 0x0F) + m;
-      f[j + kBlock / 2] = d * float(q[j] >> 4) + m;
+      f[j + kQuantBlock / 2] = d * float(q[j] >> 4) + m;
     }
     for (int v = 0; v < kVecs; ++v) w[v] = load(f + v * W);
 #endif
@@ -100,21 +96,21 @@ struct Q8_0Rows {
   HOT inline void prefetch(int64_t n, int64_t b, int count) const {
     if (n + count > rows) return;
     const int64_t i = n * blocks + b * count;
-    for (int line = 0; line < count * kBlock; line += 64) __builtin_prefetch(qs + i * kBlock + line);
+    for (int line = 0; line < count * kQuantBlock; line += 64) __builtin_prefetch(qs + i * kQuantBlock + line);
     __builtin_prefetch(scales + i);
   }
 
   HOT inline void block(int64_t n, int64_t b, vfloat* w) const {
     const int64_t i = n * blocks + b;
-    const int8_t* q = qs + i * kBlock;
+    const int8_t* q = qs + i * kQuantBlock;
     const float d = scales[i];
 #if defined(__AVX512F__)
     for (int v = 0; v < kVecs; ++v)
       w[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + v * W))))
              * d;
 #else
-    float f[kBlock];
-    for (int j = 0; j < kBlock; ++j) f[j] = d * float(q[j]);
+    float f[kQuantBlock];
+    for (int j = 0; j < kQuantBlock; ++j) f[j] = d * float(q[j]);
     for (int v = 0; v < kVecs; ++v) w[v] = load(f + v * W);
 #endif
   }
@@ -126,7 +122,7 @@ struct FloatRows {
   int64_t blocks;
 
   HOT inline void block(int64_t n, int64_t b, vfloat* out) const {
-    for (int v = 0; v < kVecs; ++v) out[v] = load(w + (n * blocks + b) * kBlock + v * W);
+    for (int v = 0; v < kVecs; ++v) out[v] = load(w + (n * blocks + b) * kQuantBlock + v * W);
   }
   HOT inline void prefetch(int64_t, int64_t, int) const {}  // in L1 already
 };
@@ -165,16 +161,6 @@ HOT inline void sum_lanes(const vfloat* v, float* out) {
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-// The first n lanes (mask) of a vector from and to float32 or bf16 memory; bf16 rounds to nearest even.
-HOT inline vfloat load_first(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
-HOT inline vfloat load_first(const at::BFloat16* p, __mmask16 mask) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
-}
-HOT inline void store_first(float* p, __mmask16 mask, vfloat v) { _mm512_mask_storeu_ps(p, mask, v); }
-HOT inline void store_first(at::BFloat16* p, __mmask16 mask, vfloat v) {
-  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(reinterpret_cast<__m512i>(bf16_bits(v) >> 16)));
-}
-
 // out[t, r] = sum of acc[t][r] (+ residual[t, r]) rounded to T, rows of out and residual ldo and
 // ldr apart: the R sums of each row of x are one masked store.
 template <int R, int TT, typename T>
@@ -226,22 +212,13 @@ HOT inline void dot_tile(const Rows& rows, int64_t n0, const float* x, int64_t l
     for (int t = 0; t < TT; ++t) {
 #pragma GCC unroll 4
       for (int v = 0; v < kVecs; ++v) {
-        const vfloat xv = load(x + t * ldx + b * kBlock + v * W);
+        const vfloat xv = load(x + t * ldx + b * kQuantBlock + v * W);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) acc[t][r] += w[r][v] * xv;
       }
     }
   }
   emit_tile<R, TT>(acc, residual, ldr, out, ldo);
-}
-
-// f(std::integral_constant<int, n>{}) for a runtime 1 <= n <= N.
-template <int N, typename F>
-HOT inline void with_constant(int n, F&& f) {
-  if constexpr (N > 1) {
-    if (n < N) return with_constant<N - 1>(n, f);
-  }
-  f(std::integral_constant<int, N>{});
 }
 
 // out[t, n] = x[t] . W[n] (+ residual[t, n]) for n in [n0, n0 + R) and every t, TT rows of x at
@@ -266,7 +243,7 @@ void dequantize_rows(const Rows rows, int64_t n0, int count, float* __restrict o
     for (int r = 0; r < count; ++r) {
       vfloat w[kVecs];
       rows.block(n0 + r, b, w);
-      for (int v = 0; v < kVecs; ++v) store(out + (r * rows.blocks + b) * kBlock + v * W, w[v]);
+      for (int v = 0; v < kVecs; ++v) store(out + (r * rows.blocks + b) * kQuantBlock + v * W, w[v]);
     }
   }
 }
@@ -284,7 +261,7 @@ void linear_rows(const Rows& rows, const float* x, int64_t ldx, int64_t tokens, 
   const int64_t groups = (N + R - 1) / R;
   const int64_t work = R * std::max<int64_t>(rows.blocks, 1) * (tokens + 4);  // ~ cycles per group
   at::parallel_for(0, groups, std::max<int64_t>(1, kMinWorkPerThread / work), [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer(kBuffered ? R * rows.blocks * kBlock : 0);
+    std::vector<float> buffer(kBuffered ? R * rows.blocks * kQuantBlock : 0);
     for (int64_t g = begin; g < end; ++g) {
       const int64_t n0 = g * R;
       with_constant<R>(int(std::min<int64_t>(R, N - n0)), [&](auto group) {
@@ -347,7 +324,7 @@ void pack_token_pairs(const at::BFloat16* x, int64_t ldx, int64_t tokens, int64_
     const at::BFloat16* row = x + t * ldx;
     for (int64_t c = 0; c < chunks; ++c) {
       uint32_t* tile = out + (c * tiles + t / kTile) * kTile * kTile + t % kTile;
-      for (int p = 0; p < kTile; ++p) std::memcpy(tile + p * kTile, row + c * kBlock + 2 * p, sizeof(uint32_t));
+      for (int p = 0; p < kTile; ++p) std::memcpy(tile + p * kTile, row + c * kQuantBlock + 2 * p, sizeof(uint32_t));
     }
   }
 }
@@ -362,7 +339,7 @@ HOT inline void dequantize_chunk(const Rows& rows, int64_t n0, int count, int64_
     rows.block(n0 + r, b, w);
     // Rounds to nearest even as store_float does; it would flush denormals, which weights of fp16
     // scales times small integers cannot be.
-    _mm512_storeu_si512(out + r * kBlock, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]));
+    _mm512_storeu_si512(out + r * kQuantBlock, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]));
   }
 }
 
@@ -412,7 +389,7 @@ void amx_linear(const Rows& rows, const at::BFloat16* x, int64_t ldx, int64_t to
     TileConfig config;
     for (int i = 0; i < 2 + kSumTiles; ++i) config.rows[i] = kTile, config.colsb[i] = 64;
     _tile_loadconfig(&config);
-    std::vector<at::BFloat16> weights(chunks * kTile * kBlock);
+    std::vector<at::BFloat16> weights(chunks * kTile * kQuantBlock);
     alignas(64) float sums[kTile * kTile], more[kTile * kTile];
     for (int64_t g = begin; g < end; ++g) {
       const int64_t n0 = g * kTile;
@@ -423,7 +400,7 @@ void amx_linear(const Rows& rows, const at::BFloat16* x, int64_t ldx, int64_t to
         // accumulator would chain every TDPBF16PS on the one before it.
         const int n = int(std::min<int64_t>(kSumTiles, tiles - u0)), lanes = kSumTiles / n;
         const auto multiply = [&](int64_t c) {
-          _tile_loadd(0, weights.data() + c * kTile * kBlock, kBlock * sizeof(at::BFloat16));
+          _tile_loadd(0, weights.data() + c * kTile * kQuantBlock, kQuantBlock * sizeof(at::BFloat16));
           const uint32_t* tile = pairs.data() + (c * tiles + u0) * kTile * kTile;
           for (int u = 0; u < n; ++u) multiply_into(u * lanes + int(c % lanes), tile + u * kTile * kTile);
         };
@@ -434,7 +411,7 @@ void amx_linear(const Rows& rows, const at::BFloat16* x, int64_t ldx, int64_t to
         if (u0 == 0) {  // the first pass dequantises as it goes, a chunk ahead: the tile unit and the
                         // vector units then work side by side
           for (int64_t c = 0; c < chunks; ++c) {
-            dequantize_chunk(rows, n0, count, c, weights.data() + c * kTile * kBlock);
+            dequantize_chunk(rows, n0, count, c, weights.data() + c * kTile * kQuantBlock);
             if (c > 0) multiply(c - 1);
           }
           multiply(chunks - 1);
@@ -507,7 +484,7 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
                        const c10::optional<at::Tensor>& residual) {
   const char* name = "q4_1_linear";
   check_x(x, name);
-  const int64_t K = x.size(1), blocks = K / kBlock, N = qs.dim() == 2 ? qs.size(0) : 0;
+  const int64_t K = x.size(1), blocks = K / kQuantBlock, N = qs.dim() == 2 ? qs.size(0) : 0;
   TORCH_CHECK_VALUE(qs.device().is_cpu() && qs.scalar_type() == at::kByte && qs.dim() == 2 && qs.size(1) == K / 2 &&
                         qs.is_contiguous(),
                     name, ": qs must be contiguous uint8 [N, ", K / 2, "] on the CPU for K=", K, ", got ",
@@ -523,7 +500,7 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
                        const c10::optional<at::Tensor>& residual) {
   const char* name = "q8_0_linear";
   check_x(x, name);
-  const int64_t K = x.size(1), blocks = K / kBlock, N = qs.dim() == 2 ? qs.size(0) : 0;
+  const int64_t K = x.size(1), blocks = K / kQuantBlock, N = qs.dim() == 2 ? qs.size(0) : 0;
   TORCH_CHECK_VALUE(qs.device().is_cpu() && qs.scalar_type() == at::kChar && qs.dim() == 2 && qs.size(1) == K &&
                         qs.is_contiguous(),
                     name, ": qs must be contiguous int8 [N, ", K, "] on the CPU for K=", K, ", got ",

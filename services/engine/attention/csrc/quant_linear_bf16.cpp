@@ -27,10 +27,10 @@
 #include <vector>
 
 #include "quant_checks.h"
+#include "vec.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KVMESH_BF16_DOTS 1
-#include <immintrin.h>
 #endif
 
 namespace kvmesh {
@@ -116,7 +116,6 @@ void linear_groups(const uint8_t* qs, const float* scales, const float* mins, in
                    const at::BFloat16* residual, int64_t ldr, at::BFloat16* out) {
   const int64_t offset = g0 * blocks * kRows;
   for (int64_t t0 = 0; t0 < tokens; t0 += kTokens) {
-    const int64_t tt = std::min<int64_t>(kTokens, tokens - t0);
     const auto pass = [&](auto tile) {
       constexpr int TT = decltype(tile)::value;
       __m512 acc[G][TT];
@@ -127,21 +126,13 @@ void linear_groups(const uint8_t* qs, const float* scales, const float* mins, in
         const int64_t count = std::min<int64_t>(kRows, N - n0);
         const __mmask16 mask = count == kRows ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
         for (int t = 0; t < TT; ++t) {
-          __m512 y = acc[g][t];
-          if (residual != nullptr) {
-            const __m256i r = _mm256_maskz_loadu_epi16(mask, residual + (t0 + t) * ldr + n0);
-            y = _mm512_add_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));
-          }
-          _mm256_mask_storeu_epi16(out + (t0 + t) * N + n0, mask, (__m256i)_mm512_cvtneps_pbh(y));
+          vfloat y = acc[g][t];
+          if (residual != nullptr) y += load_first(residual + (t0 + t) * ldr + n0, mask);
+          store_first(out + (t0 + t) * N + n0, mask, y);
         }
       }
     };
-    switch (tt) {
-      case 1: pass(std::integral_constant<int, 1>{}); break;
-      case 2: pass(std::integral_constant<int, 2>{}); break;
-      case 3: pass(std::integral_constant<int, 3>{}); break;
-      default: pass(std::integral_constant<int, 4>{}); break;
-    }
+    with_constant<kTokens>(int(std::min<int64_t>(kTokens, tokens - t0)), pass);
   }
 }
 #endif

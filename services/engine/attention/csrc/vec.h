@@ -4,6 +4,10 @@
 
 #include <c10/util/BFloat16.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -89,5 +93,26 @@ HOT inline vfloat vexp(vfloat x) {
   const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
   return tiny ? vfloat{} : p * reinterpret_cast<vfloat>(bits);
 }
+
+// f(std::integral_constant<int, n>{}) for a runtime 1 <= n <= N.
+template <int N, typename F>
+HOT inline void with_constant(int n, F&& f) {
+  if constexpr (N > 1) {
+    if (n < N) return with_constant<N - 1>(n, f);
+  }
+  f(std::integral_constant<int, N>{});
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// The first n lanes (mask) of a vector from and to float32 or bf16 memory; bf16 rounds to nearest even.
+HOT inline vfloat load_first(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+HOT inline vfloat load_first(const at::BFloat16* p, __mmask16 mask) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+HOT inline void store_first(float* p, __mmask16 mask, vfloat v) { _mm512_mask_storeu_ps(p, mask, v); }
+HOT inline void store_first(at::BFloat16* p, __mmask16 mask, vfloat v) {
+  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(reinterpret_cast<__m512i>(bf16_bits(v) >> 16)));
+}
+#endif
 
 }  // namespace kvmesh
