@@ -73,7 +73,10 @@ def disaggregated(tmp_path_factory: pytest.TempPathFactory, redis_url: str, requ
     with ExitStack() as exits:
         cluster = start_cluster(exits, tmp_path_factory.mktemp("disaggregated"), redis_url,
                                 cluster_name(request) + "-pd", {"engine-p0": "prefill", "engine-d0": "decode"},
-                                every_env={"KVMESH_TRACE_FILE": str(split_spans)}, KVMESH_API_KEY=KEY)
+                                # these tests look at what each engine of a pair sees: routes stay pairs
+                                # (the default, conditional, may serve a request on the decode engine alone)
+                                every_env={"KVMESH_TRACE_FILE": str(split_spans),
+                                           "KVMESH_SCHEDULER_POLICY": "least_loaded"}, KVMESH_API_KEY=KEY)
         yield cluster
         with cluster.kvmeta.redis() as redis:
             assert_consistent(redis, cluster.kvmeta.prefix)
