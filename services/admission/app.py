@@ -2,7 +2,8 @@
 
 `POST /v1/completions`, `POST /v1/chat/completions` (server-sent events when `stream`), `GET /v1/models`.
 Per request, in order: API key (401), the key's rate limit (429 + Retry-After), the body (400), the
-model (404), tokenization with the model's own tokenizer and the context limit (400), a place in the
+model (404), tokenization with the model's own tokenizer and the context limit (400), the wait it can
+expect for its first token against its TTFT SLO or `max_wait_s` (429 + Retry-After), a place in the
 bounded queue (429 + Retry-After), then the journey through the cluster (lifecycle.py). Every error
 of a public route is OpenAI's shape (openai_api.py); a client that goes away aborts the request on
 every engine that holds it. `GET`/`PUT /v1/upstreams` swap the scheduler or the length predictor
@@ -32,10 +33,10 @@ from kvmesh.observability import logs, tracing
 
 from .engine_client import EngineClients
 from .lifecycle import Generation, Lifecycle
-from .limits import BoundedQueue, QueueFull, RateLimiter
+from .limits import Backlog, BoundedQueue, QueueFull, RateLimiter
 from .openai_api import (ChatCompletionRequest, CompletionRequest, Model, ModelList, OpenAIError, bad_request,
                          chat_checks, completion_checks, decode_body, messages_of, prompt_of, sampling_of)
-from .predictor_client import predicted_lengths
+from .predictor_client import PredictedLength, predicted_lengths
 from .responses import Answer, json_response, stream, whole
 from .slo import Slo, SloClass, SloMetrics, Timing, slo_defaults, slo_of
 from .tokenizers import Models, ModelTokenizer
@@ -60,11 +61,16 @@ class Config(ServiceConfig, kw_only=True):
     api_key: str | None = None
     api_keys: list[str] = []
     api_key_file: str | None = None
-    requests_per_s: float = 20.0        # per API key, on average; 0: no limit
+    # A tenant's limit, off unless set: a per-key limit on by default refused most of a benchmark
+    # client's burst (vLLM's sends every prompt at once) on a cluster with room to queue it.
+    requests_per_s: float = 0.0         # per API key, on average; 0: no limit
     burst: float = 40.0                 # per API key, at once
     max_running: int = 64               # requests at the engines at once
-    max_queued: int = 256               # more wait in admission, in arrival order; beyond: 429
+    max_queued: int = 4096              # more wait in admission, in arrival order; beyond: 429
     queue_retry_after_s: float = 1.0
+    # Overload: a request that can expect to wait longer than its TTFT SLO, or than this without one,
+    # behind the requests ahead of it for their first tokens gets a 429 (Backlog in limits.py); None: no bound.
+    max_wait_s: float | None = 30.0
     default_ttft_ms: float | None = None
     default_tbt_ms: float | None = None
     slo_classes: dict[str, SloClass] = {}  # by name: a request's `slo_class` gives its default SLOs
@@ -109,6 +115,7 @@ def build_service(config: Config) -> Service:
         log.warning("no API key is configured (KVMESH_API_KEY, api_keys, api_key_file): every request is refused")
     limiter = RateLimiter(config.requests_per_s, config.burst)
     queue = BoundedQueue(config.max_running, config.max_queued)
+    backlog = Backlog()
     upstreams = Upstreams(config.scheduler_url, config.predictor_url, config.token, config.route_timeout_s,
                           config.predict_timeout_s, service.metrics)
     engines = EngineClients(config.token, config.connect_timeout_s, abort_timeout_s=config.route_timeout_s)
@@ -165,6 +172,17 @@ def build_service(config: Config) -> Service:
         endpoint.__doc__ = handler.__doc__
         return endpoint
 
+    def refuse_if_behind(slo: Slo) -> None:
+        """A 429 for a request that can expect to wait longer than its TTFT SLO (else max_wait_s) for the
+        requests ahead of it to get their first tokens: under overload a queue as long as admission's
+        would otherwise hold every request taken for minutes, and the ones after the load for as long."""
+        limit = slo.ttft_ms / 1000 if slo.ttft_ms is not None else config.max_wait_s
+        wait = backlog.expected_wait_s(time.monotonic())
+        if limit is not None and wait is not None and wait > limit:
+            raise OpenAIError(429, f"the cluster is behind: a request now can expect to wait {wait:.1f} s for the "
+                                   f"{backlog.pending} ahead of it to start answering, over its limit of {limit:g} s",
+                              type="requests", code="queue_full", retry_after_s=wait - limit)
+
     async def prepare_completion(request: web.Request, body: CompletionRequest) -> Prepared:
         completion_checks(body)
         sampling = sampling_of(body, logprobs=body.logprobs is not None)
@@ -193,40 +211,47 @@ def build_service(config: Config) -> Service:
         """Hold a place in the queue while the request runs; the client going away cancels it."""
         timing = Timing(time.monotonic())  # the client's clock starts before admission's own queue
 
+        async def respond(generation: Generation, prediction: PredictedLength | None) -> web.StreamResponse:
+            """The request's journey through the cluster, once it holds a running slot."""
+            reply = _answer(prepared)
+            try:
+                if prepared.stream:
+                    async with contextlib.aclosing(lifecycle.run(generation)) as pieces:
+                        response = await stream(request, pieces, reply, chat, prepared.include_usage, timing)
+                else:
+                    response = await whole(lambda run: lifecycle.run(generation, run), reply, chat, timing,
+                                           config.max_retries)
+            except OpenAIError:  # answered with an error status: a finished request all the same
+                slo_metrics.record(prepared.slo, timing, reply.served, "error")
+                raise
+            finally:
+                if tracing.enabled():
+                    tracing.annotate(_outcome(reply, timing))
+            slo_metrics.record(prepared.slo, timing, reply.served, reply.finish_reason)
+            # the actual length goes to the predictor in force now, which may not be the one
+            # that predicted it if the predictor was swapped meanwhile (each learns from any)
+            if prediction is not None and reply.finish_reason in ("stop", "length") \
+                    and upstreams.predictor is not None:
+                upstreams.predictor.observe(generation.model, len(generation.prompt_ids),
+                                            len(timing.token_times), prediction, prepared.prompt_text)
+            return response
+
         async def run() -> web.StreamResponse:
+            refuse_if_behind(prepared.slo)
             generation, prediction = prepared.generation, None
             if upstreams.predictor is not None:  # before the queue: the predictor's arrival rate is the arrivals'
                 prediction = await upstreams.predictor.predict(generation.prompt_ids, generation.max_tokens, generation.model,
                                                      prepared.prompt_text)
                 if prediction is not None:
                     generation = dataclasses.replace(generation, **predicted_lengths(prediction, generation.max_tokens))
-            try:
-                async with queue.slot():
-                    reply = _answer(prepared)
-                    try:
-                        if prepared.stream:
-                            async with contextlib.aclosing(lifecycle.run(generation)) as pieces:
-                                response = await stream(request, pieces, reply, chat, prepared.include_usage, timing)
-                        else:
-                            response = await whole(lambda run: lifecycle.run(generation, run), reply, chat, timing,
-                                                   config.max_retries)
-                    except OpenAIError:  # answered with an error status: a finished request all the same
-                        slo_metrics.record(prepared.slo, timing, reply.served, "error")
-                        raise
-                    finally:
-                        if tracing.enabled():
-                            tracing.annotate(_outcome(reply, timing))
-                    slo_metrics.record(prepared.slo, timing, reply.served, reply.finish_reason)
-                    # the actual length goes to the predictor in force now, which may not be the one
-                    # that predicted it if the predictor was swapped meanwhile (each learns from any)
-                    if prediction is not None and reply.finish_reason in ("stop", "length") \
-                            and upstreams.predictor is not None:
-                        upstreams.predictor.observe(generation.model, len(generation.prompt_ids),
-                                                    len(timing.token_times), prediction, prepared.prompt_text)
-                    return response
-            except QueueFull as exc:
-                raise OpenAIError(429, str(exc), type="requests", code="queue_full",
-                                  retry_after_s=config.queue_retry_after_s) from None
+            with backlog.waiting() as first_token:
+                timing.on_first_token = first_token
+                try:
+                    async with queue.slot():
+                        return await respond(generation, prediction)
+                except QueueFull as exc:
+                    raise OpenAIError(429, str(exc), type="requests", code="queue_full",
+                                      retry_after_s=config.queue_retry_after_s) from None
 
         if tracing.enabled():
             tracing.annotate(_request_attributes(prepared))

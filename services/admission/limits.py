@@ -1,14 +1,16 @@
-"""How much admission lets in: a token bucket per API key, and a bounded queue in front of the engines.
+"""How much admission lets in: a token bucket per API key, a bounded queue in front of the engines, and
+the wait a new request can expect for its first token.
 
-Both answer "not now" with how long to wait, which the front door turns into 429 and Retry-After.
-Time is an argument of the bucket, so it is tested without a clock.
+Each answers "not now" with how long to wait, which the front door turns into 429 and Retry-After.
+Time is an argument of the bucket and of the backlog, so they are tested without a clock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 
@@ -78,3 +80,48 @@ class BoundedQueue:
         finally:
             self.running -= 1
             self._running.release()
+
+
+class Backlog:
+    """The requests admission holds that have no first token yet, and how fast the cluster has been
+    giving first tokens over the last `window_s`: by Little's law a request arriving now waits about
+    pending / rate for those ahead of it. Below `min_firsts` first tokens in the window there is no
+    estimate, so a cold or idle cluster refuses nothing on it (a burst at once is queued whole)."""
+
+    def __init__(self, window_s: float = 10.0, min_firsts: int = 4):
+        self.window_s = window_s
+        self.min_firsts = min_firsts
+        self.pending = 0
+        self._firsts: deque[float] = deque()
+        self._since: float | None = None  # the first first token ever: the window is shorter until it is full
+
+    def expected_wait_s(self, now: float) -> float | None:
+        """Seconds a request arriving now can expect to wait for those ahead of it to get their first
+        tokens; None without enough first tokens lately to tell."""
+        while self._firsts and self._firsts[0] < now - self.window_s:
+            self._firsts.popleft()
+        if len(self._firsts) < self.min_firsts or self._since is None:
+            return None
+        span = max(min(self.window_s, now - self._since), 1.0)
+        return self.pending / (len(self._firsts) / span)
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[Callable[[float], None]]:
+        """One request's place until its first token, which it marks with the callable it is given
+        (the first call counts; a request that ends without one leaves all the same)."""
+        self.pending += 1
+        marked = False
+
+        def first_token(now: float) -> None:
+            nonlocal marked
+            if not marked:
+                marked = True
+                self.pending -= 1
+                self._firsts.append(now)
+                self._since = now if self._since is None else self._since
+
+        try:
+            yield first_token
+        finally:
+            if not marked:
+                self.pending -= 1

@@ -14,7 +14,7 @@ Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, n
 | 400 | invalid_request_error | None, `invalid_json`, `context_length_exceeded`, `unsupported_parameter` |
 | 401 | invalid_request_error | `invalid_api_key` |
 | 404 | invalid_request_error | `model_not_found`, `not_found` |
-| 429 | requests | `rate_limit_exceeded` (per key), `queue_full` (admission is full); with Retry-After |
+| 429 | requests | `rate_limit_exceeded` (per key), `queue_full` (admission is full, or a request would wait past its TTFT SLO or `max_wait_s` behind those ahead); with Retry-After |
 | 503 | server_error | `no_engine`, `engine_failed` |
 """
 

@@ -13,7 +13,7 @@ where the engine's policies read them; the scheduler does not take them yet (SLO
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -80,11 +80,14 @@ class Timing:
 
     arrived: float
     token_times: list[float] = field(default_factory=list)
+    on_first_token: Callable[[float], None] = lambda now: None  # admission's backlog hears of it
 
     def restart(self) -> None:
         self.token_times = []
 
     def tokens(self, now: float, count: int) -> None:
+        if count and not self.token_times:
+            self.on_first_token(now)
         self.token_times.extend([now] * count)
 
     @property

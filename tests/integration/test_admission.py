@@ -289,6 +289,53 @@ async def test_a_full_queue_answers_429_with_retry_after(stack):
     assert int(refused.headers["Retry-After"]) >= 1
 
 
+async def test_a_request_that_would_wait_past_its_limit_behind_others_answers_429_with_retry_after(stack, tmp_path):
+    """Overload: admission refuses a request that can expect to wait longer than its TTFT SLO (else
+    max_wait_s) for the requests ahead of it to get their first tokens, and only then; its SLO, when it
+    names one, is its limit."""
+    with ExitStack() as exits:
+        admission = ready(exits, launch("admission", tmp_path, KVMESH_SCHEDULER_URL=stack.scheduler.url,
+                                        KVMESH_API_KEY=KEY, KVMESH_ADMISSION_MAX_RUNNING="1",
+                                        KVMESH_ADMISSION_MAX_WAIT_S="0.001"))
+        url = admission.url + "/v1/completions"
+        quick = {"model": MODEL, "prompt": "a first token", "max_tokens": 1}
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as http:
+            async def status(body: dict) -> tuple[int, dict, str | None]:
+                async with http.post(url, json=body) as r:
+                    return r.status, await r.json(), r.headers.get("Retry-After")
+
+            for _ in range(4):  # first tokens: how fast they come is known from here on
+                assert (await status(quick))[0] == 200
+            assert (await status({**quick, "ttft_ms": 1}))[0] == 200  # nobody ahead: no wait, whatever its SLO
+            hold = {"model": MODEL, "prompt": "hold the only slot", "max_tokens": 1500, "ignore_eos": True,
+                    "stream": True}
+            async with http.post(url, json=hold) as holding:
+                await holding.content.readline()  # its first token came: the only running slot is taken
+                queued = asyncio.ensure_future(status({**quick, "ttft_ms": 600_000}))  # one ahead, waiting
+                await _until(lambda: _gauge(http, admission.url, "kvmesh_admission_queued_requests"), 1.0)
+                refused = [await status(body) for body in (quick, {**quick, "ttft_ms": 1})]
+                patient = asyncio.ensure_future(status({**quick, "ttft_ms": 600_000}))
+                await _until(lambda: _gauge(http, admission.url, "kvmesh_admission_queued_requests"), 2.0)
+            # leaving the stream frees the slot: the two that could wait are answered
+            assert [(await queued)[0], (await patient)[0]] == [200, 200]
+    for code, answer, retry_after in refused:
+        assert code == 429 and answer["error"]["code"] == "queue_full", answer
+        assert "behind" in answer["error"]["message"] and int(retry_after) >= 1
+
+
+async def _gauge(http: aiohttp.ClientSession, url: str, name: str) -> float:
+    async with http.get(url + "/metrics") as response:
+        text = await response.text()
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+async def _until(read, value: float, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while await read() != value:
+        assert time.monotonic() < deadline, f"still not {value}"
+        await asyncio.sleep(0.02)
+
+
 # -- the request lifecycle ------------------------------------------------------------------------
 
 
