@@ -29,7 +29,7 @@ from kvmesh.libs.controlplane import ServiceConfig, load_config
 from kvmesh.services.configs import config_class
 from kvmesh.services.engine.model_source import resolve_model
 
-from .processes import Child, StartError, port_in_use, redis_child, service_child, vllm_python
+from .processes import Child, StartError, held_listener, port_in_use, redis_child, service_child, vllm_python
 from .state import ChildState, ClusterState, api_key, cluster_token, pid_alive, read_state, state_path, write_state
 from .swap import swapped_env, swaps_path
 from .topology import Topology, read_wanted, wanted_path, write_wanted
@@ -84,7 +84,7 @@ def up(run_dir: Path, config: str | None = None, redis_url: str | None = None,
         return 0
     finally:
         for child in reversed(cluster.children):
-            child.stop()
+            child.close()
         state_path(run_dir).unlink(missing_ok=True)
         wanted_path(run_dir).unlink(missing_ok=True)
         swaps_path(run_dir).unlink(missing_ok=True)
@@ -116,12 +116,19 @@ class _Cluster:
         child.start()
 
     def start_service(self, name: str, extra: dict[str, str] | None = None) -> None:
+        """A stateless service, on a listening socket the launcher holds across its restarts (a request
+        to it while it restarts waits instead of failing); engines bind their own, so that callers fail
+        over to another engine at once."""
         service_config = self._config(name)
-        if port_in_use(service_config.host, service_config.port):
-            raise StartError(f"port {service_config.port} for {name} is taken: free it or set "
-                             f"KVMESH_{name.upper()}_PORT")
-        url = f"http://{service_config.host}:{service_config.port}"
-        self.start(service_child(name, self.run_dir, url, {**self.env, **(extra or {})}, self.config))
+        try:
+            listener = held_listener(service_config.host, service_config.port)
+        except OSError as exc:
+            raise StartError(f"port {service_config.port} for {name} is taken ({exc.strerror}): free it or set "
+                             f"KVMESH_{name.upper()}_PORT") from None
+        url = f"http://{service_config.host}:{listener.getsockname()[1]}"
+        child = service_child(name, self.run_dir, url, {**self.env, **(extra or {})}, self.config)
+        child.listener = listener
+        self.start(child)
         self.env[f"KVMESH_{name.upper()}_URL"] = url  # later services find this one here
 
     def engines(self) -> list[Child]:

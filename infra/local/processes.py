@@ -62,9 +62,19 @@ def port_in_use(host: str, port: int) -> bool:
         return sock.connect_ex((host, port)) == 0
 
 
+def held_listener(host: str, port: int) -> socket.socket:
+    """A listening socket a supervisor keeps for a service and hands to each process it starts for it
+    (`listen_fd`): a connection made while the service restarts waits in the kernel's backlog for the
+    next process instead of being refused, as with systemd's socket activation."""
+    sock = socket.create_server((host, port))  # each service sets its backlog as it serves (serve.py)
+    sock.set_inheritable(True)
+    return sock
+
+
 @dataclass
 class Child:
-    """One supervised process: how to start it and how to tell it is ready."""
+    """One supervised process: how to start it and how to tell it is ready; `listener`, when given, is
+    the listening socket every process of it serves (held_listener)."""
 
     name: str
     argv: list[str]
@@ -73,12 +83,15 @@ class Child:
     url: str = ""
     process: subprocess.Popen | None = None
     restarts: int = 0
+    listener: socket.socket | None = None
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        inherited = {"KVMESH_LISTEN_FD": str(self.listener.fileno())} if self.listener else {}
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env={**os.environ, **self.env}, start_new_session=True)
+                                            env={**os.environ, **self.env, **inherited}, start_new_session=True,
+                                            pass_fds=(self.listener.fileno(),) if self.listener else ())
 
     @property
     def pid(self) -> int | None:
@@ -106,6 +119,13 @@ class Child:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+    def close(self) -> None:
+        """Stop the process and let go of its listening socket: the port is free after this."""
+        self.stop()
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout

@@ -36,6 +36,9 @@ class ServiceConfig(msgspec.Struct, kw_only=True):
 
     host: str = "127.0.0.1"
     port: int = 0
+    # A listening socket inherited from a supervisor (`kvmesh up` holds the stateless services'), served
+    # instead of binding host:port, so that connections made while the service restarts wait for it.
+    listen_fd: int | None = None
     cluster: str = "default"
     # Service token for internal endpoints. None leaves them open (`kvmesh up` always sets one).
     token: str | None = None

@@ -7,6 +7,7 @@ import faulthandler
 import json
 import logging
 import signal
+import socket
 
 from aiohttp import web
 
@@ -14,6 +15,10 @@ from .config import effective
 from .service import Service
 
 log = logging.getLogger(__name__)
+
+# Connections the kernel keeps waiting to be accepted (aiohttp's default is 128): a burst of clients,
+# or those that arrive while a supervised service restarts on its held socket, wait rather than fail.
+LISTEN_BACKLOG = 1024
 
 
 def run(service: Service) -> None:
@@ -32,6 +37,8 @@ def run(service: Service) -> None:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     except ImportError:
         pass
-    web.run_app(service.build(), host=config.host, port=config.port, access_log=None,
+    where = {"sock": socket.socket(fileno=config.listen_fd)} if config.listen_fd is not None \
+        else {"host": config.host, "port": config.port}
+    web.run_app(service.build(), **where, backlog=LISTEN_BACKLOG, access_log=None,
                 print=lambda *_: log.info("%s listening on http://%s:%s", service.name, config.host, config.port),
                 shutdown_timeout=5.0)

@@ -200,6 +200,20 @@ class TestTheColocatedCluster:
         assert new.restarts == 1 and http_ok(new.url + "/ready")
 
 
+    async def test_a_request_made_while_admission_restarts_waits_for_it(self, colocated):
+        """The launcher holds each stateless service's listening socket across restarts: a request sent
+        while admission is dead (killed, its successor still starting) waits in the kernel's backlog and
+        the new process answers it, where a closed port would refuse it."""
+        launcher, run_dir = colocated
+        old = next(c for c in status(run_dir).children if c.name == "admission")
+        key = (run_dir / "api_key").read_text().strip()
+        os.kill(old.pid, signal.SIGKILL)
+        wait_for(lambda: _dead(old.pid), timeout=10)
+        async with openai.AsyncOpenAI(base_url=old.url + "/v1", api_key=key, max_retries=0, timeout=60) as client:
+            answer = await client.completions.create(model=DEFAULT_MODEL, prompt="are you back", max_tokens=2)
+        assert answer.usage.completion_tokens == 2
+        assert next(c for c in status(run_dir).children if c.name == "admission").pid != old.pid
+
     async def test_swap_replaces_policies_and_a_restarted_service_keeps_them(self, colocated, tmp_path: Path):
         """`kvmesh swap`: admission's predictor becomes a third-party service, the engines' preemption order
         another; each survives a crash and restart of the service it changed; bad swaps change nothing."""
@@ -233,6 +247,15 @@ class TestTheColocatedCluster:
             assert swap("predictor", "builtin").returncode == 0
             assert swap("engines", "preemption_order=latest_arrival_first").returncode == 0
             replacement.stop()
+
+
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie its parent has not reaped yet: it runs no code either way."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")
 
 
 def test_sigterm_stops_everything_cleanly(cluster):
