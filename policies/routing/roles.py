@@ -1,7 +1,8 @@
 """The rule every routing policy shares: a prefill engine and a decode engine, each picked from the
 live, not excluded engines of its role that serve the model, of one KV layout (the same backend and
 block geometry: KV bytes mean the same on both sides only then); one `both` engine only when the
-model has no such pair. `both` engines never join a pair."""
+model has no such pair; and with neither, one engine of the pair that lost its other side (dead, or
+restarting), colocated. `both` engines never join a pair."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def candidates(query: RouteQuery, engines: Sequence[EngineView], role: str) -> l
 def choose(query: RouteQuery, engines: Sequence[EngineView], pick_prefill: Pick,
            pick_decode: Pick) -> RouteDecision | None:
     """A pair when the model has prefill and decode engines, else one colocated engine (picked like a
-    prefill engine: it prefills too), else None."""
+    prefill engine: it prefills too): a `both` engine, else one of a pair's surviving side; else None."""
     decode = candidates(query, engines, "decode")
     layouts = {e.kv_layout for e in decode}
     prefill = [e for e in candidates(query, engines, "prefill") if e.kv_layout in layouts]
@@ -33,5 +34,11 @@ def choose(query: RouteQuery, engines: Sequence[EngineView], pick_prefill: Pick,
     both = candidates(query, engines, "both")
     if both:
         engine = pick_prefill(both, "both")
+        return RouteDecision(engine=engine.id, cached_blocks=engine.cached_blocks)
+    # Every engine can prefill and decode: while a pair's other side is down (its only decode engine
+    # restarting, say) the side left serves requests whole, late rather than not at all.
+    left = candidates(query, engines, "prefill") + decode
+    if left:
+        engine = pick_prefill(left, "left")
         return RouteDecision(engine=engine.id, cached_blocks=engine.cached_blocks)
     return None

@@ -554,3 +554,18 @@ async def test_a_prefill_engine_that_fails_is_replaced(disaggregated, split_clie
         answer = await split_client.completions.create(model=MODEL, prompt="retry the prefill", max_tokens=4,
                                                        temperature=0, extra_body={"ignore_eos": True})
     assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 4
+
+
+async def test_a_pair_whose_decode_engine_is_down_answers_on_its_prefill_engine(stack, disaggregated, split_client):
+    """kill -9 of the only decode engine (a supervisor would restart it): a request paired with it
+    while its registration lives on (its first token from the prefill engine already) finishes on the
+    prefill engine, as does one routed after; greedily, as ever."""
+    decode = disaggregated.engines["engine-d0"]
+    decode.kill()
+    try:
+        answer = await split_client.completions.create(model=MODEL, prompt="The cache holds", max_tokens=8,
+                                                       temperature=0, extra_body={"ignore_eos": True})
+    finally:
+        decode.start()
+        await asyncio.to_thread(decode.wait_ready, 120)
+    assert answer.choices[0].text == (await engine_greedy(stack, 8, prompt="The cache holds"))[1]

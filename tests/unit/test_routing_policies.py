@@ -169,6 +169,18 @@ def test_kv_goes_only_between_engines_of_one_layout(policy):
 
 
 @pytest.mark.parametrize("policy", ALL, ids=lambda p: p.__name__)
+def test_a_pair_that_lost_one_side_serves_on_the_side_left_colocated(policy):
+    """No pair and no `both` engine: the prefill engines whose decode engines are all down (or the
+    decode engines whose prefill engines are) serve the request themselves, rather than none."""
+    decision, _ = route(policy, [engine("p0", cached=2), engine("d0", "decode")], exclude={"d0"})
+    assert decision == RouteDecision(engine="p0", cached_blocks=2) and decision.mode == "colocated"
+    decision, _ = route(policy, [engine("d1", "decode", free=50), engine("d0", "decode")])
+    assert decision == RouteDecision(engine="d0")
+    decision, _ = route(policy, [engine("p0"), engine("b0", "both"), engine("d0", "decode")], exclude={"d0"})
+    assert decision.engine == "b0"  # a `both` engine first
+
+
+@pytest.mark.parametrize("policy", ALL, ids=lambda p: p.__name__)
 def test_no_engine_for_the_model_is_no_decision(policy):
     engines = [engine("p0", model="other"), engine("d0", "decode", model="other"), engine("b0", "both")]
     assert route(policy, engines, model="tiny", exclude={"b0"})[0] is None
