@@ -20,8 +20,10 @@ sent after it. At the end: blocks held on each engine (free against total) and k
 against the live engines. Keys and targets are issue 29's: 0 hung, 0 wrong, 0 leaked blocks, 0 ghost
 or missing workers, 0 failures outside the requests in flight; recovery within 5 s for a stateless
 service and 15 s for an engine. Overload: every refusal a 429 with Retry-After, no other failure, each
-service's peak RSS within 2x its RSS before (the bound this bench states), and latency back within
-1.5x the P90 before the faults within 5 s of its end. Redis Sentinel failover is not among the
+service's peak RSS within 2x its RSS before (the bound this bench states), the answered requests' P90
+TTFT within their SLO, and latency back within 1.5x the P90 before the faults within 5 s of its end.
+Every request names a TTFT SLO of 5 s (`ttft_ms`), which admission refuses past (a 429) when it
+expects a request to wait longer for those ahead of it. Redis Sentinel failover is not among the
 faults: `kvmesh up` runs one redis; tests/integration/test_kvmeta_failover.py covers kvmeta's
 failover through Sentinel.
 
@@ -73,6 +75,7 @@ RECOVERY_TARGETS = {"stateless": 5.0, "engine": 15.0}
 OVERLOAD_FACTOR = 10.0
 RSS_GROWTH_BOUND = 2.0  # a service's peak RSS under overload against its RSS before: the bound this bench holds to
 NORMAL_LATENCY = 1.5    # back to normal: every later request within this much of the P90 latency before the faults
+TTFT_SLO_S = 5.0        # every request's TTFT SLO: under overload admission refuses what would wait past it
 
 
 @dataclass(frozen=True)
@@ -360,7 +363,7 @@ class Chaos:
 
     def _body(self, prompt: int, stream: bool) -> dict:
         body = {"model": self.model, "prompt": self.prompts[prompt], "max_tokens": self.plan.max_tokens,
-                "temperature": 0, "stream": stream, "ignore_eos": True}
+                "temperature": 0, "stream": stream, "ignore_eos": True, "ttft_ms": TTFT_SLO_S * 1000}
         if stream:
             body["stream_options"] = {"include_usage": True}
         return body
@@ -429,7 +432,7 @@ def _result(plan: Plan, quick: bool, chaos: Chaos, overload: Overload, inspectio
                 "held_blocks": inspection.held_blocks, "ghosts": inspection.ghosts, "missing": inspection.missing,
                 "overload req/s": overload.rate, "overload_s": plan.overload_s, "after_s": plan.after_s,
                 "rss_mib_before_overload": overload.rss_before, "rss_mib_peak_overload": overload.rss_peak,
-                "rss_growth_bound": RSS_GROWTH_BOUND, "normal_latency": f"within {NORMAL_LATENCY}x the P90 before the faults"},
+                "rss_growth_bound": RSS_GROWTH_BOUND, "ttft_slo_s": TTFT_SLO_S, "normal_latency": f"within {NORMAL_LATENCY}x the P90 before the faults"},
         rows=rows, plots=[_plot(requests + overload.requests + overload.after, faults, overload)],
         headline=f"{len(requests)} requests at {chaos.rate:.2f} req/s (half the measured {chaos.capacity:.2f}), "
                  f"{len(faults)} faults: {failed} failed ({outside} of them sent after a kill), "
@@ -440,7 +443,8 @@ def _result(plan: Plan, quick: bool, chaos: Chaos, overload: Overload, inspectio
 def _overload_figures(overload: Overload, baseline: float,
                       wrong: list[Sent]) -> tuple[list[Row], dict[str, float], dict[str, float]]:
     """The overload phase's rows, keys and targets: refusals are 429 with Retry-After, what is taken is
-    answered, memory stays within RSS_GROWTH_BOUND, and latency is normal again soon after."""
+    answered within its TTFT SLO, memory stays within RSS_GROWTH_BOUND, and latency is normal again
+    soon after."""
     sent, after = overload.requests, overload.after
     refused = [r for r in sent + after if r.result.status == 429]
     failed = [r for r in sent + after if not r.result.ok and r.result.status != 429]
@@ -453,6 +457,7 @@ def _overload_figures(overload: Overload, baseline: float,
                 "requests": len(sent), "answered": sum(r.result.ok for r in sent),
                 "429": sum(r.result.status == 429 for r in sent), "failed": sum(r in failed for r in sent),
                 "hung": sum(r.hung for r in sent), "wrong": sum(r in wrong for r in sent),
+                "ttft p90 s": _p90([r.result.ttft for r in sent if r.result.ok]),
                 "e2e p90 s": _p90([r.result.e2e for r in sent if r.result.ok]), "e2e p90 before s": baseline}),
             Row(compared="after the overload", path="the fault phase's rate", cells={
                 "requests": len(after), "answered": sum(r.result.ok for r in after),
@@ -461,9 +466,11 @@ def _overload_figures(overload: Overload, baseline: float,
     ratios = {"overload_429_without_retry_after": float(sum(r.result.retry_after is None for r in refused)),
               "overload_failures_not_429": float(len(failed)),
               "overload_rss_growth_max": max(growth.values(), default=0.0),
+              "overload_answered_ttft_p90_s": _p90([r.result.ttft for r in sent if r.result.ok]),
               "overload_normal_after_s": normal_from - overload.ended}
     targets = {"overload_429_without_retry_after": 0.0, "overload_failures_not_429": 0.0,
-               "overload_rss_growth_max": RSS_GROWTH_BOUND, "overload_normal_after_s": RECOVERY_TARGETS["stateless"]}
+               "overload_rss_growth_max": RSS_GROWTH_BOUND, "overload_answered_ttft_p90_s": TTFT_SLO_S,
+               "overload_normal_after_s": RECOVERY_TARGETS["stateless"]}
     return rows, ratios, targets
 
 
