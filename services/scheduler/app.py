@@ -27,6 +27,10 @@ from kvmesh.policies.routing.views import RouteDecision, RouteQuery, RoutingPoli
 from .api import ClusterView, NoEngine, PolicyChoice, PolicyInfo, Route, RouteRequest, UnknownModel, WorkerRef
 from .cluster import LiveCluster
 
+# A route asked of a scheduler that has no snapshot of the engines yet waits for it this long: with the
+# listening socket held across a restart (kvmesh up), requests reach the new process as it starts.
+FIRST_SNAPSHOT_WAIT_S = 5.0
+
 log = logging.getLogger(__name__)
 
 
@@ -101,6 +105,11 @@ def build_service(config: Config) -> Service:
     @service.route("POST", "/v1/route", body=RouteRequest, response=Route)
     async def route(request: web.Request, body: RouteRequest) -> Route:
         """Pick a (prefill, decode) pair, or one colocated engine, for a prompt."""
+        if not cluster.synced.is_set():  # a route asked of a process just (re)started, before it knows the engines
+            try:
+                await asyncio.wait_for(cluster.synced.wait(), FIRST_SNAPSHOT_WAIT_S)
+            except TimeoutError:
+                raise ServiceUnavailable(f"no worker snapshot from kvmeta at {config.kvmeta_url} yet") from None
         cached = await cached_blocks(body)
         query = RouteQuery(model=body.model, prompt_tokens=len(body.prompt_token_ids),
                            exclude=frozenset(body.exclude))

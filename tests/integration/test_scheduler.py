@@ -17,7 +17,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from kvmesh.infra.local.processes import Child, free_port, service_child
+from kvmesh.infra.local.processes import Child, free_port, port_in_use, service_child
 from kvmesh.libs.controlplane import RemoteError, ServiceClient
 from kvmesh.libs.kvmeta.client import KvmetaClient
 from kvmesh.libs.kvmeta.messages import Load
@@ -233,3 +233,31 @@ async def test_bad_route_bodies_are_400(scheduler: Child, body: bytes):
     async with aiohttp.ClientSession() as session, \
             session.post(scheduler.url + "/v1/route", data=body, headers=headers) as answer:
         assert answer.status == 400 and (await answer.json())["error"]["code"] == 400
+
+
+async def test_a_route_asked_before_the_first_snapshot_waits_for_it_then_is_a_503(tmp_path):
+    """A scheduler that does not know the engines yet (just started; requests that waited for it on a
+    held socket arrive at once) waits for kvmeta's first snapshot, and without one within the wait it
+    is unavailable (503), never a 404 for a model it simply has not seen yet."""
+    port = free_port()
+    child = service_child("scheduler", tmp_path, f"http://127.0.0.1:{port}", {
+        "KVMESH_SCHEDULER_PORT": str(port), "KVMESH_KVMETA_URL": f"http://127.0.0.1:{free_port()}",  # nothing there
+        "KVMESH_TOKEN": TOKEN})
+    child.start()
+    try:
+        await asyncio.to_thread(_until_listening, port)
+        async with ServiceClient(child.url, token=TOKEN, timeout=30, retries=0) as scheduler:
+            started = time.monotonic()
+            with pytest.raises(RemoteError) as unavailable:
+                await scheduler.call("POST", "/v1/route", {"model": "tiny", "prompt_token_ids": [1, 2]}, into=Route)
+        assert unavailable.value.status == 503 and "snapshot" in unavailable.value.message
+        assert time.monotonic() - started >= 4.0  # it waited for one
+    finally:
+        child.stop()
+
+
+def _until_listening(port: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not port_in_use("127.0.0.1", port):
+        assert time.monotonic() < deadline, "the scheduler never listened"
+        time.sleep(0.05)
