@@ -238,14 +238,16 @@ def build_service(config: Config) -> Service:
 
         async def run() -> web.StreamResponse:
             refuse_if_behind(prepared.slo)
-            generation, prediction = prepared.generation, None
-            if upstreams.predictor is not None:  # before the queue: the predictor's arrival rate is the arrivals'
-                prediction = await upstreams.predictor.predict(generation.prompt_ids, generation.max_tokens, generation.model,
-                                                     prepared.prompt_text)
-                if prediction is not None:
-                    generation = dataclasses.replace(generation, **predicted_lengths(prediction, generation.max_tokens))
+            # counted in the backlog from its check on, with no await between: requests checked
+            # together (a burst, each still asking the predictor) see each other
             with backlog.waiting() as first_token:
                 timing.on_first_token = first_token
+                generation, prediction = prepared.generation, None
+                if upstreams.predictor is not None:  # before the queue: the predictor's arrival rate is the arrivals'
+                    prediction = await upstreams.predictor.predict(generation.prompt_ids, generation.max_tokens,
+                                                                   generation.model, prepared.prompt_text)
+                    if prediction is not None:
+                        generation = dataclasses.replace(generation, **predicted_lengths(prediction, generation.max_tokens))
                 try:
                     async with queue.slot():
                         return await respond(generation, prediction)
