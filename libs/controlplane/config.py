@@ -43,6 +43,9 @@ class ServiceConfig(msgspec.Struct, kw_only=True):
     # Service token for internal endpoints. None leaves them open (`kvmesh up` always sets one).
     token: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
+    # A request body must arrive within this long: a client sending it one byte a second gets a 408
+    # instead of holding its handler (and whatever the handler would take) indefinitely.
+    body_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     log_level: str = "INFO"
     log_format: Literal["text", "json"] = "text"  # json: one object a line, with trace and request ids
     # Tracing (docs/observability.md): off unless spans have somewhere to go.

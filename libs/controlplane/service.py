@@ -211,7 +211,7 @@ class Service:
             if route.query is not None:
                 kwargs["query"] = _convert(dict(request.query), route.query, "query string")
             if route.body is not None:
-                raw = await request.read()
+                raw = await read_body(request, self.config.body_timeout_s)
                 kwargs["body"] = codec.decode(raw, request.headers.get("Content-Type"), route.body)
             result = await route.handler(request, **kwargs)
             if isinstance(result, web.StreamResponse):
@@ -256,6 +256,16 @@ class Service:
 
     async def _openapi(self, request: web.Request) -> web.Response:
         return web.json_response(openapi_document(self.name, self.routes, secured=bool(self.config.token)))
+
+
+async def read_body(request: web.Request, timeout_s: float) -> bytes:
+    """The request's body, if it arrives within `timeout_s`; else a 408 (aiohttp itself waits for a
+    slow body as long as it trickles in)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except TimeoutError:
+        raise web.HTTPRequestTimeout(text=f"the request body did not arrive within {timeout_s:g} s") from None
 
 
 def _route_of(request: web.Request) -> str:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from kvmesh.libs.controlplane import Service, ServiceConfig
+from kvmesh.libs.controlplane import Service, ServiceConfig, read_body
 from kvmesh.libs.controlplane.codec import JSON
 from kvmesh.observability import logs, tracing
 
@@ -80,6 +80,9 @@ class Config(ServiceConfig, kw_only=True):
     scheduler_wait_s: float = 10.0      # a scheduler that does not answer (restarting) is asked again this long
     connect_timeout_s: float = 5.0      # connecting to an engine
     stall_timeout_s: float = 300.0      # an engine that sends no frame for this long has failed
+    # A streaming client that takes none of its answer for this long (it never reads) is gone: the
+    # request is aborted on its engines and its slot freed, rather than held for as long as it sits.
+    client_write_timeout_s: float = 30.0
     models_refresh_s: float = 1.0       # how stale the list of served models may be
 
     def __post_init__(self) -> None:
@@ -217,7 +220,8 @@ def build_service(config: Config) -> Service:
             try:
                 if prepared.stream:
                     async with contextlib.aclosing(lifecycle.run(generation)) as pieces:
-                        response = await stream(request, pieces, reply, chat, prepared.include_usage, timing)
+                        response = await stream(request, pieces, reply, chat, prepared.include_usage, timing,
+                                                config.client_write_timeout_s)
                 else:
                     response = await whole(lambda run: lifecycle.run(generation, run), reply, chat, timing,
                                            config.max_retries)
@@ -275,14 +279,14 @@ def build_service(config: Config) -> Service:
     @public
     async def completions(request: web.Request) -> web.StreamResponse:
         """OpenAI completions: a prompt (text or token ids) in, text out; SSE when `stream`."""
-        body = decode_body(await request.read(), CompletionRequest)
+        body = decode_body(await read_body(request, config.body_timeout_s), CompletionRequest)
         return await answer(request, await prepare_completion(request, body), chat=False)
 
     @service.route("POST", "/v1/chat/completions", internal=False, span_name="admission", media=OPENAI)
     @public
     async def chat_completions(request: web.Request) -> web.StreamResponse:
         """OpenAI chat completions: messages through the model's chat template; SSE when `stream`."""
-        body = decode_body(await request.read(), ChatCompletionRequest)
+        body = decode_body(await read_body(request, config.body_timeout_s), ChatCompletionRequest)
         return await answer(request, await prepare_chat(request, body), chat=True)
 
     @service.route("GET", "/v1/models", internal=False, media=OPENAI)

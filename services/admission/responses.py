@@ -3,6 +3,7 @@ answer as JSON, or one server-sent event per piece (completions and chat), then 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -149,14 +150,19 @@ async def whole(journey: Callable[[int], AsyncIterator[Piece]], answer: Answer, 
 
 
 async def stream(request: web.Request, pieces: AsyncIterator[Piece], answer: Answer, chat: bool,
-                 include_usage: bool, timing: Timing) -> web.StreamResponse:
+                 include_usage: bool, timing: Timing, write_timeout_s: float) -> web.StreamResponse:
     """One event per piece, sent as it comes. The response starts only with the first piece, so an
     error before it still gets its own status; an engine failing after it ends the stream with an
-    error event."""
+    error event. A client that takes nothing for `write_timeout_s` (it stopped reading) is gone."""
     first = await anext(pieces)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": answer.id})
     await response.prepare(request)
+
+    async def send(data: bytes) -> None:
+        async with asyncio.timeout(write_timeout_s):
+            await response.write(data)
+
     try:
         piece: Piece | None = first
         while piece is not None:
@@ -164,20 +170,25 @@ async def stream(request: web.Request, pieces: AsyncIterator[Piece], answer: Ans
             offset = len(answer.text)
             answer.add(piece)
             chunk = answer.chat_chunk(piece, first=piece is first) if chat else answer.completion_chunk(piece, offset)
-            await response.write(sse(chunk))
+            await send(sse(chunk))
             piece = await anext(pieces, None)
         if include_usage:
-            await response.write(sse(answer.chat_usage_chunk() if chat else answer.completion_usage_chunk()))
-        await response.write(DONE)
+            await send(sse(answer.chat_usage_chunk() if chat else answer.completion_usage_chunk()))
+        await send(DONE)
     except AfterFirstToken as exc:
         tracing.fail_current(exc)
-        await response.write(sse(OpenAIError(503, str(exc), type="server_error", code="engine_failed").body()) + DONE)
+        await send(sse(OpenAIError(503, str(exc), type="server_error", code="engine_failed").body()) + DONE)
     except ConnectionResetError:  # the client went away: the caller closing `pieces` aborts the request
         log.info("the client went away mid-stream after %d tokens; request aborted", len(timing.token_times))
         tracing.fail_current("the client went away mid-stream", abort=True)
+    except TimeoutError:  # it stopped reading: closed, and the caller closing `pieces` aborts the request
+        log.info("the client took nothing for %g s after %d tokens; request aborted", write_timeout_s,
+                 len(timing.token_times))
+        tracing.fail_current("the client stopped reading mid-stream", abort=True)
+        if request.transport is not None:
+            request.transport.abort()
     except Exception as exc:  # a bug: the stream has started, so it must still end (an error event), not hang
         log.exception("stream of %s failed after %d tokens", answer.id, len(timing.token_times))
         tracing.fail_current(str(exc))
-        await response.write(sse(OpenAIError(500, "internal error in admission; see its log",
-                                             type="server_error").body()) + DONE)
+        await send(sse(OpenAIError(500, "internal error in admission; see its log", type="server_error").body()) + DONE)
     return response

@@ -336,6 +336,37 @@ async def _until(read, value: float, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
+async def test_a_body_that_trickles_in_gets_a_408_on_public_and_internal_routes(stack, tmp_path):
+    """A client sending its body a byte at a time holds nothing past body_timeout_s: a 408, in
+    OpenAI's shape on the public route and kvmesh's on an internal one."""
+    with ExitStack() as exits:
+        admission = ready(exits, launch("admission", tmp_path, KVMESH_SCHEDULER_URL=stack.scheduler.url,
+                                        KVMESH_API_KEY=KEY, KVMESH_ADMISSION_BODY_TIMEOUT_S="1"))
+        port = int(admission.url.rsplit(":", 1)[1])
+        answers = [await _trickled(port, "POST", "/v1/completions", KEY),
+                   await _trickled(port, "PUT", "/v1/upstreams", TOKEN)]
+    for status, body in answers:
+        assert status == 408 and "did not arrive within 1 s" in body, (status, body)
+
+
+async def _trickled(port: int, method: str, path: str, bearer: str) -> tuple[int, str]:
+    """Send a 100-byte body's first bytes one every 0.2 s until the server answers; its status and body."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {bearer}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n".encode())
+    answer = asyncio.ensure_future(reader.read(65536))
+    for _ in range(50):  # 10 s at most
+        if answer.done():
+            break
+        writer.write(b" ")
+        await writer.drain()
+        await asyncio.sleep(0.2)
+    head = await asyncio.wait_for(answer, 10)
+    writer.close()
+    status_line, _, rest = head.decode().partition("\r\n")
+    return int(status_line.split()[1]), rest.partition("\r\n\r\n")[2]
+
+
 # -- the request lifecycle ------------------------------------------------------------------------
 
 
