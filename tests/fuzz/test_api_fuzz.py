@@ -4,6 +4,8 @@ no hang; a refusal is a 4xx. The example budget per operation is bounded so that
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -110,3 +112,30 @@ async def test_every_service_still_serves_and_the_engine_holds_nothing(cluster):
                            headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
     assert idle(await wait_until_idle(cluster.engines["engine-c0"].url, timeout=10))
+
+
+# Open on every service by design: probes, Prometheus' scrape and the API's description. Admission's
+# OpenAI routes take API keys instead of the service token.
+OPEN = {"/health", "/ready", "/metrics", "/openapi.json"}
+OPENAI_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}"}
+
+
+@pytest.mark.parametrize("service", ["kvmeta", "scheduler", "predictor", "engine", "admission"])
+def test_every_route_but_the_open_ones_refuses_a_caller_without_the_right_credential(service, cluster):
+    """Each operation of the published description, called with no credential and with a wrong one,
+    before any body is read: the service token's routes answer 401 and 403, admission's OpenAI routes
+    401 (API keys), and nothing else answers at all."""
+    base = cluster.engines["engine-c0"].url if service == "engine" else getattr(cluster, service).url
+    paths = json.loads((API / f"{service}.openapi.json").read_text())["paths"]
+    refusals = {}
+    for path, methods in paths.items():
+        if path in OPEN:
+            continue
+        for method in methods:
+            url = base + re.sub(r"\{[^}]+\}", "x", path)
+            wrong = "sk-wrong" if path in OPENAI_ROUTES else "not-the-cluster-token"
+            refusals[method.upper(), path] = tuple(
+                requests.request(method.upper(), url, headers=headers, timeout=10).status_code
+                for headers in ({}, {"Authorization": f"Bearer {wrong}"}))
+    assert refusals and all(codes == ((401, 401) if path in OPENAI_ROUTES else (401, 403))
+                            for (_, path), codes in refusals.items()), refusals

@@ -258,13 +258,19 @@ def _dead(pid: int) -> bool:
     return state in ("Z", "X")
 
 
-def test_sigterm_stops_everything_cleanly(cluster):
+def test_sigterm_stops_everything_cleanly_and_no_log_holds_a_secret(cluster):
     launcher, run_dir = cluster
     pids = [c.pid for c in status(run_dir).children]
+    admission = next(c for c in status(run_dir).children if c.name == "admission")
+    asked = openai.OpenAI(base_url=admission.url + "/v1", api_key=CONFIGURED["KVMESH_API_KEY"], max_retries=0)
+    assert asked.completions.create(model=DEFAULT_MODEL, prompt="keep a secret", max_tokens=2).usage.completion_tokens == 2
     launcher.send_signal(signal.SIGTERM)
     output, _ = launcher.communicate(timeout=30)
     assert launcher.returncode == 0, output
     assert "API key: from KVMESH_API_KEY" in output and CONFIGURED["KVMESH_API_KEY"] not in output
+    logs = "".join(log.read_text(errors="replace") for log in (run_dir / "logs").glob("*.log"))
+    assert "effective config" in logs  # every service logged its settings, secrets masked
+    assert not [secret for secret in CONFIGURED.values() if secret in logs]
     assert (run_dir / "api_key").read_text().strip() == CONFIGURED["KVMESH_API_KEY"]
     assert not any(pid_alive(pid) for pid in pids)
     assert not status(run_dir).running and not (run_dir / "state.json").exists()
