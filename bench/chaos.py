@@ -1,12 +1,14 @@
 """`kvmesh bench chaos`: a steady load through the front door while each component of a local 1P1D
 cluster is killed in turn (issue 29), with every answer checked.
 
-One `kvmesh up` (its supervisor restarts what dies). First a reference: each prompt of a small pool
+One `kvmesh up` (its supervisor restarts what dies); the full run's Redis is a Sentinel group of
+its own (a master, a replica, three Sentinels: what docs/deploy.md deploys), which kvmeta follows. First a reference: each prompt of a small pool
 answered greedily, one at a time, on the healthy cluster. Then the capacity: the pool sent twice at
 once, answers per second. Then a Poisson load at half that capacity, half the requests streamed and
 half answered whole, each with a deadline. While it runs, after a warm-up, one fault at a time: kill -9
-of redis, kvmeta, the predictor, the scheduler, the prefill engine, the decode engine and admission
-(each waited on until the supervisor has it ready again, then a settling pause), and a cut of the
+of the Redis master (the Sentinels promote the replica; `--quick`: kvmesh up's own redis, which the
+supervisor restarts), kvmeta, the predictor, the scheduler, the prefill engine, the decode engine and
+admission (each waited on until it is ready again, then a settling pause), and a cut of the
 decode engine's data-plane connections to the prefill engine (`ss -K`, while pulls run). After the
 last fault the load goes on for a while, then drains. Then the overload: ten times the capacity for
 `overload_s` (60 s), every service's RSS sampled, then the fault phase's rate again; and the cluster
@@ -23,14 +25,12 @@ service and 15 s for an engine. Overload: every refusal a 429 with Retry-After, 
 service's peak RSS within 2x its RSS before (the bound this bench states), the answered streamed
 requests' P90 TTFT within their SLO, and latency back within 1.5x the P90 before the faults within
 5 s of its end. Every request names a TTFT SLO of 5 s (`ttft_ms`), which admission refuses past (a
-429) when it expects a request to wait longer for those ahead of it. Redis Sentinel failover is not among the
-faults: `kvmesh up` runs one redis; tests/integration/test_kvmeta_failover.py covers kvmeta's
-failover through Sentinel.
+429) when it expects a request to wait longer for those ahead of it.
 
 The engines run in float32 with dense weights, so a request's greedy answer does not depend on what it
 is batched with (bf16 kernels and the 4-bit path pick their code by row count, and a near-tie could
-flip a token without anything being wrong). `--quick`: the `tiny` preset, three faults (scheduler,
-decode engine, data-plane cut), shorter pauses, 4 s of overload.
+flip a token without anything being wrong). `--quick`: the `tiny` preset, four faults (kvmesh up's
+redis, scheduler, decode engine, data-plane cut), shorter pauses, 4 s of overload.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -54,6 +55,7 @@ import numpy as np
 import uvloop
 from rich.progress import Progress
 
+from kvmesh.infra.local.processes import SentinelGroup, sentinel_group
 from kvmesh.infra.local.state import read_state
 from kvmesh.infra.local.status import status
 from kvmesh.libs.kvmeta.messages import WorkerList
@@ -68,6 +70,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 SEED = 29
 DATA_PLANE = "data plane"
+REDIS_FAILOVER = "redis master, Sentinel failover"
 ENGINES = ("engine-p0", "engine-d0")
 STATELESS = ("kvmeta", "predictor", "scheduler", "admission")
 TIMELINE_PLOT = Path("bench-results/chaos_timeline.png")
@@ -91,14 +94,16 @@ class Plan:
     restart_timeout_s: float
     overload_s: float     # ten times the capacity, this long
     after_s: float        # then the fault phase's rate again, this long
+    sentinels: bool       # Redis is a Sentinel group of the bench's own, not kvmesh up's one redis
 
 
-FULL = Plan(model=DEFAULT_MODEL, faults=("redis", "kvmeta", "predictor", "scheduler", "engine-p0", "engine-d0",
-                                         "admission", DATA_PLANE),
+FULL = Plan(model=DEFAULT_MODEL, faults=(REDIS_FAILOVER, "kvmeta", "predictor", "scheduler", "engine-p0",
+                                         "engine-d0", "admission", DATA_PLANE),
             prompts=16, max_tokens=16, warm_s=10, settle_s=6, tail_s=10, deadline_s=60, restart_timeout_s=180,
-            overload_s=60, after_s=60)
-QUICK = Plan(model="tiny", faults=("scheduler", "engine-d0", DATA_PLANE), prompts=8, max_tokens=12, warm_s=4,
-             settle_s=3, tail_s=4, deadline_s=30, restart_timeout_s=90, overload_s=4, after_s=8)
+            overload_s=60, after_s=60, sentinels=True)
+QUICK = Plan(model="tiny", faults=("redis", "scheduler", "engine-d0", DATA_PLANE), prompts=8, max_tokens=12,
+             warm_s=4, settle_s=3, tail_s=4, deadline_s=30, restart_timeout_s=90, overload_s=4, after_s=8,
+             sentinels=False)
 
 
 @dataclass
@@ -150,15 +155,21 @@ class Inspection:
 
 def run(quick: bool) -> BenchResult:
     plan = QUICK if quick else FULL
-    setup = Setup("chaos", "1P1D", ("--prefill", "1", "--decode", "1"),
-                  {"KVMESH_ENGINE_MODEL": plan.model, "KVMESH_ENGINE_DTYPE": "float32",
-                   "KVMESH_ENGINE_QUANTIZED_WEIGHTS": "off"})
+    env = {"KVMESH_ENGINE_MODEL": plan.model, "KVMESH_ENGINE_DTYPE": "float32", "KVMESH_ENGINE_QUANTIZED_WEIGHTS": "off"}
     with (asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner, Progress(transient=True) as progress,
-          tempfile.TemporaryDirectory(prefix="kvmesh-bench-chaos-") as tmp):
+          tempfile.TemporaryDirectory(prefix="kvmesh-bench-chaos-") as tmp, contextlib.ExitStack() as stack):
         starting = progress.add_task("starting the 1P1D cluster", total=None)
-        with LocalCluster(setup, Path(tmp) / "cluster") as cluster:
+        up_args: tuple[str, ...] = ("--prefill", "1", "--decode", "1")
+        group = None
+        if plan.sentinels:
+            group = sentinel_group(Path(tmp) / "redis", "kvmesh-chaos")
+            stack.callback(group.stop)
+            up_args += ("--redis-url", group.master.url)
+            env |= {"KVMESH_KVMETA_REDIS_SENTINELS": json.dumps(group.sentinels),
+                    "KVMESH_KVMETA_REDIS_MASTER": group.name}
+        with LocalCluster(Setup("chaos", "1P1D", up_args, env), Path(tmp) / "cluster") as cluster:
             progress.remove_task(starting)
-            chaos = Chaos(plan, cluster, progress)
+            chaos = Chaos(plan, cluster, progress, group)
             runner.run(chaos.prepare())
             runner.run(chaos.load_with_faults())
             overload = runner.run(chaos.overload())
@@ -167,8 +178,8 @@ def run(quick: bool) -> BenchResult:
 
 
 class Chaos:
-    def __init__(self, plan: Plan, cluster: LocalCluster, progress: Progress):
-        self.plan, self.cluster, self.progress = plan, cluster, progress
+    def __init__(self, plan: Plan, cluster: LocalCluster, progress: Progress, redis: SentinelGroup | None = None):
+        self.plan, self.cluster, self.progress, self.redis = plan, cluster, progress, redis
         self.prompts = [f"Question {i}: what comes after the number {7 * i + 3}? Answer in one sentence."
                         for i in range(plan.prompts)]
         self.reference: list[str] = []
@@ -319,6 +330,8 @@ class Chaos:
         now = time.perf_counter() - self._began
         if target == DATA_PLANE:
             return Fault(target, now, ready_at=now, note=await self._cut_data_plane())
+        if target == REDIS_FAILOVER:
+            return await self._fail_over(now)
         pid = next(c.pid for c in read_state(self.cluster.run_dir).children if c.name == target)
         os.kill(pid, signal.SIGKILL)
         fault = Fault(target, now)
@@ -331,6 +344,31 @@ class Chaos:
                 fault.ready_at = time.perf_counter() - self._began
                 break
         return fault
+
+    async def _fail_over(self, now: float) -> Fault:
+        """kill -9 of the Redis master; ready again once the Sentinels name another one and kvmeta,
+        following them, answers from it."""
+        old = await asyncio.to_thread(self.redis.master_port)
+        master = next(c for c in (self.redis.master, self.redis.replica) if c.url.endswith(f":{old}/0"))
+        master.kill()
+        fault = Fault(REDIS_FAILOVER, now, note=f"master :{old} killed")
+        deadline = time.monotonic() + self.plan.restart_timeout_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+            with contextlib.suppress(Exception):  # the Sentinels may not answer mid-failover
+                promoted = await asyncio.to_thread(self.redis.master_port)
+                if promoted != old and await self._kvmeta_answers():
+                    fault.ready_at = time.perf_counter() - self._began
+                    fault.note += f", :{promoted} promoted"
+                    break
+        return fault
+
+    async def _kvmeta_answers(self) -> bool:
+        try:
+            await self._workers()
+            return True
+        except (aiohttp.ClientError, OSError, msgspec.DecodeError):
+            return False
 
     async def _cut_data_plane(self) -> str:
         """Destroy every TCP connection to the prefill engine's data-plane port: the decode engine's pulls."""
@@ -347,6 +385,7 @@ class Chaos:
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {self._token()}",
                                                   "Accept": "application/msgpack"}) as session:
             async with session.get(kvmeta.url + "/v1/workers") as response:
+                response.raise_for_status()
                 return msgspec.msgpack.decode(await response.read(), type=WorkerList).workers
 
     def _token(self) -> str:

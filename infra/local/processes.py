@@ -153,6 +153,62 @@ def redis_child(run_dir: Path, host: str = "127.0.0.1", port: int | None = None)
     return Child("redis", argv, run_dir / "logs" / "redis.log", url=f"redis://{host}:{port}/0")
 
 
+@dataclass
+class SentinelGroup:
+    """A Redis master, one replica and three Sentinels (quorum 2) watching them, all on loopback: the
+    failover docs/deploy.md deploys, for tests and benchmarks. kvmeta follows it with
+    `redis_sentinels = sentinels` and `redis_master = name`."""
+
+    name: str
+    master: Child
+    replica: Child
+    sentinel_children: list[Child]
+
+    @property
+    def sentinels(self) -> list[str]:
+        return [child.url.split("//")[1].split("/")[0] for child in self.sentinel_children]
+
+    def master_port(self) -> int:
+        """The port of the master the Sentinels name now (it changes with a failover)."""
+        import redis  # here: .venv-vllm's benchmark client imports this module without redis-py
+
+        host, port = self.sentinels[0].rsplit(":", 1)
+        with redis.Redis(host=host, port=int(port), socket_timeout=1.0) as sentinel:
+            return int(sentinel.sentinel_get_master_addr_by_name(self.name)[1])
+
+    def stop(self) -> None:
+        for child in [*self.sentinel_children, self.replica, self.master]:
+            child.stop()
+
+
+def sentinel_group(run_dir: Path, name: str = "kvmesh", down_after_ms: int = 500) -> SentinelGroup:
+    """Start a master, a replica of it and three Sentinels, each waited on; `down_after_ms`: how long
+    the master may not answer before the Sentinels fail over."""
+    master = redis_child(run_dir / "master")
+    master.start()
+    master.wait_ready()
+    master_port = master.url.rsplit(":", 1)[1].split("/")[0]
+    replica = redis_child(run_dir / "replica")
+    replica.argv += ["--replicaof", "127.0.0.1", master_port]
+    replica.start()
+    replica.wait_ready()
+    sentinels = []
+    for index in range(3):
+        port = free_port()
+        config = run_dir / f"sentinel-{index}.conf"
+        config.write_text(f"port {port}\nbind 127.0.0.1\ndir {run_dir}\n"
+                          f"sentinel monitor {name} 127.0.0.1 {master_port} 2\n"
+                          f"sentinel down-after-milliseconds {name} {down_after_ms}\n"
+                          f"sentinel failover-timeout {name} 5000\n")
+        child = Child(f"sentinel-{index}", [shutil.which("redis-server"), str(config), "--sentinel"],
+                      run_dir / "logs" / f"sentinel-{index}.log", url=f"redis://127.0.0.1:{port}/0")
+        child.start()
+        sentinels.append(child)
+    for child in sentinels:
+        child.wait_ready()
+    return SentinelGroup(name, master, replica, sentinels)
+
+
 def service_child(service: str, run_dir: Path, url: str, env: dict[str, str], config: str | None = None,
                   name: str | None = None, python: str = sys.executable) -> Child:
     """`kvmesh serve SERVICE` as a child; `name` tells instances of one service apart (default: the service);

@@ -1,8 +1,8 @@
-"""`kvmesh bench chaos --quick --json`: a real 1P1D cluster under load while the scheduler and the decode
-engine are killed and the data plane is cut, then ten times its capacity. What the issue holds to zero
-is asserted here (hung requests, wrong answers, blocks held after the drain, ghost workers, a 429
-without Retry-After); failures, recovery times and memory are measurements, which the benchmark
-reports and the test does not judge."""
+"""`kvmesh bench chaos --quick --json`: a real 1P1D cluster under load while its redis, the scheduler
+and the decode engine are killed and the data plane is cut, then ten times its capacity. What the
+issue holds to zero is asserted here (hung requests, wrong answers, blocks held after the drain, ghost
+workers, a 429 without Retry-After); failures, recovery times and memory are measurements, which the
+benchmark reports and the test does not judge."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def test_chaos_bench_loses_nothing_and_writes_the_contract(tmp_path: Path):
     result, _ = quick_bench(tmp_path, "chaos", timeout=600)
     ratios = result["ratios"]
     assert [row["compared"] for row in result["rows"]] == [
-        "before the first fault", "scheduler", "engine-d0", "data plane", "the whole run", "overload",
+        "before the first fault", "redis", "scheduler", "engine-d0", "data plane", "the whole run", "overload",
         "after the overload"]
     assert ratios["hung_requests"] == 0, result["config"]["errors"]
     assert ratios["wrong_answers"] == 0

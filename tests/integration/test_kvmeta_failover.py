@@ -7,14 +7,14 @@ the promoted replica, and a watcher's stream comes back with a fresh snapshot an
 from __future__ import annotations
 
 import asyncio
-import shutil
+import json
 import time
 from pathlib import Path
 
 import pytest
 import redis as redis_sync
 
-from kvmesh.infra.local.processes import Child, free_port, redis_child
+from kvmesh.infra.local.processes import sentinel_group
 from kvmesh.libs.controlplane import RemoteError
 from kvmesh.libs.kvmeta.client import WorkerPresence
 from kvmesh.libs.kvmeta.messages import WorkerEvent
@@ -25,45 +25,18 @@ from ..factories import worker_info
 MASTER = "kvmesh-test"
 
 
-def _sentinel(run_dir: Path, index: int, master_port: int) -> tuple[Child, int]:
-    port = free_port()
-    config = run_dir / f"sentinel-{index}.conf"
-    config.write_text(f"port {port}\nbind 127.0.0.1\ndir {run_dir}\n"
-                      f"sentinel monitor {MASTER} 127.0.0.1 {master_port} 2\n"
-                      f"sentinel down-after-milliseconds {MASTER} 500\n"
-                      f"sentinel failover-timeout {MASTER} 5000\n")
-    child = Child(f"sentinel-{index}", [shutil.which("redis-server"), str(config), "--sentinel"],
-                  run_dir / "logs" / f"sentinel-{index}.log", url=f"redis://127.0.0.1:{port}/0")
-    child.start()
-    return child, port
-
-
 @pytest.fixture
 def replicated(tmp_path: Path):
-    master = redis_child(tmp_path / "master")
-    master.start()
-    master.wait_ready()
-    master_port = int(master.url.rsplit(":", 1)[1].split("/")[0])
-    replica = redis_child(tmp_path / "replica")
-    replica.argv += ["--replicaof", "127.0.0.1", str(master_port)]
-    replica.start()
-    replica.wait_ready()
-    sentinels = [_sentinel(tmp_path, i, master_port) for i in range(3)]
-    yield master, replica, [port for _, port in sentinels]
-    for child in [replica, master, *(c for c, _ in sentinels)]:
-        child.stop()
-
-
-def _master_port(sentinel_port: int) -> int:
-    with redis_sync.Redis(port=sentinel_port) as sentinel:
-        return int(sentinel.sentinel_get_master_addr_by_name(MASTER)[1])
+    group = sentinel_group(tmp_path, MASTER)
+    yield group
+    group.stop()
 
 
 async def test_kvmeta_follows_a_sentinel_failover_without_a_restart(replicated, tmp_path: Path):
-    master, replica, sentinel_ports = replicated
+    master, replica = replicated.master, replicated.replica
     replica_port = int(replica.url.rsplit(":", 1)[1].split("/")[0])
     kvmeta = start_kvmeta(tmp_path, "redis://127.0.0.1:1/0", "failover",
-                          KVMESH_KVMETA_REDIS_SENTINELS=str([f"127.0.0.1:{p}" for p in sentinel_ports]).replace("'", '"'),
+                          KVMESH_KVMETA_REDIS_SENTINELS=json.dumps(replicated.sentinels),
                           KVMESH_KVMETA_REDIS_MASTER=MASTER)
     events: list[WorkerEvent] = []
 
@@ -88,7 +61,7 @@ async def test_kvmeta_follows_a_sentinel_failover_without_a_restart(replicated, 
             while True:
                 try:
                     workers = await client.workers()
-                    if _master_port(sentinel_ports[0]) == replica_port:
+                    if replicated.master_port() == replica_port:
                         break
                 except RemoteError as exc:
                     statuses.append(exc.status)
