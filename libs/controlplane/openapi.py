@@ -18,8 +18,8 @@ _TEMPLATE_NAME = re.compile(r"\{(\w+)\}")
 
 
 def openapi_document(service: str, routes: list[Route], secured: bool) -> dict[str, Any]:
-    types = sorted({t for r in routes for t in (r.body, r.query, r.params, r.response) if t is not None} | {ErrorBody},
-                   key=repr)
+    types = sorted({t for r in routes for t in (r.body or r.reads, r.query, r.params, r.response) if t is not None}
+                   | {ErrorBody}, key=repr)
     schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
     schema_of = dict(zip(types, schemas))
     paths: dict[str, dict[str, Any]] = {}
@@ -34,8 +34,8 @@ def openapi_document(service: str, routes: list[Route], secured: bool) -> dict[s
         }
         if route.response is not None:
             operation["responses"]["200"]["content"] = media(schema_of[route.response])
-        if route.body is not None:
-            operation["requestBody"] = {"required": True, "content": media(schema_of[route.body])}
+        if (body := route.body or route.reads) is not None:
+            operation["requestBody"] = {"required": True, "content": media(schema_of[body])}
         parameters = _parameters(route.params, "path", components) + _parameters(route.query, "query", components)
         declared = {p["name"] for p in parameters if p["in"] == "path"}
         parameters += [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}

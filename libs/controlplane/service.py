@@ -62,6 +62,7 @@ class Route:
     summary: str = ""
     span_name: str | None = None
     media: tuple[str, ...] = (codec.JSON, codec.MSGPACK)  # what it reads and answers in (errors included)
+    reads: type | None = None  # a body the handler reads and checks itself (its own errors), published
 
 
 class Health(msgspec.Struct, kw_only=True):
@@ -95,15 +96,17 @@ class Service:
     def route(self, method: str, path: str, *, body: type | None = None, query: type | None = None,
               params: type | None = None, response: Any = None, internal: bool = True,
               summary: str = "", span_name: str | None = None,
-              media: tuple[str, ...] = (codec.JSON, codec.MSGPACK)) -> Callable[[Handler], Handler]:
+              media: tuple[str, ...] = (codec.JSON, codec.MSGPACK),
+              reads: type | None = None) -> Callable[[Handler], Handler]:
         """Register a handler. It receives the request and, when declared, `body`, `query` and
         `params` already validated; it returns a struct (encoded for the caller), None (204), or an
-        aiohttp response of its own (streams: then `media` says what it answers in). Its requests are
-        traced as SERVER spans named `span_name`, or "METHOD path"."""
+        aiohttp response of its own (streams: then `media` says what it answers in). A handler that
+        reads its body itself, to answer errors in a shape of its own, names its struct in `reads`
+        for the description. Its requests are traced as SERVER spans named `span_name`, or "METHOD path"."""
 
         def register(handler: Handler) -> Handler:
             route = Route(method.upper(), path, handler, body, query, params, response, internal,
-                          summary or (handler.__doc__ or "").strip().split("\n")[0], span_name, media)
+                          summary or (handler.__doc__ or "").strip().split("\n")[0], span_name, media, reads)
             self.routes.append(route)
             self._declared[(route.method, path)] = route
             return handler

@@ -275,14 +275,16 @@ def build_service(config: Config) -> Service:
         requests flow; one that is not ready or lacks an operation admission calls is refused."""
         return await upstreams.swap(body)
 
-    @service.route("POST", "/v1/completions", internal=False, span_name="admission", media=OPENAI)
+    @service.route("POST", "/v1/completions", internal=False, span_name="admission", media=OPENAI,
+                   reads=CompletionRequest)
     @public
     async def completions(request: web.Request) -> web.StreamResponse:
         """OpenAI completions: a prompt (text or token ids) in, text out; SSE when `stream`."""
         body = decode_body(await read_body(request, config.body_timeout_s), CompletionRequest)
         return await answer(request, await prepare_completion(request, body), chat=False)
 
-    @service.route("POST", "/v1/chat/completions", internal=False, span_name="admission", media=OPENAI)
+    @service.route("POST", "/v1/chat/completions", internal=False, span_name="admission", media=OPENAI,
+                   reads=ChatCompletionRequest)
     @public
     async def chat_completions(request: web.Request) -> web.StreamResponse:
         """OpenAI chat completions: messages through the model's chat template; SSE when `stream`."""

@@ -5,7 +5,8 @@ Requests: `CompletionRequest` (`POST /v1/completions`) and `ChatCompletionReques
 (n > 1, echo, suffix, penalties, logit_bias, tools, a non-text response_format) are a 400 that says
 so, never silently dropped. kvmesh's own extensions, which the official client sends through
 `extra_body`: `slo_class` (one of admission's `slo_classes`), `ttft_ms` and `tbt_ms` (per-request SLOs),
-`top_k` and `ignore_eos`.
+`top_k` and `ignore_eos`. The ranges a field accepts are on its struct, so the published description
+(docs/api/admission.openapi.json) states the bounds the front door holds to.
 
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, not kvmesh's internal one:
 
@@ -22,11 +23,11 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from aiohttp import web
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 
 class OpenAIError(Exception):
@@ -58,6 +59,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 # -- requests -------------------------------------------------------------------------------------
 
 
+NonEmpty = Annotated[str, Meta(min_length=1)]
+
+
 class StreamOptions(Struct, kw_only=True):
     include_usage: bool = False
 
@@ -66,29 +70,29 @@ class SamplingFields(Struct, kw_only=True):
     """What both endpoints share."""
 
     model: str
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    stop: NonEmpty | Annotated[list[NonEmpty], Meta(max_length=16)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
+    n: Annotated[int, Meta(ge=1)] | None = 1  # 1 only: more is an unsupported_parameter
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     # kvmesh extensions (the official client sends them through `extra_body`)
     slo_class: str | None = None
-    ttft_ms: float | None = None
-    tbt_ms: float | None = None
-    top_k: int | None = None
+    ttft_ms: Annotated[float, Meta(gt=0.0)] | None = None
+    tbt_ms: Annotated[float, Meta(gt=0.0)] | None = None
+    top_k: Annotated[int, Meta(ge=0)] | None = None  # 0: off
     ignore_eos: bool | None = False
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[Any]             # text, token ids, or a batch of one of either
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: Annotated[int, Meta(ge=1)] | None = 16
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
@@ -106,9 +110,9 @@ class ChatMessage(Struct, kw_only=True):
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
@@ -155,22 +159,11 @@ def sampling_of(body: SamplingFields, logprobs: bool) -> Sampling:
             raise bad_request(f"`{name}` is not supported", param=name, code="unsupported_parameter")
     if body.logit_bias:
         raise bad_request("`logit_bias` is not supported", param="logit_bias", code="unsupported_parameter")
-    temperature = 1.0 if body.temperature is None else body.temperature
-    if not (math.isfinite(temperature) and 0.0 <= temperature <= 2.0):
-        raise bad_request(f"temperature must be between 0 and 2, got {temperature}", param="temperature")
-    top_p = 1.0 if body.top_p is None else body.top_p
-    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
-        raise bad_request(f"top_p must be in (0, 1], got {top_p}", param="top_p")
-    top_k = body.top_k or 0
-    if top_k < 0:
-        raise bad_request(f"top_k must be 0 (off) or positive, got {top_k}", param="top_k")
-    if body.seed is not None and not 0 <= body.seed < 2**63:
-        raise bad_request(f"seed must be in [0, 2**63), got {body.seed}", param="seed")
+    # the ranges are the structs' (decode_body checked them): what is left is to resolve the defaults
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if len(stop) > 16 or any(not s for s in stop):
-        raise bad_request("stop must be up to 16 non-empty strings", param="stop")
-    return Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=body.seed, stop=stop,
-                    ignore_eos=bool(body.ignore_eos), logprobs=logprobs)
+    return Sampling(temperature=1.0 if body.temperature is None else body.temperature,
+                    top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
+                    stop=stop, ignore_eos=bool(body.ignore_eos), logprobs=logprobs)
 
 
 def completion_checks(body: CompletionRequest) -> None:
@@ -181,8 +174,6 @@ def completion_checks(body: CompletionRequest) -> None:
         raise bad_request("`suffix` is not supported", param="suffix", code="unsupported_parameter")
     if body.best_of not in (None, 1):
         raise bad_request("only best_of=1 is supported", param="best_of", code="unsupported_parameter")
-    if body.logprobs is not None and not 0 <= body.logprobs <= 5:
-        raise bad_request(f"logprobs must be between 0 and 5, got {body.logprobs}", param="logprobs")
 
 
 def chat_checks(body: ChatCompletionRequest) -> None:
@@ -195,8 +186,6 @@ def chat_checks(body: ChatCompletionRequest) -> None:
     if body.top_logprobs:
         raise bad_request("top_logprobs is not supported (the chosen token's logprob is)", param="top_logprobs",
                           code="unsupported_parameter")
-    if not body.messages:
-        raise bad_request("`messages` must hold at least one message", param="messages")
 
 
 def prompt_of(body: CompletionRequest) -> str | list[int]:
