@@ -146,7 +146,10 @@ class KVHandoff:
         this one (one is in flight per connection) for the rest of a prefill step, tens of ms."""
         if request_id not in self.engine.held:  # a dict lookup; the engine thread only adds and removes
             return False
-        self.loop.submit(lambda: self.engine.release_held(request_id))
+
+        def release() -> None:  # a command returns frames or None, not release_held's bool
+            self.engine.release_held(request_id)
+        self.loop.submit(release)
         return True
 
     def held(self, handle: KVHandle) -> None:

@@ -205,6 +205,23 @@ async def test_killed_prefill_fails_the_transfer_in_time_and_a_new_worker_serves
     assert_pulled(puller, fresh, remote, list(range(64)))
 
 
+async def test_a_connection_cut_before_its_reads_are_posted_fails_the_pull_at_once_then_reconnects(puller, prefill):
+    """The queue pair breaks between the pull taking its connection and the reads being posted (a cut
+    connection, as the chaos bench makes): the pull fails at once, never waits forever for its COMPLETE,
+    and the next pull reconnects and lands every byte."""
+    peer = prefill(seed=11)
+    remote = peer.prepare(r=32)["r"]
+    reads = [BlockReads("device", "device", remote, list(range(32)))]
+    connection = await puller.connection(peer.address)
+    # runs once the pull below has queued its reads and COMPLETE, before they are posted
+    asyncio.get_running_loop().call_soon(connection.qp.fail, "cut by the test")
+    with pytest.raises(RdmaError, match="cut by the test"):
+        async with asyncio.timeout(5):  # no task of its own: the pull queues everything before the cut
+            await puller.pull(peer.address, "r", reads)
+    await puller.pull(peer.address, "r", reads)
+    assert_pulled(puller, peer, remote, list(range(32)))
+
+
 async def test_frozen_prefill_fails_the_transfer_within_the_timeout_then_reconnects(puller, prefill):
     peer = prefill(seed=9)
     remote = peer.prepare(a=16, b=16)

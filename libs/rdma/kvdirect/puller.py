@@ -149,16 +149,31 @@ class PullConnection:
 
     def _pump(self) -> None:
         self._pump_scheduled = False
+        try:
+            while self._queue:
+                reads: list[_Read] = []
+                while self._queue and isinstance(self._queue[0], _Read):
+                    reads.append(self._queue.popleft())  # type: ignore[arg-type]
+                if reads:
+                    self._post(reads)
+                if self._queue:
+                    ending = self._queue.popleft()
+                    assert isinstance(ending, _Complete)
+                    asyncio.ensure_future(self._finish(ending))
+        except RdmaError as exc:  # the queue pair broke before the reads were posted (a cut connection)
+            self._fail_queued(exc)
+
+    def _fail_queued(self, exc: RdmaError) -> None:
+        """Every request still queued here fails now: its COMPLETE would otherwise wait for a pump that
+        never comes, since the next pulls take a new connection (a pull hung this way in the chaos bench)."""
         while self._queue:
-            reads: list[_Read] = []
-            while self._queue and isinstance(self._queue[0], _Read):
-                reads.append(self._queue.popleft())  # type: ignore[arg-type]
-            if reads:
-                self._post(reads)
-            if self._queue:
-                ending = self._queue.popleft()
-                assert isinstance(ending, _Complete)
-                asyncio.ensure_future(self._finish(ending))
+            item = self._queue.popleft()
+            if isinstance(item, _Complete):
+                request = self._requests.pop(item.request_id, None)
+                for batch in request.batches if request else ():  # reads posted before the break: nobody waits
+                    batch.cancel()
+                if not item.done.done():
+                    item.done.set_exception(exc)
 
     def _post(self, reads: list[_Read]) -> None:
         groups: dict[tuple[str, str], list[_Read]] = {}
@@ -260,11 +275,13 @@ class KVDirectPuller:
         if stale is not None:
             await stale.close()
         qp = await self.endpoint.connect(address, timeout=self.timeout)
-        channel = ControlChannel(qp, self.timeout)
+        channel = None
         try:
+            channel = ControlChannel(qp, self.timeout)  # posts its receives: fails on a queue pair already cut
             hello = await channel.recv(self.timeout)
         except BaseException:
-            channel.close()
+            if channel is not None:
+                channel.close()
             await qp.close()
             raise
         if not isinstance(hello, Connect):

@@ -52,8 +52,9 @@ class KVDirectServer:
             task.add_done_callback(self._tasks.discard)
 
     async def _serve(self, qp: QueuePair) -> None:
-        channel = ControlChannel(qp, self.timeout)
+        channel = None
         try:
+            channel = ControlChannel(qp, self.timeout)  # posts its receives: fails on a queue pair already cut
             await channel.send(Connect(descriptors=list(self.descriptors.values())))
             while True:
                 message = await channel.recv()
@@ -63,7 +64,8 @@ class KVDirectServer:
         except RdmaError as exc:
             log.info("KVDirect connection from %s ended: %s", qp.peer, exc)
         finally:
-            channel.close()
+            if channel is not None:
+                channel.close()
             await qp.close()
 
     async def _release(self, request_id: str) -> Ack:
