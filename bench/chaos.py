@@ -9,7 +9,8 @@ half answered whole, each with a deadline. While it runs, after a warm-up, one f
 of the Redis master (the Sentinels promote the replica; `--quick`: kvmesh up's own redis, which the
 supervisor restarts), kvmeta, the predictor, the scheduler, the prefill engine, the decode engine and
 admission (each waited on until it is ready again, then a settling pause), and a cut of the
-decode engine's data-plane connections to the prefill engine (`ss -K`, while pulls run). After the
+decode engine's data-plane connections to the prefill engine, again and again for 3 s (`ss -K`,
+while pulls run, so that pulls are cut mid-read). After the
 last fault the load goes on for a while, then drains. Then the overload: ten times the capacity for
 `overload_s` (60 s), every service's RSS sampled, then the fault phase's rate again; and the cluster
 is inspected.
@@ -70,6 +71,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 SEED = 29
 DATA_PLANE = "data plane"
+CUT_WINDOW_S = 3.0  # the data-plane fault cuts every connection to the prefill engine's data port this long
 REDIS_FAILOVER = "redis master, Sentinel failover"
 ENGINES = ("engine-p0", "engine-d0")
 STATELESS = ("kvmeta", "predictor", "scheduler", "admission")
@@ -371,13 +373,19 @@ class Chaos:
             return False
 
     async def _cut_data_plane(self) -> str:
-        """Destroy every TCP connection to the prefill engine's data-plane port: the decode engine's pulls."""
+        """Destroy every TCP connection to the prefill engine's data-plane port (the decode engine's
+        pulls), again and again for CUT_WINDOW_S: a pull in flight then is cut in the middle, and one
+        that reconnects is cut again. One cut at one instant seldom meets a pull of a few ms."""
         port = int(next(w.info.data_address for w in await self._workers() if w.info.id == "engine-p0").rsplit(":", 1)[1])
-        done = await asyncio.to_thread(subprocess.run, ["ss", "-K", "-t", "state", "established", "dport", "=",
-                                                        f":{port}"], capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            return f"ss -K failed: {done.stderr.strip()}"
-        return f"{max(0, len(done.stdout.strip().splitlines()) - 1)} connection(s) to port {port} cut"
+        cut, deadline = 0, time.monotonic() + CUT_WINDOW_S
+        while time.monotonic() < deadline:
+            done = await asyncio.to_thread(subprocess.run, ["ss", "-K", "-t", "state", "established", "dport", "=",
+                                                            f":{port}"], capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                return f"ss -K failed: {done.stderr.strip()}"
+            cut += max(0, len(done.stdout.strip().splitlines()) - 1)
+            await asyncio.sleep(0.005)
+        return f"{cut} connection(s) to port {port} cut over {CUT_WINDOW_S:g} s"
 
     async def _workers(self) -> list:
         """kvmeta's registry of live workers."""
