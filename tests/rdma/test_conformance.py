@@ -188,6 +188,10 @@ async def test_a_killed_peer_fails_transfers_within_a_timeout_and_a_new_one_serv
     qp = await reader.connect(fresh.address)
     await qp.read(local, Segments.one(0, fresh.region.addr, nbytes), fresh.region.rkey, timeout=10)
     assert np.array_equal(dst, pattern(nbytes, 6))
+    # the dead peer's key on the new one (a handle from before a restart): refused, never served
+    stale = await reader.connect(fresh.address)
+    with pytest.raises(TransferFailed):
+        await stale.read(local, Segments.one(0, fresh.region.addr, nbytes), peer.region.rkey, timeout=10)
 
 
 @pytest.mark.parametrize("kill", ["posted", "landing"])
