@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -87,11 +88,20 @@ class AfterFirstToken(Exception):
 
 @dataclass
 class Journey:
-    """One request's path; `holding` maps each engine that may still hold it to the request id there."""
+    """One request's path; `holding` maps each engine that may still hold it to the request id there.
+    `generation` is what is left to generate: after a migration, the prompt with the tokens sent."""
 
     generation: Generation
     holding: dict[str, tuple[EngineRef, str]] = field(default_factory=dict)
-    tokens_sent: int = 0
+    sent: list[int] = field(default_factory=list)  # token ids the client has
+
+    def migrate(self) -> None:
+        """Continue on another engine: the tokens sent join the prompt, and fewer are left to make."""
+        start = self.generation
+        self.generation = dataclasses.replace(
+            start, prompt_ids=[*start.prompt_ids, *self.sent], max_tokens=start.max_tokens - len(self.sent),
+            **{name: _still_to_come(getattr(start, name), len(self.sent)) for name in PREDICTED})
+        self.sent = []
 
 
 class Lifecycle:
@@ -105,14 +115,17 @@ class Lifecycle:
         self.scheduler_wait_s = scheduler_wait_s
 
     async def run(self, generation: Generation, rerun: int = 0) -> AsyncIterator[Piece]:
-        """The request's pieces; raises OpenAIError before the first piece, AfterFirstToken after it.
-        `rerun` counts earlier runs of the same request (an answer not yet sent, run again): its ids
-        at the engines stay apart from theirs, which may still be held there until aborted."""
+        """The request's pieces; raises OpenAIError before the first piece, AfterFirstToken when every
+        try has failed after it. An engine that fails mid-answer is excluded and the request migrates:
+        another engine gets the prompt with the tokens sent and makes the rest, so the client's stream
+        goes on (as Dynamo migrates requests; a stop string across the seam is not seen). `rerun` counts
+        earlier runs of the same request (an answer not yet sent, run again): its ids at the engines
+        stay apart from theirs, which may still be held there until aborted."""
         journey = Journey(generation)
         excluded: list[str] = []
         try:
             for attempt in range(self.max_retries + 1):
-                route = await self._route(generation, excluded)
+                route = await self._route(journey.generation, excluded)
                 tracing.annotate({"kvmesh.retries": attempt, "kvmesh.transfer_mode": (
                     "colocated" if route.mode == "colocated" else self.transfer_mode)})
                 request_id = f"{generation.request_id}.{rerun * (self.max_retries + 1) + attempt}"
@@ -122,15 +135,21 @@ class Lifecycle:
                     async with contextlib.aclosing(steps):
                         async for piece in steps:
                             yield piece
-                            journey.tokens_sent += len(piece.token_ids)
+                            journey.sent += piece.token_ids
                     return
                 except EngineFailed as exc:
-                    if journey.tokens_sent:
-                        raise AfterFirstToken(str(exc)) from None
-                    log.warning("%s before the first token (attempt %d); routing again without it",
-                                exc, attempt + 1)
+                    log.warning("%s after %d tokens (attempt %d); routing again without it", exc, len(journey.sent),
+                                attempt + 1)
                     excluded.append(exc.engine.id)
                     self._abort_all(journey)
+                    if journey.sent:
+                        journey.migrate()
+                        failure = exc
+                        if journey.generation.max_tokens <= 0:  # every token sent, only the ending lost
+                            yield Piece(token_ids=[], text="", finish_reason="length")
+                            return
+            if journey.generation is not generation:
+                raise AfterFirstToken(str(failure))
             raise OpenAIError(503, f"every engine tried failed before the first token (tried: {', '.join(excluded)})",
                               type="server_error", code="engine_failed")
         finally:

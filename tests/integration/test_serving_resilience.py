@@ -178,3 +178,25 @@ async def test_kill_9_of_a_decode_engine_costs_a_whole_answer_only_time(cluster)
         answers = await asyncio.gather(*load)
     assert answers == [(200, 160)] * len(answers)
     await all_idle(cluster, survivors, timeout=10)
+
+
+async def test_kill_9_of_a_decode_engine_mid_stream_migrates_the_streams(cluster):
+    """Streams whose decode engine dies mid-answer migrate: another engine gets the prompt with the
+    tokens already sent and makes the rest, so every client's stream goes on to its finish."""
+    newcomer = launch_engine(cluster.run_dir, cluster.kvmeta.url, "engine-d3", "decode", **ENGINE_ENV)
+    cluster.exits.callback(newcomer.stop)
+    cluster.engines["engine-d3"] = newcomer
+    await asyncio.to_thread(newcomer.wait_ready, 120)
+    victim = "engine-d3"
+    survivors = [name for name, child in cluster.engines.items() if child.process.poll() is None and name != victim]
+    async with aiohttp.ClientSession() as session:
+        outcomes = [Outcome() for _ in range(12)]
+        load = [asyncio.ensure_future(complete(session, cluster.admission.url, p, 160, outcome=o))
+                for p, o in zip(prompts(12, 40), outcomes)]
+        while not (await engine_state(cluster.engines[victim].url))["running"]:
+            await asyncio.sleep(0.05)
+        migrated = [i for i, o in enumerate(outcomes) if o.tokens and not o.finished]  # mid-stream somewhere
+        cluster.engines[victim].kill()  # with streams mid-decode on it
+        await asyncio.wait_for(asyncio.gather(*load), 60)
+    assert migrated and all(o.finished and not o.error for o in outcomes), outcomes
+    await all_idle(cluster, survivors, timeout=10)
