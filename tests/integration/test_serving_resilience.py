@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 
-from kvmesh.infra.local.processes import tail
+from kvmesh.infra.local.processes import Child, tail
 
 from ..conftest import cluster_name
 from .admission_fixtures import MODEL, Cluster, engine_state, idle, launch_engine, start_cluster, wait_until_idle
@@ -84,6 +84,15 @@ async def all_idle(cluster: Cluster, engines: list[str], timeout: float = 10.0) 
         assert idle(state), f"{name}: {state}"
 
 
+async def a_new_engine(cluster: Cluster, engine_id: str, role: str) -> Child:
+    """One more engine in the module's cluster (stopped with it), ready."""
+    newcomer = launch_engine(cluster.run_dir, cluster.kvmeta.url, engine_id, role, **ENGINE_ENV)
+    cluster.exits.callback(newcomer.stop)
+    cluster.engines[engine_id] = newcomer
+    await asyncio.to_thread(newcomer.wait_ready, 120)
+    return newcomer
+
+
 async def test_a_hundred_clients_leaving_mid_stream_free_every_block(cluster):
     async with aiohttp.ClientSession() as session:
         outcomes = await asyncio.gather(*(complete(session, cluster.admission.url, p, 200, leave_after=2 + i % 5)
@@ -95,10 +104,7 @@ async def test_a_hundred_clients_leaving_mid_stream_free_every_block(cluster):
 async def test_a_prefill_engine_added_under_load_gets_requests_without_a_restart(cluster):
     async with aiohttp.ClientSession() as session:
         load = [asyncio.ensure_future(complete(session, cluster.admission.url, p, 24)) for p in prompts(12)]
-        newcomer = launch_engine(cluster.run_dir, cluster.kvmeta.url, "engine-p2", "prefill", **ENGINE_ENV)
-        cluster.exits.callback(newcomer.stop)
-        cluster.engines["engine-p2"] = newcomer
-        await asyncio.to_thread(newcomer.wait_ready, 120)
+        newcomer = await a_new_engine(cluster, "engine-p2", "prefill")
         later = await asyncio.gather(*(complete(session, cluster.admission.url, p, 8) for p in prompts(12, 40)))
         earlier = await asyncio.gather(*load)
     assert all(o.finished and not o.error for o in earlier + later)
@@ -156,10 +162,7 @@ async def test_kill_9_of_the_scheduler_under_load_fails_no_request(cluster):
 async def test_kill_9_of_a_decode_engine_costs_a_whole_answer_only_time(cluster):
     """A request answered whole (not streamed) has sent its client nothing when its decode engine dies
     mid-decode: admission runs it again from the start, and the client gets every token."""
-    newcomer = launch_engine(cluster.run_dir, cluster.kvmeta.url, "engine-d2", "decode", **ENGINE_ENV)
-    cluster.exits.callback(newcomer.stop)
-    cluster.engines["engine-d2"] = newcomer
-    await asyncio.to_thread(newcomer.wait_ready, 120)
+    await a_new_engine(cluster, "engine-d2", "decode")
     victim = "engine-d1"
     survivors = [name for name, child in cluster.engines.items() if child.process.poll() is None and name != victim]
     headers = {"Authorization": f"Bearer {KEY}"}
@@ -183,10 +186,7 @@ async def test_kill_9_of_a_decode_engine_costs_a_whole_answer_only_time(cluster)
 async def test_kill_9_of_a_decode_engine_mid_stream_migrates_the_streams(cluster):
     """Streams whose decode engine dies mid-answer migrate: another engine gets the prompt with the
     tokens already sent and makes the rest, so every client's stream goes on to its finish."""
-    newcomer = launch_engine(cluster.run_dir, cluster.kvmeta.url, "engine-d3", "decode", **ENGINE_ENV)
-    cluster.exits.callback(newcomer.stop)
-    cluster.engines["engine-d3"] = newcomer
-    await asyncio.to_thread(newcomer.wait_ready, 120)
+    await a_new_engine(cluster, "engine-d3", "decode")
     victim = "engine-d3"
     survivors = [name for name, child in cluster.engines.items() if child.process.poll() is None and name != victim]
     async with aiohttp.ClientSession() as session:
