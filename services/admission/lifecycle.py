@@ -22,7 +22,6 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
-import msgspec
 from opentelemetry.trace import SpanKind
 
 from kvmesh.libs.controlplane import KvmeshError, RemoteError, ServiceUnreachable
@@ -223,12 +222,11 @@ class Lifecycle:
                                   for name in PREDICTED},
                                kv_source=transfer["target"] if push else last.kv_handle)
         failed: list[str] = []
-        step = "decode"
         while True:
-            journey.holding[decode.id] = (decode, body.request_id)
+            journey.holding[decode.id] = (decode, request_id)
             decoded = False
             try:
-                async for frame in self._frames(step, decode, body):
+                async for frame in self._frames("decode", decode, body):
                     piece = _piece(frame)
                     if frame.timings is not None:
                         piece.served = served(frame.timings)
@@ -242,19 +240,10 @@ class Lifecycle:
                 if decoded or push or len(failed) >= self.max_retries:
                     raise
                 log.warning("%s before decoding; trying another decode engine", exc)
-                self.engines.abort(decode, body.request_id)
+                self.engines.abort(decode, request_id)
                 del journey.holding[decode.id]
                 failed.append(decode.id)
-                route = await self._another_decode(generation, failed, exc)
-                if route.mode == "disaggregated":
-                    decode = route.decode
-                    continue
-                # No decode engine is left (the only one restarting): the engine routed to computes
-                # the prompt and first token again and decodes the rest itself, the held KV let go.
-                self.engines.abort(prefill, request_id)
-                journey.holding.pop(prefill.id, None)
-                decode, step = route.engine, "generate"
-                body = msgspec.structs.replace(body, request_id=f"{request_id}.again", kv_source=None)
+                decode = await self._another_decode(generation, failed, exc)
         del journey.holding[decode.id]
         journey.holding.pop(prefill.id, None)  # pulled and COMPLETEd: the prefill freed it
 
@@ -263,12 +252,16 @@ class Lifecycle:
                                                   attributes={"kvmesh.engine": decode.id}):
             return await self.engines.reserve(decode, request_id, num_tokens, self.stall_timeout_s)
 
-    async def _another_decode(self, generation: Generation, failed: list[str], failure: EngineFailed) -> Route:
-        """A route without the failed decode engines: a pair, or one engine left to finish alone."""
+    async def _another_decode(self, generation: Generation, failed: list[str], failure: EngineFailed) -> EngineRef:
+        """Another decode engine to pull the held KV; with none left, the failure stands, and the
+        request migrates (run) to whatever engine serves on: the prompt and first token computed again."""
         try:
-            return await self._route(generation, failed)
+            route = await self._route(generation, failed)
         except OpenAIError:
             raise failure from None
+        if route.mode != "disaggregated" or route.decode is None:
+            raise failure
+        return route.decode
 
     async def _frames(self, step: str, engine: EngineRef, body: GenerateBody) -> AsyncIterator[EngineFrame]:
         """The engine's frames up to the finishing one; any way the engine fails is EngineFailed. The
