@@ -56,7 +56,7 @@ import numpy as np
 import uvloop
 from rich.progress import Progress
 
-from kvmesh.infra.local.processes import SentinelGroup, sentinel_group
+from kvmesh.infra.local.processes import SentinelGroup, redis_address, sentinel_group
 from kvmesh.infra.local.state import read_state
 from kvmesh.infra.local.status import status
 from kvmesh.libs.kvmeta.messages import WorkerList
@@ -351,7 +351,7 @@ class Chaos:
         """kill -9 of the Redis master; ready again once the Sentinels name another one and kvmeta,
         following them, answers from it."""
         old = await asyncio.to_thread(self.redis.master_port)
-        master = next(c for c in (self.redis.master, self.redis.replica) if c.url.endswith(f":{old}/0"))
+        master = next(c for c in (self.redis.master, self.redis.replica) if redis_address(c.url)[1] == old)
         master.kill()
         fault = Fault(REDIS_FAILOVER, now, note=f"master :{old} killed")
         deadline = time.monotonic() + self.plan.restart_timeout_s

@@ -166,14 +166,14 @@ class SentinelGroup:
 
     @property
     def sentinels(self) -> list[str]:
-        return [child.url.split("//")[1].split("/")[0] for child in self.sentinel_children]
+        return ["%s:%d" % redis_address(child.url) for child in self.sentinel_children]
 
     def master_port(self) -> int:
         """The port of the master the Sentinels name now (it changes with a failover)."""
         import redis  # here: .venv-vllm's benchmark client imports this module without redis-py
 
-        host, port = self.sentinels[0].rsplit(":", 1)
-        with redis.Redis(host=host, port=int(port), socket_timeout=1.0) as sentinel:
+        host, port = redis_address(self.sentinel_children[0].url)
+        with redis.Redis(host=host, port=port, socket_timeout=1.0) as sentinel:
             return int(sentinel.sentinel_get_master_addr_by_name(self.name)[1])
 
     def stop(self) -> None:
@@ -187,9 +187,9 @@ def sentinel_group(run_dir: Path, name: str = "kvmesh", down_after_ms: int = 500
     master = redis_child(run_dir / "master")
     master.start()
     master.wait_ready()
-    master_port = master.url.rsplit(":", 1)[1].split("/")[0]
+    master_port = redis_address(master.url)[1]
     replica = redis_child(run_dir / "replica")
-    replica.argv += ["--replicaof", "127.0.0.1", master_port]
+    replica.argv += ["--replicaof", "127.0.0.1", str(master_port)]
     replica.start()
     replica.wait_ready()
     sentinels = []
@@ -228,15 +228,21 @@ def vllm_python() -> str:
                      "(vLLM's CPU build, into .venv-vllm)")
 
 
+def redis_address(url: str) -> tuple[str, int]:
+    """The host and port of a `redis://host:port/db` URL."""
+    host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+    return host, int(port)
+
+
 def is_ready(url: str) -> bool:
     """A Redis answers PING; a kvmesh service answers `GET /ready` with 200."""
     return redis_answers(url) if url.startswith("redis://") else http_ok(url + "/ready")
 
 
 def redis_answers(url: str) -> bool:
-    host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+    host, port = redis_address(url)
     try:
-        with socket.create_connection((host, int(port)), timeout=0.5) as sock:
+        with socket.create_connection((host, port), timeout=0.5) as sock:
             sock.sendall(b"PING\r\n")
             return sock.recv(16).startswith(b"+PONG")
     except OSError:

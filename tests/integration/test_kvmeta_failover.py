@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis as redis_sync
 
-from kvmesh.infra.local.processes import sentinel_group
+from kvmesh.infra.local.processes import redis_address, sentinel_group
 from kvmesh.libs.controlplane import RemoteError
 from kvmesh.libs.kvmeta.client import WorkerPresence
 from kvmesh.libs.kvmeta.messages import WorkerEvent
@@ -34,7 +34,7 @@ def replicated(tmp_path: Path):
 
 async def test_kvmeta_follows_a_sentinel_failover_without_a_restart(replicated, tmp_path: Path):
     master, replica = replicated.master, replicated.replica
-    replica_port = int(replica.url.rsplit(":", 1)[1].split("/")[0])
+    replica_port = redis_address(replica.url)[1]
     kvmeta = start_kvmeta(tmp_path, "redis://127.0.0.1:1/0", "failover",
                           KVMESH_KVMETA_REDIS_SENTINELS=json.dumps(replicated.sentinels),
                           KVMESH_KVMETA_REDIS_MASTER=MASTER)
