@@ -52,8 +52,9 @@ from kvmesh.policies.length.embedding import EmbeddingPredictor, FitSettings, fi
 from kvmesh.policies.length.padding import Direction, adaptive_confidence, padded_length
 from kvmesh.policies.length.predictors import RLP_PADDING, S3_BUCKET, RLPPredictor, S3Predictor
 from kvmesh.services.engine.dtypes import fastest_dtype
-from kvmesh.services.engine.factory import EngineConfig, build_engine
-from kvmesh.services.engine.request import Targets
+from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.engine.native.factory import build_engine
+from kvmesh.services.engine.wire import Targets
 from kvmesh.services.predictor.encoder import encoder
 
 from .cacheopt_serving import RunStats, capacity, replay

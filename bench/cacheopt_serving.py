@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvmesh.services.engine.engine import Engine
-from kvmesh.services.engine.request import Request, Targets
-from kvmesh.services.engine.sampling import SamplingParams
+from kvmesh.services.engine.native.engine import Engine
+from kvmesh.services.engine.native.request import Request
+from kvmesh.services.engine.wire import Targets, SamplingParams
 
 from .instruction_trace import TraceRequest
 

@@ -46,11 +46,11 @@ from rich.progress import Progress
 
 from kvmesh.policies.views import blocks_for
 from kvmesh.services.engine.dtypes import fastest_dtype
-from kvmesh.services.engine.engine import Engine
-from kvmesh.services.engine.factory import EngineConfig, build_engine
-from kvmesh.services.engine.models import PRESETS
-from kvmesh.services.engine.sampling import SamplingParams
-from kvmesh.services.engine.sparsity_profile import SparsityProfile
+from kvmesh.services.engine.native.engine import Engine
+from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.engine.native.factory import build_engine
+from kvmesh.services.engine.native.models import PRESETS
+from kvmesh.services.engine.wire import SamplingParams, SparsityProfile
 
 from . import car_sparsify
 from .car_workloads import ANSWER_LEN, USER, Conversation, conversations, final_context, system_prompt_requests

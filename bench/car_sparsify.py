@@ -23,8 +23,9 @@ import matplotlib
 from safetensors.torch import load_file, save_file
 
 from kvmesh.policies.cache.sparsify import keep_tokens
-from kvmesh.services.engine.models import PRESETS, load_checkpoint, save_preset_checkpoint
-from kvmesh.services.engine.sparsity_profile import HELD_OUT, PROMPT_TOKENS, PROMPTS, corpus_prompts, quality_cost
+from kvmesh.services.engine.native.models import PRESETS, load_checkpoint, save_preset_checkpoint
+from kvmesh.services.engine.native.sparsity_profile import (HELD_OUT, PROMPT_TOKENS, PROMPTS, corpus_prompts,
+                                                            quality_cost)
 
 from .report import save_figure
 

@@ -62,13 +62,12 @@ from rich.progress import Progress
 from kvmesh.policies.length.predictors import Prediction
 from kvmesh.policies.views import blocks_for
 from kvmesh.services.engine.dtypes import fastest_dtype
-from kvmesh.services.engine.engine import Engine
-from kvmesh.services.engine.factory import EngineConfig, build_engine
-from kvmesh.services.engine.kv_pool import BlockShape
-from kvmesh.services.engine.layer_profile import LayerProfile
-from kvmesh.services.engine.models import PRESETS
-from kvmesh.services.engine.request import Targets
-from kvmesh.services.engine.sampling import SamplingParams
+from kvmesh.services.engine.native.engine import Engine
+from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.engine.native.factory import build_engine
+from kvmesh.services.engine.kv_blocks import BlockShape
+from kvmesh.services.engine.wire import LayerProfile, Targets, SamplingParams
+from kvmesh.services.engine.native.models import PRESETS
 from kvmesh.services.predictor.encoder import encoder
 
 from .cacheopt_serving import RunStats, capacity, replay

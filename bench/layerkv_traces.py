@@ -21,7 +21,7 @@ from kvmesh.policies.length import LengthQuery, adaptive_confidence
 from kvmesh.policies.length.embedding import EmbeddingPredictor, FitSettings, fit
 from kvmesh.policies.length.predictors import Prediction
 from kvmesh.services.admission.predictor_client import PredictedLength, predicted_lengths
-from kvmesh.services.engine.request import Targets
+from kvmesh.services.engine.wire import Targets
 
 from .instruction_trace import TraceRequest
 from .workloads import END_ID, FIRST_ID

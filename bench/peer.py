@@ -31,7 +31,7 @@ The setups:
                        skipped (with the reason) when it does not start
 kvmesh's engines get KVMESH_ENGINE_DEVICE_BYTES = 1 GiB / engines, everything else at its defaults. Before the
 first kvmesh setup the native engine's C++ kernels are built as setup builds them (`python -m
-kvmesh.services.engine.attention.build`, a no-op when their sources are unchanged), so that no engine
+kvmesh.services.engine.native.attention.build`, a no-op when their sources are unchanged), so that no engine
 spends the launcher's 120 s readiness window compiling.
 
 Client: `vllm bench serve --backend openai --endpoint /v1/completions --dataset-name random
@@ -603,7 +603,7 @@ def _prebuild() -> str:
     from kvmesh.libs.native import build_directory
 
     lock = build_directory("kvmesh_paged_attention") / "lock"   # attention/build.py's NAME (imports torch)
-    command = [str(KVMESH.parent / "python"), "-m", "kvmesh.services.engine.attention.build"]
+    command = [str(KVMESH.parent / "python"), "-m", "kvmesh.services.engine.native.attention.build"]
     try:
         done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=900)
     except subprocess.TimeoutExpired:

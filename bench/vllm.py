@@ -50,7 +50,7 @@ import numpy as np
 from rich.progress import Progress
 
 from kvmesh.infra.local.processes import free_port
-from kvmesh.services.engine.models import PRESETS, save_preset_checkpoint
+from kvmesh.services.engine.native.models import PRESETS, save_preset_checkpoint
 
 from .report import BenchResult, Row, save_figure
 from .vllm_instance import BLOCK_SIZE

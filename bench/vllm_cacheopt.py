@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 from rich.progress import Progress
 
-from kvmesh.services.engine.models import PRESETS, save_preset_checkpoint
+from kvmesh.services.engine.native.models import PRESETS, save_preset_checkpoint
 from kvmesh.services.predictor.encoder import encoder
 
 from .cacheopt import (SUSTAIN_FACTOR, TRACES, Method, Slos, estimates, metrics_of, plot_sweep, pool_blocks,

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 from rich.progress import Progress
 
-from kvmesh.services.engine.kv_pool import BlockShape
-from kvmesh.services.engine.models import PRESETS, save_preset_checkpoint
+from kvmesh.services.engine.kv_blocks import BlockShape
+from kvmesh.services.engine.native.models import PRESETS, save_preset_checkpoint
 
 from .car_workloads import ANSWER_LEN, conversations, final_context
 from .report import BenchResult, Row, save_figure

@@ -52,7 +52,7 @@ if ! .venv/bin/python -c 'import importlib.util as u, sys; sys.exit(u.find_spec(
 fi
 
 # The C++ extensions compile once (about 30 s) into .venv; later runs just load them.
-.venv/bin/python -m kvmesh.services.engine.attention.build >/dev/null || \
+.venv/bin/python -m kvmesh.services.engine.native.attention.build >/dev/null || \
   echo "setup: the C++ attention kernel did not build; the engine falls back to plain torch" >&2
 .venv/bin/python -m kvmesh.libs.rdma.shm.copy || \
   echo "setup: the shm backend's C++ copy did not build; it falls back to a Python loop" >&2

@@ -19,15 +19,13 @@ from kvmesh.libs.controlplane import KvmeshError, cancel_and_wait
 from kvmesh.libs.kvmeta.client import KvmetaClient
 from kvmesh.libs.kvmeta.messages import MAX_ITEMS, CacheEntry
 
-from .block_manager import BlockManager
-
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class CacheJournal:
     """An engine's prefix cache as the publisher reads it, on the engine's thread only: the native
-    engine's BlockManager (`native_journal`) or the vLLM backend's cxl-tier table."""
+    engine's BlockManager (native/cache_journal.py) or the vLLM backend's cxl-tier table."""
 
     take: Callable[[], tuple[Iterable[Any], list[str]]]   # nodes cached, moved or rescored, and dropped, since last
     nodes: Callable[[], Iterable[Any]]                    # every node cached now
@@ -41,13 +39,6 @@ class CacheJournal:
 
     def everything(self) -> list[CacheEntry]:
         return [self.entry(n) for n in self.nodes()]
-
-
-def native_journal(blocks: BlockManager) -> CacheJournal:
-    return CacheJournal(take=blocks.take_cache_changes, nodes=lambda: blocks.cached.values(),
-                        note=blocks.note_cache_changes,
-                        entry=lambda n: CacheEntry(node_id=n.node_id, tier=n.tier, size=blocks.node_bytes(n),
-                                                   score=float(n.score)))
 
 
 class CachePublisher:

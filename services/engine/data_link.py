@@ -11,7 +11,7 @@ from pathlib import Path
 from kvmesh.libs.controlplane import ConfigError
 from kvmesh.libs.rdma.topology import SYSFS, choose_nic, gid_index, gpu_pci_address, interface_address
 
-from .factory import EngineConfig
+from .config import EngineConfig
 
 log = logging.getLogger(__name__)
 

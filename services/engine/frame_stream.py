@@ -12,7 +12,7 @@ from aiohttp import web
 
 from kvmesh.observability import tracing
 
-from .engine import Frame
+from .wire import Frame
 
 NDJSON = "application/x-ndjson"
 

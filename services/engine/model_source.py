@@ -74,6 +74,14 @@ def resolve_model(name: str, cache_dir: Path | None = None,
                      f"({', '.join(PACKAGED)}), a checkpoint directory or a .gguf file")
 
 
+def write_preset_checkpoint(preset: str, path: Path, seed: int) -> Path:
+    """A preset as a Hugging Face checkpoint in `path` (its random weights from `seed`, as the native
+    engine draws them), for a backend that loads checkpoints only (vLLM)."""
+    from .native.models import save_preset_checkpoint  # torch and the model code: only when a preset is asked for
+
+    return save_preset_checkpoint(preset, path, seed=seed)
+
+
 def gguf_path(name: str) -> Path | None:
     """The GGUF file behind `name` (a packaged model or a .gguf path), or None for anything else."""
     packaged = PACKAGED.get(name)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kvmesh.observability import tracing
 
-from .engine import Frame
+from .wire import Frame
 
 
 def trace_phases(frame: Frame, engine_id: str, role: str) -> None:

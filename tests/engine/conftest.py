@@ -8,16 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvmesh.services.engine.engine import Engine
-from kvmesh.services.engine.factory import EngineConfig, build_engine
-from kvmesh.services.engine.sampling import SamplingParams
+from kvmesh.services.engine.native.engine import Engine
+from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.engine.native.factory import build_engine
+from kvmesh.services.engine.wire import SamplingParams
 
 torch.set_num_threads(2)
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvmesh.services.engine.models import save_preset_checkpoint
+    from kvmesh.services.engine.native.models import save_preset_checkpoint
 
     path = tmp_path_factory.mktemp("tiny-llama")
     save_preset_checkpoint("tiny", path, seed=0)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvmesh.services.engine.attention import StepAttention, paged, paged_attention, write_kv
+from kvmesh.services.engine.native.attention import StepAttention, paged, paged_attention, write_kv
 
 from .test_paged_attention import (  # noqa: F401 - fixtures: the kernel, the backend, two threads
     MIXED,

@@ -17,14 +17,15 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvmesh.policies import registry
 from kvmesh.policies.cache import lru
 from kvmesh.policies.offload.plan import OffloadInput, OffloadPlan
-from kvmesh.services.engine.block_manager import BlockManager
-from kvmesh.services.engine.kv_pool import BlockShape, KVPool
-from kvmesh.services.engine.policy_set import Policies
+from kvmesh.services.engine.native.block_manager import BlockManager
+from kvmesh.services.engine.kv_blocks import BlockShape
+from kvmesh.services.engine.native.kv_pool import KVPool
+from kvmesh.services.engine.native.policy_set import Policies
 from kvmesh.policies.allocation import AllocationParams
-from kvmesh.services.engine.request import Request, Status, Targets
-from kvmesh.services.engine.sampling import SamplingParams
-from kvmesh.services.engine.reuse import Reuse, WindowParams
-from kvmesh.services.engine.scheduler import Scheduler
+from kvmesh.services.engine.native.request import Request, Status
+from kvmesh.services.engine.wire import Targets, SamplingParams
+from kvmesh.services.engine.native.reuse import Reuse, WindowParams
+from kvmesh.services.engine.native.scheduler import Scheduler
 
 LAYERS, BLOCK = 2, 4
 SHAPE = BlockShape(block_size=BLOCK, num_kv_heads=1, head_dim=2, dtype=torch.float32)

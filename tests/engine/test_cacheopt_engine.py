@@ -10,8 +10,8 @@ import pytest
 
 from kvmesh.policies import preemption, registry
 from kvmesh.policies.swap_recompute import RecomputeCurve, SwapCurve, SwapCurves
-from kvmesh.services.engine.request import Request, Status, Targets
-from kvmesh.services.engine.sampling import SamplingParams
+from kvmesh.services.engine.native.request import Request, Status
+from kvmesh.services.engine.wire import Targets, SamplingParams
 
 from .conftest import assert_all_blocks_free, engine_for
 from .test_engine_correctness import prompts

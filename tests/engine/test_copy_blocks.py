@@ -10,10 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmesh.services.engine.attention import backend
-from kvmesh.services.engine.attention.block_copy import copy_rows
-from kvmesh.services.engine.block_manager import copy_block_rows, copy_blocks
-from kvmesh.services.engine.kv_pool import BlockShape, KVPool
+from kvmesh.services.engine.native.attention import backend
+from kvmesh.services.engine.native.attention.block_copy import copy_rows
+from kvmesh.services.engine.kv_blocks import copy_block_rows, BlockShape
+from kvmesh.services.engine.native.block_manager import copy_blocks
+from kvmesh.services.engine.native.kv_pool import KVPool
 
 SHAPE = BlockShape(block_size=2, num_kv_heads=1, head_dim=2, dtype=torch.float32)
 BLOCKS = 48

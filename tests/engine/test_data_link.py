@@ -9,7 +9,7 @@ import pytest
 
 from kvmesh.libs.controlplane import ConfigError
 from kvmesh.services.engine.data_link import data_link
-from kvmesh.services.engine.factory import EngineConfig
+from kvmesh.services.engine.config import EngineConfig
 
 from ..rdma.test_topology import add_gid, ipv4_gid, sysfs  # noqa: F401 (the fixture)
 

@@ -12,7 +12,7 @@ import pytest
 
 from kvmesh.infra.local.processes import Child
 from kvmesh.libs.controlplane import RemoteError, ServiceClient
-from kvmesh.services.engine.engine import EngineState, Frame
+from kvmesh.services.engine.wire import EngineState, Frame
 
 from ..conftest import TOKEN
 from .test_engine_http import generate, launch_engine

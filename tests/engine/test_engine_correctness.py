@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kvmesh.services.engine.sampling import SamplingParams
+from kvmesh.services.engine.wire import SamplingParams
 
 from .conftest import assert_all_blocks_free, engine_for, hf_greedy, run_all
 
@@ -90,7 +90,7 @@ def test_prefix_cache_hits_match_and_are_counted(tiny_checkpoint, reference):
 
 
 def test_abort_at_every_phase_frees_every_block(tiny_checkpoint):
-    from kvmesh.services.engine.request import Status
+    from kvmesh.services.engine.native.request import Status
 
     # 64 blocks = 16 per layer = 256 tokens for everyone; each request grows to ~110 tokens.
     engine = engine_for(tiny_checkpoint, device_blocks=64, token_budget=24, max_num_seqs=4,

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from kvmesh.services.engine.engine import EngineLoop
-from kvmesh.services.engine.sampling import SamplingParams
+from kvmesh.services.engine.native.engine import EngineLoop
+from kvmesh.services.engine.wire import SamplingParams
 
 from .conftest import engine_for
 

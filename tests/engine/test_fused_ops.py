@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvmesh.services.engine.attention import fused, paged
-from kvmesh.services.engine.models.rope import apply_rotary
+from kvmesh.services.engine.native.attention import fused, paged
+from kvmesh.services.engine.native.models.rope import apply_rotary
 
 from .test_paged_attention import kernel, use_backend  # noqa: F401 - the fixture builds the kernel
 

@@ -10,9 +10,8 @@ from kvmesh.libs.controlplane import ConfigError
 from kvmesh.policies import registry
 from kvmesh.policies.offload.plan import OffloadCost, OffloadPlan
 from kvmesh.policies.scheduling.layerkv import PrefillCost
-from kvmesh.services.engine.layer_staging import ChunkedCopier
-from kvmesh.services.engine.request import Targets
-from kvmesh.services.engine.sampling import SamplingParams
+from kvmesh.services.engine.native.layer_staging import ChunkedCopier
+from kvmesh.services.engine.wire import Targets, SamplingParams
 
 from .conftest import assert_all_blocks_free, engine_for, run_all
 from .test_engine_correctness import GREEDY, check, prompts, reference  # noqa: F401 (a fixture)

@@ -19,11 +19,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerBase
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from kvmesh.services.engine.models import (PRESETS, CausalLM, ModelConfig, build_preset, load_checkpoint,
-                                           save_preset_checkpoint)
-from kvmesh.services.engine.models.presets import (BOS_ID, EOS_ID, PAD_ID, _trained_bpe, hf_config_kwargs,
-                                                   offline_tokenizer)
-from kvmesh.services.engine.models.rope import RotaryEmbedding, apply_rotary
+from kvmesh.services.engine.native.models import (PRESETS, CausalLM, ModelConfig, build_preset, load_checkpoint,
+                                                  save_preset_checkpoint)
+from kvmesh.services.engine.native.models.presets import (BOS_ID, EOS_ID, PAD_ID, _trained_bpe, hf_config_kwargs,
+                                                          offline_tokenizer)
+from kvmesh.services.engine.native.models.rope import RotaryEmbedding, apply_rotary
 
 # Small enough that transformers builds and runs it in milliseconds; max positions 64 covers the prompts.
 CONFIG = ModelConfig(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -232,7 +232,7 @@ def test_preset_checkpoint_holds_build_preset_weights(tmp_path: Path) -> None:
 
 def test_load_checkpoint_works_offline(tmp_path: Path) -> None:
     path = save_preset_checkpoint(CONFIG, tmp_path, seed=8)
-    script = ("import sys; from kvmesh.services.engine.models import load_checkpoint; "
+    script = ("import sys; from kvmesh.services.engine.native.models import load_checkpoint; "
               "model, tok = load_checkpoint(sys.argv[1]); print(model.config.vocab_size, len(tok))")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-c", script, str(path)], env=env, capture_output=True, text=True,

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvmesh.services.engine.attention import backend, paged, paged_attention, write_kv
-from kvmesh.services.engine.attention.build import load_extension
+from kvmesh.services.engine.native.attention import backend, paged, paged_attention, write_kv
+from kvmesh.services.engine.native.attention.build import load_extension
 
 TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2}}
 
@@ -278,7 +278,7 @@ def test_backend_choice(kernel: object, monkeypatch: pytest.MonkeyPatch) -> None
 def test_step_attention_over_layers_equals_checked_calls(backend_name: str) -> None:
     """StepAttention checks the first layer's call only; every layer must still write and attend as
     write_kv + paged_attention do, with index tensors laid out the way the runner builds them."""
-    from kvmesh.services.engine.attention import StepAttention
+    from kvmesh.services.engine.native.attention import StepAttention
 
     layers, n = 3, 20
     batches = [make_batch([40, 23], [n, 1], 4, 2, 64, 16, torch.float32, seed=layer) for layer in range(layers)]
@@ -300,7 +300,7 @@ def test_step_attention_over_layers_equals_checked_calls(backend_name: str) -> N
 def test_new_prompts_attend_to_themselves_as_through_the_pool(backend_name: str, dtype: torch.dtype) -> None:
     """A step's trailing new prompts (StepAttention's `prompts`) take causal SDPA on this step's k and v;
     the result equals attending through the pool, and their K/V still reaches the pool."""
-    from kvmesh.services.engine.attention import StepAttention
+    from kvmesh.services.engine.native.attention import StepAttention
 
     # decodes and a chunk after earlier context, then two new prompts (one over a block, one shorter)
     n_qs, new = [1, 1, 20, 37, 9], [(22, 59), (59, 68)]
@@ -324,7 +324,7 @@ def test_new_prompts_attend_to_themselves_as_through_the_pool(backend_name: str,
 
 
 def test_new_prompts_and_masked_keys_do_not_mix() -> None:
-    from kvmesh.services.engine.attention import StepAttention
+    from kvmesh.services.engine.native.attention import StepAttention
 
     batch = make_batch([9], [9], 2, 2, 64, 16, torch.float32)
     valid = torch.ones(batch.pool.shape[0], 16, dtype=torch.bool)
@@ -336,7 +336,7 @@ def test_new_prompts_and_masked_keys_do_not_mix() -> None:
 def test_padding_rows_are_ignored_and_attend_to_nothing(backend_name: str) -> None:
     """Rows the model carries past the step's tokens (fused.padded_rows): their q, k and v are not
     read or written, and their output is zeros; the step's own rows are as without them."""
-    from kvmesh.services.engine.attention import StepAttention
+    from kvmesh.services.engine.native.attention import StepAttention
 
     n_qs, seq_lens = [1, 20, 9], [40, 70, 9]
     batch = make_batch(seq_lens, n_qs, 4, 2, 64, 16, torch.float32)

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvmesh.services.engine.attention import paged
-from kvmesh.services.engine.quant import QuantizedWeight, bf16_dots, tile_path, tile_rows, torch_linear
+from kvmesh.services.engine.native.attention import paged
+from kvmesh.services.engine.native.quant import QuantizedWeight, bf16_dots, tile_path, tile_rows, torch_linear
 
 from .test_paged_attention import kernel, use_backend  # noqa: F401 - the fixture builds the kernel
 
@@ -366,7 +366,7 @@ def test_kernel_rejects_bad_inputs_with_a_clear_error(kernel: object) -> None:  
 
 def test_quantized_max_tokens_is_the_measured_crossover(cpp: None) -> None:
     from kvmesh.services.engine.config import EngineConfig
-    from kvmesh.services.engine.factory import quantized_max_tokens
+    from kvmesh.services.engine.native.factory import quantized_max_tokens
 
     assert quantized_max_tokens(EngineConfig(quantized_max_tokens=7), torch.bfloat16) == {"q4_1": 7, "q8_0": 7}
     assert quantized_max_tokens(EngineConfig(), torch.float32) == {"q4_1": 4, "q8_0": 4}

@@ -6,9 +6,10 @@ import math
 
 import torch
 
-from kvmesh.services.engine.detokenizer import advance_text
-from kvmesh.services.engine.request import Request
-from kvmesh.services.engine.sampling import SamplingParams, sample
+from kvmesh.services.engine.native.detokenizer import advance_text
+from kvmesh.services.engine.native.request import Request
+from kvmesh.services.engine.wire import SamplingParams
+from kvmesh.services.engine.native.sampling import sample
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]])
 
@@ -100,7 +101,7 @@ def test_sampling_draws_each_token_with_its_probability_and_never_a_masked_one()
     of a 5-token distribution with one token masked out (probability 0), on one generator."""
     probs = torch.tensor([[0.5, 0.0, 0.3, 0.15, 0.05]]).repeat(20_000, 1)
     generator = torch.Generator().manual_seed(3)
-    from kvmesh.services.engine.sampling import _inverse_cdf
+    from kvmesh.services.engine.native.sampling import _inverse_cdf
 
     drawn = _inverse_cdf(probs, [generator] * len(probs))
     counts = torch.bincount(drawn, minlength=5).double() / len(probs)

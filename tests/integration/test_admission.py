@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvmesh.infra.local.processes import Child, free_port
 from kvmesh.libs.controlplane import ServiceClient
 from kvmesh.libs.kvmeta.messages import BlockGeometry, Capacity, WorkerInfo
-from kvmesh.services.engine.models.presets import offline_tokenizer
+from kvmesh.services.engine.native.models.presets import offline_tokenizer
 
 from ..conftest import TOKEN, Kvmeta, cluster_name
 from ..kvmeta_invariants import assert_consistent

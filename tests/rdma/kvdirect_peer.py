@@ -19,7 +19,8 @@ import torch
 
 from kvmesh.libs.rdma.backends import open_endpoint
 from kvmesh.libs.rdma.kvdirect.server import KVDirectServer
-from kvmesh.services.engine.kv_pool import BlockShape, KVPool
+from kvmesh.services.engine.kv_blocks import BlockShape
+from kvmesh.services.engine.native.kv_pool import KVPool
 
 SHAPE = BlockShape(block_size=16, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16)
 

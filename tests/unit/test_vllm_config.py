@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.libs.controlplane import ConfigError
-from kvmesh.services.engine.factory import EngineConfig, decided
-from kvmesh.services.engine.vllm_backend.service import Geometry, check_config, cxl_tier_blocks
+from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.engine.defaults import decided
+from kvmesh.services.engine.vllm_backend.settings import Geometry, check_config, cxl_tier_blocks
 
 TINY = Geometry(num_layers=4, num_kv_heads=2, head_dim=64, vocab_size=2048, hidden_size=256)
 BLOCK_BYTES = 2 * 32 * 2 * 64 * 4 * 4   # K and V of 32 tokens, 2 heads of 64, float32, 4 layers

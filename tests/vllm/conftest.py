@@ -18,7 +18,7 @@ def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     reason = vllm_missing()
     if reason:
         pytest.skip(reason)
-    from kvmesh.services.engine.models import save_preset_checkpoint
+    from kvmesh.services.engine.native.models import save_preset_checkpoint
 
     return save_preset_checkpoint("tiny", tmp_path_factory.mktemp("vllm-tiny"), seed=0)
 

@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..block_manager import copy_block_rows
+from ..kv_blocks import copy_block_rows
 
 
 class HostTier:

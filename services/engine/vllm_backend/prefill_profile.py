@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from kvmesh.policies.scheduling import PrefillCost, prefill_time_s
 
-from ..layer_profile import fit_through_origin, measure_flops
+from ..timing import fit_through_origin, measure_flops
 
 log = logging.getLogger(__name__)
 

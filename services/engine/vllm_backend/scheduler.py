@@ -41,7 +41,7 @@ from kvmesh.policies.scheduling import PrefillCost
 from kvmesh.policies.views import PoolView, RequestView, blocks_for
 
 from ..ledger import Ledger
-from ..request import Targets
+from ..wire import Targets
 from .allotment import Allotment
 from .policy_hooks import HOOKS, TARGETS
 

@@ -25,8 +25,8 @@ from kvmesh.policies.offload import none as no_offload
 from kvmesh.policies.offload.plan import OffloadInput, OffloadParams
 from kvmesh.policies.views import RequestView, blocks_for
 
+from ..ledger import Ledger
 from .block_manager import BlockManager
-from .ledger import Ledger
 from .policy_set import Policies
 from .request import Request, Status
 from .reuse import Reuse

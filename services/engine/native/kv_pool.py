@@ -8,30 +8,15 @@ HBM; `cxl` is host memory (pinned when there is a GPU to DMA from) or a file/DAX
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ..kv_blocks import BlockShape
+
 
 class OutOfBlocks(RuntimeError):
     pass
-
-
-@dataclass(frozen=True)
-class BlockShape:
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @property
-    def bytes(self) -> int:
-        """One block: one layer's K and V for `block_size` tokens."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
-
-    def blocks_in(self, capacity_bytes: int) -> int:
-        return capacity_bytes // self.bytes
 
 
 class KVPool:

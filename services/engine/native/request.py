@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .handoff import KVHandle, KVPushTarget, TransferStats
-from .sampling import SamplingParams
+from ..handoff import KVHandle, KVPushTarget, TransferStats
+from ..wire import SamplingParams, Targets
 
 
 class Status(enum.Enum):
@@ -25,18 +25,6 @@ class LayerBlocks:
 
     tier: str
     blocks: list[int] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class Targets:
-    """What admission says of a request beyond its tokens, for the policies: its SLOs and the
-    predictor's output length, padded (CacheOpt 3.4) and as a range (LayerKV); None where it has none."""
-
-    ttft_slo_ms: float | None = None
-    tbt_slo_ms: float | None = None
-    predicted_output_len: int | None = None
-    predicted_output_low: int | None = None     # the predicted range's lower bound and median (LayerKV 3.1)
-    predicted_output_median: int | None = None
 
 
 @dataclass

@@ -10,36 +10,24 @@ block free as it found it.
 from __future__ import annotations
 
 import logging
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 
-import msgspec
 import numpy as np
-import torch
 
 from kvmesh.policies.swap_recompute import SwapCurves, fit_curves
 from kvmesh.policies.views import blocks_for
 
+from ..timing import median_seconds
+from ..wire import SamplingParams, SwapProfile
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .request import Request
-from .sampling import SamplingParams
 from .scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
 
 DEFAULT_POINTS = 5   # lengths when none are configured: from one block to the longest, spaced geometrically
-
-
-class SwapProfile(msgspec.Struct, kw_only=True):
-    """What was timed (median seconds at each length) and the fit; `curves` is None when it failed."""
-
-    lengths: list[int]
-    recompute_s: list[float]
-    swap_s: list[float]
-    curves: SwapCurves | None
 
 
 def profile_lengths(block_size: int, longest: int, points: int = DEFAULT_POINTS) -> list[int]:
@@ -80,17 +68,6 @@ def prefill_in_chunks(runner: ModelRunner, request: Request, token_budget: int) 
 def _swap_out_and_in(blocks: BlockManager, request: Request) -> None:
     if not (blocks.swap_out(request) and blocks.swap_in(request)):
         raise ValueError(f"swap profile: the tiers cannot hold {request.num_tokens} tokens")
-
-
-def median_seconds(repeats: int, device: torch.device, work: Callable[[], None]) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        work()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def _fit(lengths: Sequence[int], recompute_s: list[float], swap_s: list[float]) -> SwapCurves | None:

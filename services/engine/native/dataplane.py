@@ -22,7 +22,7 @@ from kvmesh.libs.rdma.kvdirect.puller import BlockReads, KVDirectPuller, PullCon
 from kvmesh.libs.rdma.kvdirect.server import KVDirectServer
 from kvmesh.libs.rdma.work import RdmaError, Segments
 
-from .handoff import KVHandle
+from ..handoff import KVHandle
 
 log = logging.getLogger(__name__)
 

@@ -21,102 +21,20 @@ from typing import TypeVar
 import msgspec
 import torch
 
+from ..handoff import KVHandle, KVPushTarget, TransferStats
+from ..wire import EngineState, Frame, LayerProfile, SamplingParams, SparsityProfile, SwapProfile, Targets, TransferTotals, Timings, Usage
 from .block_manager import BlockManager
 from .detokenizer import advance_text
-from .handoff import KVHandle, KVPushTarget, TransferStats
 from .model_runner import ModelRunner
-from .request import Request, Status, Targets
-from .sampling import SamplingParams, sample
+from .request import Request, Status
+from .sampling import sample
 from .scheduler import Scheduler
-from .layer_profile import LayerProfile
-from .sparsity_profile import SparsityProfile
-from .swap_profile import SwapProfile
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 STATE_EVERY_S = 0.05  # how stale GET /v1/state, /metrics and the heartbeat load may be while the engine is busy
-
-
-class Usage(msgspec.Struct, kw_only=True):
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
-class Timings(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Where a finished request's time went on this engine (unix seconds), for latency breakdowns."""
-
-    arrival: float
-    scheduled: float | None = None      # first given blocks: queueing ends
-    pull_start: float | None = None     # decode role: its KV transfer
-    pull_end: float | None = None
-    first_token: float | None = None
-    finished: float | None = None
-    transfer: TransferStats | None = None  # decode role: what the pull moved
-
-
-class TransferTotals(msgspec.Struct, kw_only=True):
-    """Decode role: what this engine's KV pulls have moved, all time."""
-
-    pulls: int = 0
-    bytes: int = 0
-    pieces: int = 0          # contiguous block pieces asked for
-    reads_posted: int = 0    # reads posted after coalescing
-    seconds: float = 0.0
-
-    def add(self, stats: TransferStats) -> None:
-        self.pulls += 1
-        self.bytes += stats.bytes
-        self.pieces += stats.pieces
-        self.reads_posted += stats.reads_posted
-        self.seconds += stats.seconds
-
-
-class Frame(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """What a client receives after a step: the new tokens of one request."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    times: list[float]                    # unix time each token was produced
-    logprobs: list[float] | None = None
-    finish_reason: str | None = None      # "stop", "length", "abort", "error"
-    usage: Usage | None = None
-    kv_handle: KVHandle | None = None     # prefill role: where the prompt's KV waits for a decode engine
-    timings: Timings | None = None        # on the last frame
-
-
-class EngineState(msgspec.Struct, kw_only=True):
-    free_blocks: dict[str, int]
-    total_blocks: dict[str, int]
-    waiting: int
-    running: int
-    swapped: int
-    pulling: int
-    held_kv: int
-    tbt_ms_p50: float | None
-    tbt_ms_p99: float | None
-    steps: int
-    preemptions: dict[str, int]
-    prefix_cache_hit_tokens: int
-    unallocated_tokens: int                    # KV allotted to nobody, the reservation left out (CacheOpt 3.3)
-    allocations_grown: dict[str, int]          # all time: allocations a request outgrew, grown from where
-    layers_offloaded: dict[str, int]           # all time: request layers LayerKV put in the cxl tier, by why, or restored
-    policies: dict[str, str]
-    # All time, for the metrics (services/engine/metrics.py reads this snapshot when scraped).
-    generated_tokens: int
-    computed_prompt_tokens: int                # of prompts, tokens whose KV this engine computed
-    prefix_cache_lookup_blocks: dict[str, int]  # for each tier the cache holds: full blocks looked up (in all)
-    prefix_cache_hit_blocks: dict[str, int]     # by tier: of those, found there
-    prefix_cache_nodes: dict[str, int]          # now: cached nodes (a block in every layer) by tier
-    prefix_cache_moved_nodes: dict[str, int]    # all time: nodes moved to a tier (cxl: offloaded, device: reloaded)
-    prefix_cache_moved_bytes: dict[str, int]    # all time: the KV bytes those moves copied
-    kv_transfer: TransferTotals
-    swap_profile: SwapProfile | None   # CacheOpt 3.5's start-up profile and fitted curves; None: not profiled
-    layer_profile: LayerProfile | None = None  # LayerKV's start-up fits of Eq. 3 and 4; None: not profiled
-    sparsity_profile: SparsityProfile | None = None  # CaR III-D's per-layer sparsity and keep ratios; None: off
 
 
 @dataclass

@@ -3,26 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0       # 0 is greedy
-    top_k: int = 0                 # 0 keeps every token
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    logprobs: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+from ..wire import SamplingParams
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],

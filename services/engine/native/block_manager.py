@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
-import numpy as np
 import torch
 
 from kvmesh.libs.kvmeta.nodeid import node_ids
@@ -32,13 +31,12 @@ from kvmesh.policies.scheduling.layerkv import PrefillCost
 from kvmesh.policies.swap_recompute import SwapCurves
 from kvmesh.policies.views import CachedBlockView, PoolView
 
+from ..eviction_queue import EvictionQueue
+from ..kv_blocks import copy_block_rows
 from .attention.block_copy import copy_rows
-from .eviction_queue import EvictionQueue
 from .kv_pool import KVPool
 from .policy_set import Policies
 from .request import Request
-
-MAX_RUNS = 8  # copy_blocks: more runs than this go as one gather and scatter instead
 
 @dataclass
 class CachedNode:
@@ -601,27 +599,3 @@ def _copy_whole(source: KVPool, source_blocks: list[int], target_blocks: list[in
         copy_block_rows(source.tensor, source_blocks, target.tensor, target_blocks)
 
 
-def copy_block_rows(source: torch.Tensor, source_blocks: Sequence[int], target: torch.Tensor,
-                    target_blocks: Sequence[int]) -> None:
-    """Copy rows (blocks, the first dimension) of `source` into rows of `target`, on any devices.
-    Runs of blocks consecutive on both sides go as one slice copy (one memcpy or DMA, no gather);
-    many runs go as one pass: a gather straight into a consecutive target (a staged layer's load),
-    a scatter straight from a consecutive source (its write-back), else a gather then a scatter."""
-    src, dst = np.asarray(source_blocks), np.asarray(target_blocks)
-    src_runs, dst_runs = np.diff(src) != 1, np.diff(dst) != 1
-    breaks = np.flatnonzero(src_runs | dst_runs) + 1
-    if len(breaks) < MAX_RUNS:
-        for start, end in zip([0, *breaks], [*breaks, len(src)]):
-            target[dst[start]:dst[start] + end - start].copy_(source[src[start]:src[start] + end - start],
-                                                              non_blocking=True)
-        return
-    same_device = source.device == target.device
-    if same_device and not dst_runs.any():
-        torch.index_select(source, 0, torch.from_numpy(src).to(source.device), out=target[dst[0]:dst[0] + len(dst)])
-        return
-    dst_index = torch.from_numpy(dst).to(target.device)
-    if same_device and not src_runs.any():
-        target.index_copy_(0, dst_index, source[src[0]:src[0] + len(src)])
-        return
-    src_index = torch.from_numpy(src).to(source.device)
-    target.index_copy_(0, dst_index, source.index_select(0, src_index).to(target.device, non_blocking=True))

@@ -22,10 +22,10 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-import msgspec
 import torch
 
 from kvmesh.libs.controlplane import ConfigError
+from ..wire import SparsityProfile
 from kvmesh.policies.cache.sparsify import MAX_RELAXATIONS, NEGLIGIBLE, keep_ratios, keep_tokens, kept_slots, within_bound
 
 log = logging.getLogger(__name__)
@@ -34,16 +34,6 @@ PROMPT_TOKENS = 128     # each profiling prompt
 PROMPTS = 4             # prompts whose attention sets the sparsity
 HELD_OUT = 4            # prompts whose continuations measure the quality cost
 CONTINUATION = 32       # tokens of each held-out prompt after its cached prefix
-
-
-class SparsityProfile(msgspec.Struct, kw_only=True):
-    sparsity: list[float]        # per layer: share of causal attention scores under 1% of their row's maximum
-    keep_ratios: list[float]     # per layer: share of a node's tokens kept when it moves to the cxl tier
-    keep_tokens: list[int]       # per layer: of each block's tokens
-    quality_cost: float          # nats: mean |change| of held-out next-token log-likelihoods against dense KV
-    quality_bound: float
-    relaxations: int             # times the profiled ratios were relaxed to meet the bound
-    configured: bool             # the ratios came from the configuration, not the profile
 
 
 def profile_sparsity(model: torch.nn.Module, tokenizer, block_size: int, floor: float, bound: float,

@@ -1,6 +1,6 @@
 """The engine's C++ CPU kernels (csrc/: paged attention, the elementwise steps of a decoder layer,
 and whole-block copies between KV pools), built and loaded by kvmesh.libs.native; setup builds them
-once with `python -m kvmesh.services.engine.attention.build`.
+once with `python -m kvmesh.services.engine.native.attention.build`.
 """
 
 from __future__ import annotations

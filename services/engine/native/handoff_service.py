@@ -17,12 +17,13 @@ from kvmesh.libs.kvmeta.messages import BlockLease
 from kvmesh.libs.rdma.work import RdmaError
 from kvmesh.observability import tracing
 
-from .api import GenerateRequest
-from .data_link import DataLink, data_link
+from ..config import EngineConfig
+from ..data_link import DataLink, data_link
+from ..handoff import KVHandle, TransferStats
+from ..wire import GenerateRequest
 from .dataplane import KVDataPlane, KVPush
 from .engine import Engine, EngineLoop
-from .factory import EngineConfig, shm_pool_paths
-from .handoff import KVHandle, TransferStats
+from .factory import shm_pool_paths
 from .request import Request
 
 log = logging.getLogger(__name__)
@@ -153,7 +154,12 @@ class KVHandoff:
         return True
 
     def held(self, handle: KVHandle) -> None:
-        """Record held KV in kvmeta's block map, so the cluster can see who holds what until when."""
+        """On the engine's thread: record held KV in kvmeta's block map, so the cluster can see who holds
+        what until when (before the frame with the handle reaches its stream)."""
+        if self.kvmeta is not None:
+            self._main.call_soon_threadsafe(self._lease, handle)
+
+    def _lease(self, handle: KVHandle) -> None:
         if self.kvmeta is not None:
             lease = BlockLease(engine=self.engine.engine_id, layers=handle.layers, token_count=handle.num_tokens,
                                lease_ms=self.config.kv_lease_ms)

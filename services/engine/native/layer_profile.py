@@ -17,7 +17,6 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
-import msgspec
 import numpy as np
 import torch
 
@@ -25,26 +24,13 @@ from kvmesh.policies.offload import OffloadCost, offload_time_s
 from kvmesh.policies.scheduling import PrefillCost, prefill_time_s
 from kvmesh.policies.views import blocks_for
 
+from ..timing import fit_through_origin, measure_flops, median_seconds
+from ..wire import LayerProfile
 from .block_manager import BlockManager, copy_blocks
 from .model_runner import ModelRunner
-from .swap_profile import filler, median_seconds, prefill_in_chunks
+from .swap_profile import filler, prefill_in_chunks
 
 log = logging.getLogger(__name__)
-
-MATMUL = 512  # the FLOPS probe's square matrices
-
-
-class LayerProfile(msgspec.Struct, kw_only=True):
-    """What was timed (median seconds) and the fits; a cost is None when its fit failed."""
-
-    flops_per_s: float
-    lengths: list[int]
-    prefill_s: list[float]
-    copy_blocks: list[int]
-    copy_s: list[float]
-    bandwidth_bytes_per_s: float
-    prefill_cost: PrefillCost | None
-    offload_cost: OffloadCost | None
 
 
 def profile_layerkv(runner: ModelRunner, blocks: BlockManager, token_budget: int, lengths: Sequence[int],
@@ -83,15 +69,6 @@ def profile_layerkv(runner: ModelRunner, blocks: BlockManager, token_budget: int
                         copy_s=copy_s, bandwidth_bytes_per_s=bandwidth, prefill_cost=prefill, offload_cost=offload)
 
 
-def measure_flops(device: torch.device, dtype: torch.dtype, repeats: int) -> float:
-    """The device's FLOPS in `dtype`, from a square matmul (the median of `repeats`)."""
-    a = torch.randn(MATMUL, MATMUL, device=device, dtype=dtype)
-    b = torch.randn(MATMUL, MATMUL, device=device, dtype=dtype)
-    torch.matmul(a, b)  # warm up
-    seconds = median_seconds(repeats, device, lambda: torch.matmul(a, b))
-    return 2 * MATMUL ** 3 / seconds
-
-
 def _copy_sizes(blocks: BlockManager, longest: int) -> list[int]:
     """Block counts to copy: from one to one layer of the longest profiled prompt, within both pools."""
     most = min(blocks_for(longest, blocks.block_size), blocks.device.free_count, blocks.pools["cxl"].free_count)
@@ -112,12 +89,3 @@ def _time_copy(blocks: BlockManager, n: int, repeats: int) -> float:
                 pool.release(block)
 
 
-def fit_through_origin(theory: Sequence[float], measured: Sequence[float]) -> float | None:
-    """The k minimising sum (measured - k * theory)^2; None if it is not positive."""
-    x, y = np.asarray(theory, dtype=float), np.asarray(measured, dtype=float)
-    denominator = float(x @ x)
-    k = float(x @ y) / denominator if denominator > 0 else 0.0
-    if not k > 0 or not np.isfinite(k):
-        log.warning("LayerKV profile: no fit (%s against %s)", list(measured), list(theory))
-        return None
-    return k

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..dtypes import bf16_native
+from ...dtypes import bf16_native
 from ..quant import QuantizedWeight
 from .paged import _kernel
 

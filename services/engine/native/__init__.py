@@ -1,0 +1,1 @@
+"""kvmesh's own torch engine: every paper mechanism, on any device (docs/engine.md)."""
