@@ -1,7 +1,7 @@
 """The engine's Prometheus series (docs/observability.md), read when `/metrics` is scraped.
 
 The engine thread never touches prometheus: it bumps plain counters and publishes a fresh
-`EngineState` every STATE_EVERY_S while busy and whenever it goes idle (engine.py; the vLLM
+`EngineState` every STATE_EVERY_S while busy and whenever it goes idle (native/engine_loop.py; the vLLM
 backend publishes its own state between steps). A scrape reads
 that one reference, so all of a scrape's series come from one snapshot, at most STATE_EVERY_S old
 and exact once the engine is idle. Every series carries the engine's id and role.

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from kvmesh.services.engine.native.engine import EngineLoop
+from kvmesh.services.engine.native.engine_loop import EngineLoop
 from kvmesh.services.engine.wire import SamplingParams
 
 from .conftest import engine_for

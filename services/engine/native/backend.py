@@ -19,7 +19,7 @@ from ..handoff import KVHandle
 from ..metrics import NativeEngineCollector
 from ..wire import CacheEntry, CacheQuery, CacheTable, EngineState, Frame, GenerateRequest, SamplingParams, Targets
 from .cache_journal import native_journal
-from .engine import EngineLoop
+from .engine_loop import EngineLoop
 from .factory import build_engine, max_model_len
 from .handoff_service import KVHandoff
 

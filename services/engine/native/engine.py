@@ -1,30 +1,29 @@
 """The engine: schedule, run the model, sample, and turn the results into frames for clients.
 
-`Engine.step()` is one iteration and touches engine state from one thread only; `EngineLoop` builds
-the engine and runs it on its own thread (torch releases the GIL while it computes, so the HTTP side
-stays responsive) and takes new requests and aborts through a queue.
+`Engine.step()` is one iteration and touches engine state from one thread only; `EngineLoop`
+(engine_loop.py) builds the engine and runs it on its own thread (torch releases the GIL while it
+computes, so the HTTP side stays responsive). The KV hand-off's calls between steps are in
+engine_handoff.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import msgspec
 import torch
 
-from ..handoff import KVHandle, KVPushTarget, TransferStats
-from ..wire import EngineState, Frame, LayerProfile, SamplingParams, SparsityProfile, SwapProfile, Targets, TransferTotals, Timings, Usage
+from ..handoff import KVHandle, KVPushTarget
+from ..wire import (EngineState, Frame, LayerProfile, SamplingParams, SparsityProfile, SwapProfile, Targets, Timings,
+                    TransferTotals, Usage)
 from .block_manager import BlockManager
 from .detokenizer import advance_text
+from .engine_handoff import EngineHandoff
 from .model_runner import ModelRunner
 from .request import Request, Status
 from .sampling import sample
@@ -32,13 +31,9 @@ from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-STATE_EVERY_S = 0.05  # how stale GET /v1/state, /metrics and the heartbeat load may be while the engine is busy
-
 
 @dataclass
-class Engine:
+class Engine(EngineHandoff):
     runner: ModelRunner
     blocks: BlockManager
     scheduler: Scheduler
@@ -81,28 +76,6 @@ class Engine:
         self.scheduler.add(request)
         return request
 
-    def reserve(self, request_id: str, num_tokens: int) -> Request:
-        """Push mode, decode role: queue a reservation of blocks for `num_tokens` tokens of KV; the
-        scheduler gives them when its allocation policy will (then `on_pull` tells the service)."""
-        placeholder = [0] * (num_tokens + 1)  # the real tokens come with the request that claims it
-        request = Request(request_id, placeholder, SamplingParams(max_tokens=1), self.clock(), self.blocks.num_layers,
-                          reservation=True)
-        self.scheduler.add(request)
-        return request
-
-    def claim(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-              arrival: float | None = None, targets: Targets = Targets()) -> bool:
-        """Push mode: the request whose KV a prefill engine wrote into reserved blocks decodes on."""
-        request = next((r for r in self.scheduler.pulling if r.request_id == request_id and r.reservation), None)
-        if request is None or len(prompt_ids) != request.num_tokens:
-            return False
-        request.prompt_ids, request.sampling, request.arrival = list(prompt_ids), sampling, arrival or self.clock()
-        request.targets = targets
-        request.pull_times = (request.scheduled_at, request.arrival)
-        self._seed(request)
-        self.scheduler.pulled(request, request.arrival)
-        return True
-
     def _seed(self, request: Request) -> None:
         if request.sampling.seed is not None:
             request.generator = torch.Generator(device=self.runner.device).manual_seed(request.sampling.seed)
@@ -118,47 +91,6 @@ class Engine:
         if pulling:
             self._aborted_pulls[request_id] = request
         return [self._frame(request, [], [], [], "")]
-
-    def pull_done(self, request_id: str, started: float, error: str | None = None,
-                  transfer: TransferStats | None = None) -> list[Frame]:
-        """A pull has ended: the request decodes on, or (failed, or aborted meanwhile) it is freed."""
-        if transfer is not None:
-            self.transferred.add(transfer)
-        aborted = self._aborted_pulls.pop(request_id, None)
-        if aborted is not None:  # aborted while pulling: its blocks were kept until now
-            self.blocks.release(aborted)
-            return []
-        request = next((r for r in self.scheduler.pulling if r.request_id == request_id), None)
-        if request is None:
-            return []
-        request.pull_times, request.transfer = (started, self.clock()), transfer
-        if error is None:
-            self.scheduler.pulled(request, self.clock())
-            return []
-        log.warning("pulling the KV of %s failed: %s", request_id, error)
-        self.scheduler.finish(request, "error")
-        return [self._frame(request, [], [], [], "")]
-
-    def release_held(self, request_id: str) -> bool:
-        """Free the KV held for a decode engine (its COMPLETE, an abort, or the lease running out)."""
-        entry = self.held.pop(request_id, None)
-        if entry is None:
-            return False
-        self.blocks.release(entry[0])
-        self.on_kv_released(request_id)
-        return True
-
-    def expire_leases(self, now: float) -> float | None:
-        """Free held KV and reservations whose lease ran out; the seconds until the next deadline."""
-        for request_id in [r for r, (_, deadline) in self.held.items() if deadline <= now]:
-            log.warning("no decode engine pulled the KV of %s within its lease: freed", request_id)
-            self.release_held(request_id)
-        reserved = [r for r in self.scheduler.pulling if r.reservation and r.kv_deadline is not None]
-        for request in [r for r in reserved if r.kv_deadline <= now]:
-            log.warning("nobody claimed the blocks reserved for %s within their lease: freed", request.request_id)
-            self.abort(request.request_id, "abort")
-        deadlines = [d for _, d in self.held.values()] + [r.kv_deadline for r in reserved if r.kv_deadline > now]
-        return min(deadlines) - now if deadlines else None
 
     def step(self) -> list[Frame]:
         now = self.clock()
@@ -205,13 +137,6 @@ class Engine:
         self.blocks.offload_idle()  # CaR: idle prefix nodes out to the cxl tier past the high-water mark
         return frames
 
-    def _pusher(self, requests: list[Request]) -> Callable[[int], None]:
-        def layer_done(layer: int) -> None:
-            for request in requests:
-                kv_blocks = -(-len(request.prompt_ids) // self.blocks.block_size)
-                request.push.layer_done(layer, request.layers[layer].blocks[:kv_blocks])
-        return layer_done
-
     def _emit(self, request: Request, token: int, logprob: float, now: float) -> Frame:
         if request.output_times:
             self._tbt.append(now - request.output_times[-1])
@@ -239,14 +164,6 @@ class Engine:
         if handle is not None:
             frame.kv_handle = handle
         return frame
-
-    def _handle(self, request: Request) -> KVHandle:
-        kv_tokens = request.num_tokens - 1  # the sampled token's KV is the decode engine's first step
-        per_layer = -(-kv_tokens // self.blocks.block_size)
-        return KVHandle(engine=self.engine_id, data_address=self.data_address, request_id=request.request_id,
-                        num_tokens=kv_tokens, block_size=self.blocks.block_size,
-                        layers=[layer.blocks[:per_layer] for layer in request.layers],
-                        tiers=[layer.tier for layer in request.layers] if request.offloaded else None)
 
     def _frame(self, request: Request, tokens: list[int], times: list[float], logprobs: list[float],
                text: str) -> Frame:
@@ -287,100 +204,3 @@ class Engine:
                            layer_profile=self.layer_profile, sparsity_profile=self.sparsity_profile)
 
 
-class EngineLoop:
-    """Builds the engine and runs `Engine.step()` on one thread of its own; new requests, aborts and
-    policy changes come in through a queue and are applied between steps.
-
-    Building on the stepping thread keeps one OpenMP team in the process. Loading the weights runs
-    torch's parallel kernels, and the team of the thread that ran them lives as long as that thread.
-    libgomp counts the threads of every team, and once they outnumber the CPUs it spins only 100
-    times before it sleeps: a team left on the main thread made the step's worker thread sleep and be
-    woken through a futex at every parallel region, 600-900 times a second under load."""
-
-    def __init__(self, build: Callable[[], Engine], deliver: Callable[[list[Frame]], None]):
-        self.deliver = deliver
-        self.engine: Engine | None = None
-        self.state: EngineState | None = None
-        self._build = build
-        self._built: Future[Engine] = Future()
-        self._commands: queue.SimpleQueue[Callable[[], list[Frame]]] = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-
-    def start(self, timeout_s: float = 600.0) -> Engine:
-        """Build the engine on the loop's thread and start stepping it; raises what building raised."""
-        self._thread.start()
-        return self._built.result(timeout_s)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        self._thread.join()
-
-    def submit(self, command: Callable[[], list[Frame] | None]) -> None:
-        """Run `command` on the engine thread between steps; the frames it returns are delivered."""
-        self._commands.put(command)
-        self._wake.set()
-
-    def call(self, fn: Callable[[], tuple[T, list[Frame]]]) -> Future[T]:
-        """Like submit, for a command with a result: `fn` returns (result, frames to deliver)."""
-        future: Future[T] = Future()
-
-        def command() -> list[Frame]:
-            try:
-                result, frames = fn()
-            except Exception as exc:
-                future.set_exception(exc)
-                return []
-            future.set_result(result)
-            return frames
-
-        self.submit(command)
-        return future
-
-    def _run(self) -> None:
-        try:
-            self.engine = self._build()
-            self.state = self.engine.state()
-        except BaseException as exc:  # noqa: BLE001 - handed to start()'s caller
-            self._built.set_exception(exc)
-            return
-        self._built.set_result(self.engine)
-        published = 0.0
-        while not self._stop.is_set():
-            frames = self._drain()
-            if self.engine.scheduler.has_work():
-                try:
-                    frames += self.engine.step()
-                except Exception:
-                    log.exception("engine step failed; failing the requests it held")
-                    frames += self._fail_all()
-            next_lease = self.engine.expire_leases(self.engine.clock())
-            idle = not self.engine.scheduler.has_work()
-            if idle or time.monotonic() - published > STATE_EVERY_S:  # not every step: it is the hot loop
-                self.state, published = self.engine.state(), time.monotonic()
-            if frames:
-                self.deliver(frames)
-            if idle:
-                # A command submitted meanwhile has set it: the next drain takes it. Held KV is
-                # checked again when its lease runs out.
-                self._wake.wait(next_lease)
-                self._wake.clear()
-
-    def _drain(self) -> list[Frame]:
-        frames: list[Frame] = []
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return frames
-            try:
-                frames += command() or []
-            except Exception:
-                log.exception("engine command failed")
-
-    def _fail_all(self) -> list[Frame]:
-        scheduler = self.engine.scheduler
-        requests = [*scheduler.running, *scheduler.waiting, *scheduler.swapped, *scheduler.pulling]
-        return [frame for r in requests for frame in self.engine.abort(r.request_id, "error")]

@@ -22,7 +22,8 @@ from ..data_link import DataLink, data_link
 from ..handoff import KVHandle, TransferStats
 from ..wire import GenerateRequest
 from .dataplane import KVDataPlane, KVPush
-from .engine import Engine, EngineLoop
+from .engine import Engine
+from .engine_loop import EngineLoop
 from .factory import shm_pool_paths
 from .request import Request
 

@@ -1,0 +1,98 @@
+"""The native engine's side of the KV hand-off (docs/serving.md), run between steps: blocks reserved
+for KV a prefill engine pushes and the request that claims them, pulls that end, KV held for a decode
+engine under a lease and the handle that says where it is, and the per-layer writes of push mode.
+`Engine` (engine.py) keeps the state these read: `held`, `_aborted_pulls`, `kv_lease_s`, `on_pull`
+and `on_kv_released`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from ..handoff import KVHandle, TransferStats
+from ..wire import Frame, SamplingParams, Targets
+from .request import Request
+
+log = logging.getLogger(__name__)
+
+
+class EngineHandoff:
+    """Engine's hand-off methods (a part of Engine, not used alone)."""
+
+    def reserve(self, request_id: str, num_tokens: int) -> Request:
+        """Push mode, decode role: queue a reservation of blocks for `num_tokens` tokens of KV; the
+        scheduler gives them when its allocation policy will (then `on_pull` tells the service)."""
+        placeholder = [0] * (num_tokens + 1)  # the real tokens come with the request that claims it
+        request = Request(request_id, placeholder, SamplingParams(max_tokens=1), self.clock(), self.blocks.num_layers,
+                          reservation=True)
+        self.scheduler.add(request)
+        return request
+
+    def claim(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+              arrival: float | None = None, targets: Targets = Targets()) -> bool:
+        """Push mode: the request whose KV a prefill engine wrote into reserved blocks decodes on."""
+        request = next((r for r in self.scheduler.pulling if r.request_id == request_id and r.reservation), None)
+        if request is None or len(prompt_ids) != request.num_tokens:
+            return False
+        request.prompt_ids, request.sampling, request.arrival = list(prompt_ids), sampling, arrival or self.clock()
+        request.targets = targets
+        request.pull_times = (request.scheduled_at, request.arrival)
+        self._seed(request)
+        self.scheduler.pulled(request, request.arrival)
+        return True
+
+    def pull_done(self, request_id: str, started: float, error: str | None = None,
+                  transfer: TransferStats | None = None) -> list[Frame]:
+        """A pull has ended: the request decodes on, or (failed, or aborted meanwhile) it is freed."""
+        if transfer is not None:
+            self.transferred.add(transfer)
+        aborted = self._aborted_pulls.pop(request_id, None)
+        if aborted is not None:  # aborted while pulling: its blocks were kept until now
+            self.blocks.release(aborted)
+            return []
+        request = next((r for r in self.scheduler.pulling if r.request_id == request_id), None)
+        if request is None:
+            return []
+        request.pull_times, request.transfer = (started, self.clock()), transfer
+        if error is None:
+            self.scheduler.pulled(request, self.clock())
+            return []
+        log.warning("pulling the KV of %s failed: %s", request_id, error)
+        self.scheduler.finish(request, "error")
+        return [self._frame(request, [], [], [], "")]
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the KV held for a decode engine (its COMPLETE, an abort, or the lease running out)."""
+        entry = self.held.pop(request_id, None)
+        if entry is None:
+            return False
+        self.blocks.release(entry[0])
+        self.on_kv_released(request_id)
+        return True
+
+    def expire_leases(self, now: float) -> float | None:
+        """Free held KV and reservations whose lease ran out; the seconds until the next deadline."""
+        for request_id in [r for r, (_, deadline) in self.held.items() if deadline <= now]:
+            log.warning("no decode engine pulled the KV of %s within its lease: freed", request_id)
+            self.release_held(request_id)
+        reserved = [r for r in self.scheduler.pulling if r.reservation and r.kv_deadline is not None]
+        for request in [r for r in reserved if r.kv_deadline <= now]:
+            log.warning("nobody claimed the blocks reserved for %s within their lease: freed", request.request_id)
+            self.abort(request.request_id, "abort")
+        deadlines = [d for _, d in self.held.values()] + [r.kv_deadline for r in reserved if r.kv_deadline > now]
+        return min(deadlines) - now if deadlines else None
+
+    def _pusher(self, requests: list[Request]) -> Callable[[int], None]:
+        def layer_done(layer: int) -> None:
+            for request in requests:
+                kv_blocks = -(-len(request.prompt_ids) // self.blocks.block_size)
+                request.push.layer_done(layer, request.layers[layer].blocks[:kv_blocks])
+        return layer_done
+
+    def _handle(self, request: Request) -> KVHandle:
+        kv_tokens = request.num_tokens - 1  # the sampled token's KV is the decode engine's first step
+        per_layer = -(-kv_tokens // self.blocks.block_size)
+        return KVHandle(engine=self.engine_id, data_address=self.data_address, request_id=request.request_id,
+                        num_tokens=kv_tokens, block_size=self.blocks.block_size,
+                        layers=[layer.blocks[:per_layer] for layer in request.layers],
+                        tiers=[layer.tier for layer in request.layers] if request.offloaded else None)
