@@ -168,7 +168,7 @@ def _serve(name: str, config_path: str | None) -> int:
         print(f"kvmesh serve {name}: {exc}", file=sys.stderr)
         return 2
     try:
-        run(service)
+        run(service, spans=tracing)
     except OSError as exc:
         print(f"kvmesh serve {name}: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
         return 1

@@ -12,7 +12,7 @@ import socket
 from aiohttp import web
 
 from .config import effective
-from .service import Service
+from .service import ServerSpans, Service
 
 log = logging.getLogger(__name__)
 
@@ -21,9 +21,10 @@ log = logging.getLogger(__name__)
 LISTEN_BACKLOG = 1024
 
 
-def run(service: Service) -> None:
+def run(service: Service, spans: ServerSpans | None = None) -> None:
     """Serve until SIGINT/SIGTERM; aiohttp finishes in-flight requests and runs the lifespans' teardown.
-    The caller has set up logging and tracing (`kvmesh serve` does, from the same config)."""
+    The caller has set up logging and tracing (`kvmesh serve` does, from the same config) and gives
+    what makes the requests' spans."""
     config = service.config
     # A supervisor whose SIGTERM went unanswered sends SIGUSR1 before SIGKILL: every thread's stack
     # lands in this process's log, so a hung shutdown says where it hung.
@@ -39,6 +40,6 @@ def run(service: Service) -> None:
         pass
     where = {"sock": socket.socket(fileno=config.listen_fd)} if config.listen_fd is not None \
         else {"host": config.host, "port": config.port}
-    web.run_app(service.build(), **where, backlog=LISTEN_BACKLOG, access_log=None,
+    web.run_app(service.build(spans), **where, backlog=LISTEN_BACKLOG, access_log=None,
                 print=lambda *_: log.info("%s listening on http://%s:%s", service.name, config.host, config.port),
                 shutdown_timeout=5.0)

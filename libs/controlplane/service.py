@@ -24,16 +24,15 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from aiohttp import web
 from opentelemetry import context, propagate, trace
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import Span, SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-
-from kvmesh.observability import tracing
 
 from . import codec
 from .config import ServiceConfig
@@ -45,6 +44,18 @@ log = logging.getLogger(__name__)
 UNTRACED = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapes: noise in every trace
 
 Handler = Callable[..., Awaitable[Any]]
+
+
+class ServerSpans(Protocol):
+    """What makes each request's SERVER span, given to `Service.build` (kvmesh.observability.tracing
+    is one: `kvmesh serve` passes it). Without it a service carries trace context but makes no span."""
+
+    def enabled(self) -> bool: ...
+
+    def span(self, name: str, *, kind: SpanKind, attributes: dict[str, Any]) -> AbstractContextManager[Span | None]: ...
+
+    def failed(self, span: Span | None, error: BaseException | str) -> None: ...
+
 ReadinessCheck = Callable[[], Awaitable[None]]
 Lifespan = Callable[[web.Application], AsyncIterator[None]]
 
@@ -80,6 +91,7 @@ class Service:
         self._readiness: list[ReadinessCheck] = []
         self._lifespans: list[Lifespan] = []
         self._shutdown_hooks: list[Callable[[], Awaitable[None]]] = []
+        self._spans: ServerSpans | None = None
         self._translations: list[tuple[type[BaseException], Callable[[BaseException], KvmeshError]]] = []
         self._requests = Counter("kvmesh_http_requests", "HTTP requests served, by route and status",
                                  ["route", "method", "status"], registry=self.metrics)
@@ -132,7 +144,8 @@ class Service:
         """Map a library's exception (say, Redis unreachable) to a kvmesh error in one place."""
         self._translations.append((exc_type, to))
 
-    def build(self) -> web.Application:
+    def build(self, spans: ServerSpans | None = None) -> web.Application:
+        self._spans = spans
         app = web.Application(client_max_size=self.config.max_body_bytes,
                               middlewares=[self._trace_context, self._count, self._errors])
         for route in self.routes:
@@ -149,7 +162,8 @@ class Service:
         incoming = propagate.extract(request.headers)
         token = context.attach(incoming)
         try:
-            if tracing.tracer() is None or request.path in UNTRACED:
+            spans = self._spans
+            if spans is None or not spans.enabled() or request.path in UNTRACED:
                 return await handler(request)
             route = _route_of(request)
             declared = self._declared.get((request.method, route))
@@ -157,12 +171,12 @@ class Service:
             # the background would bury the one trace per client request.
             if declared is None or (declared.internal and not trace.get_current_span(incoming).get_span_context().is_valid):
                 return await handler(request)
-            with tracing.span(declared.span_name or f"{request.method} {route}", kind=SpanKind.SERVER,
+            with spans.span(declared.span_name or f"{request.method} {route}", kind=SpanKind.SERVER,
                               attributes={"http.request.method": request.method, "http.route": route}) as span:
                 response = await handler(request)
                 span.set_attribute("http.response.status_code", response.status)
                 if response.status >= 500:
-                    tracing.failed(span, f"answered HTTP {response.status}")
+                    spans.failed(span, f"answered HTTP {response.status}")
                 return response
         finally:
             context.detach(token)

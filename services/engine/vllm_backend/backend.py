@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from kvmesh.infra.local.processes import free_port
 from kvmesh.libs.controlplane import BadRequest
+from kvmesh.libs.controlplane.ports import free_port
 from kvmesh.libs.kvmeta.messages import BlockGeometry, Capacity, GpuNic
 
 from ..backend import EngineBackend, tokenizer_spec

@@ -1,5 +1,0 @@
-import sys
-
-from kvmesh.cli import main
-
-sys.exit(main(["serve", "kvmeta", *sys.argv[1:]]))
