@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kvmesh.services.engine.native.attention import backend
 from kvmesh.services.engine.native.attention.block_copy import copy_rows
 from kvmesh.services.engine.kv_blocks import copy_block_rows, BlockShape
-from kvmesh.services.engine.native.block_manager import copy_blocks
+from kvmesh.services.engine.native.pool_copy import copy_blocks
 from kvmesh.services.engine.native.kv_pool import KVPool
 
 SHAPE = BlockShape(block_size=2, num_kv_heads=1, head_dim=2, dtype=torch.float32)

@@ -26,8 +26,9 @@ from kvmesh.policies.views import blocks_for
 
 from ..timing import fit_through_origin, measure_flops, median_seconds
 from ..wire import LayerProfile
-from .block_manager import BlockManager, copy_blocks
+from .block_manager import BlockManager
 from .model_runner import ModelRunner
+from .pool_copy import copy_blocks
 from .swap_profile import filler, prefill_in_chunks
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,157 @@
+"""BlockManager's prefix cache (block_manager.py): the nodes that name full blocks by their content,
+looking a prompt up among them, offering a request's full blocks to them, and requests holding and
+letting go of them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvmesh.libs.kvmeta.nodeid import node_ids
+from kvmesh.policies.cache.replacement import RUN_SCORE, WINDOW_SCORE
+from kvmesh.policies.views import CachedBlockView
+
+from .request import Request
+
+
+@dataclass
+class CachedNode:
+    node_id: str
+    blocks: list[int]     # one block per layer, in `tier`
+    refs: int             # requests holding it (device nodes only), and pins while it moves
+    last_access: float
+    hits: int = 0
+    tier: str = "device"
+    score: int = 0        # CaR III-B.3: the sum of what live requests added (Request.scores)
+    sparsified: bool = False  # CaR III-D: its least-attended tokens were dropped on the way to the cxl tier
+    depth: int = 0        # its block's index in the prompt
+
+    def view(self) -> CachedBlockView:
+        return CachedBlockView(node_id=self.node_id, last_access=self.last_access, hits=self.hits, score=self.score,
+                               tier=self.tier, depth=self.depth)
+
+
+class PrefixCache:
+    """Reads `prefix_caching`, `layerwise_reload`, `model`, `device`, `block_size`, `num_layers`; writes
+    `cached`, `evictable`, `_idle` (a node idle or held), `_named["device"]` (the blocks of nodes it
+    caches), the device pool's references, the hit counters (`hit_tokens`, `lookup_blocks`,
+    `hit_blocks`), and a request's `node_ids`, `cached_nodes`, `num_committed`, `num_computed` and
+    its layers' blocks. Room comes from BlockAccounting.free and BlockGrowth._take; nodes of the
+    cxl tier come back through CacheTiers (_move, _defer), which also scores and journals them."""
+
+    def attach_prefix(self, request: Request, now: float) -> int:
+        """Give a request with no blocks the longest cached prefix of its tokens; returns how many
+        tokens it need not compute. At least one token is always left to compute (its logits are
+        needed), so a fully cached prompt recomputes its last token into a copy of the last block.
+        Nodes of the prefix in the cxl tier come back to the device first, as many as it has room
+        for; the prefix ends where one could not."""
+        if not self.prefix_caching or request.blocks_per_layer:
+            return 0
+        hits = self.cached_prefix(request)
+        found_in = [node.tier for node in hits]
+        self.reload(hits, layerwise=self.layerwise_reload)
+        for node, tier in zip(hits, found_in):
+            if node.tier != "device":
+                break
+            self.hit_blocks[tier] += 1
+            self._hold(request, node, now)
+        request.num_committed = len(request.cached_nodes)
+        request.num_computed = min(request.num_committed * self.block_size, request.num_tokens - 1)
+        self.hit_tokens += request.num_computed
+        self.lookup_blocks += len(request.node_ids)
+        return request.num_computed
+
+    def cached_prefix(self, request: Request) -> list[CachedNode]:
+        """The cached nodes of the request's leading full blocks, in order, in any tier."""
+        if not self.prefix_caching:
+            return []
+        self._name_full_blocks(request, request.num_tokens // self.block_size)
+        hits = []
+        for node_id in request.node_ids:
+            node = self.cached.get(node_id)
+            if node is None:
+                break
+            hits.append(node)
+        return hits
+
+    def reload(self, nodes: Sequence[CachedNode], spare_only: bool = False, layerwise: bool = False) -> int:
+        """Bring the leading cxl-tier ones among `nodes` back to the device, in one copy, as many
+        as the device has room for (evicting other idle nodes, never these); returns how many.
+        attach_prefix calls it at a request's turn (`layerwise`: the copies wait for the step, see
+        pending_loads); the prefetcher ahead of it, `spare_only`: then the room comes only from free
+        blocks and idle nodes no live request will use (score <= 0), so one window request's
+        prefetch never pushes out another's."""
+        cold = [n for n in nodes if n.tier != "device"]
+        if not cold:
+            return 0
+        max_score = 0 if spare_only else None
+        for node in nodes:   # pinned: the room made for them must not come from them
+            self._pin(node)
+        try:
+            spare = self.free("device") if max_score is None else self.device.free_count + self.num_layers * sum(
+                n.tier == "device" and n.score <= max_score for n in self.evictable.values())
+            fit = min(len(cold), spare // self.num_layers)
+            cold = cold[:fit]
+            fresh = self._take(fit * self.num_layers, max_score=max_score)
+            if layerwise:
+                self._defer(cold, fresh)
+            else:
+                self._move(cold, self.device, fresh)
+        finally:
+            for node in nodes:
+                self._let_go(node.node_id)
+        return len(cold)
+
+    def commit(self, request: Request, now: float) -> None:
+        """Offer the request's blocks that became full to the prefix cache. A block whose content
+        another request cached first stays private."""
+        full = request.num_computed // self.block_size
+        if not self.prefix_caching or request.device_layers < self.num_layers or full <= request.num_committed:
+            return
+        self._name_full_blocks(request, full)
+        for index in range(request.num_committed, full):
+            node_id = request.node_ids[index]
+            if node_id in self.cached:
+                continue
+            blocks = [layer.blocks[index] for layer in request.layers]
+            node = self.cached[node_id] = CachedNode(node_id, blocks, refs=1, last_access=now, depth=index)
+            self._changed(node)
+            self._named["device"].update(blocks)
+            request.cached_nodes.append(node_id)
+            self.add_score(request, [node], WINDOW_SCORE + RUN_SCORE)  # as if it entered the window and ran
+        request.num_committed = full
+
+    def _name_full_blocks(self, request: Request, full: int) -> None:
+        if len(request.node_ids) < full:
+            start = len(request.node_ids) * self.block_size
+            parent = request.node_ids[-1] if request.node_ids else None
+            request.node_ids += node_ids(request.all_ids[start:full * self.block_size], self.block_size, self.model,
+                                         parent)
+
+    def _hold(self, request: Request, node: CachedNode, now: float) -> None:
+        self._pin(node)
+        node.hits += 1
+        node.last_access = now
+        for layer, block in zip(request.layers, node.blocks):
+            self.device.incref(block)
+            layer.blocks.append(block)
+        request.cached_nodes.append(node.node_id)
+
+    def _pin(self, node: CachedNode) -> None:
+        if node.refs == 0:
+            del self.evictable[node.node_id]
+            self._idle[node.tier].discard(node.node_id)
+        node.refs += 1
+
+    def _let_go(self, node_id: str) -> None:
+        node = self.cached[node_id]
+        node.refs -= 1
+        if node.refs == 0:
+            self.evictable[node_id] = node
+            self._idle[node.tier].put(node.view())
+
+    def _rescored(self, node: CachedNode) -> None:
+        """An idle node's score changed: the cache policy ranks it again."""
+        self._changed(node)
+        if self.evictable.get(node.node_id) is node:
+            self._idle[node.tier].put(node.view())
