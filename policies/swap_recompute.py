@@ -12,51 +12,15 @@ arguments.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
+from .costs import RecomputeCurve, SwapCurve, SwapCurves
 from .preemption import Strategy, swap
 from .views import PoolView, RequestView
 
 EXPONENT_RANGE = (1.01, 4.0)   # b: recompute grows faster than linearly (attention), at most ~cubically
 EXPONENT_STEP = 0.01
-SEARCH_MAX_LEN = float(1 << 24)  # tokens: past any model's context
-
-
-@dataclass(frozen=True, slots=True)
-class RecomputeCurve:
-    """L_r(S) = a*S^b + k*S + e, in seconds."""
-
-    a: float
-    b: float
-    k: float
-    e: float
-
-    def __call__(self, length):
-        return self.a * np.power(length, self.b) + self.k * length + self.e
-
-
-@dataclass(frozen=True, slots=True)
-class SwapCurve:
-    """L_s(S) = g*S + d, in seconds."""
-
-    g: float
-    d: float
-
-    def __call__(self, length):
-        return self.g * length + self.d
-
-
-@dataclass(frozen=True, slots=True)
-class SwapCurves:
-    recompute: RecomputeCurve
-    swap: SwapCurve
-    sweet_spot: float | None   # S_s in tokens; None: recompute is never the slower
-
-    @classmethod
-    def of(cls, recompute: RecomputeCurve, swap: SwapCurve) -> SwapCurves:
-        return cls(recompute, swap, sweet_spot(recompute, swap))
 
 
 def fit_curves(recompute_lengths: Sequence[float], recompute_seconds: Sequence[float],
@@ -85,20 +49,6 @@ def fit_recompute(lengths: Sequence[float], seconds: Sequence[float]) -> Recompu
                     min(best + EXPONENT_STEP, EXPONENT_RANGE[1]))
     (a, k, e), _ = _solve(x, t, b)
     return RecomputeCurve(a=float(a / scale**b), b=float(b), k=float(k / scale), e=float(e))
-
-
-def sweet_spot(recompute: RecomputeCurve, swap: SwapCurve) -> float | None:
-    """The length past which swapping stays faster: the last crossing of L_r and L_s up to
-    SEARCH_MAX_LEN; 0.0 when swapping is faster at every length, None when it is not faster at the
-    longest."""
-    lengths = np.geomspace(1.0, SEARCH_MAX_LEN, 1000)
-    slower = recompute(lengths) > swap(lengths)
-    if not slower[-1]:
-        return None
-    if slower.all():
-        return 0.0
-    last = int(np.flatnonzero(~slower)[-1])
-    return _bisect_crossing(lambda s: recompute(s) - swap(s), lengths[last], lengths[last + 1])
 
 
 def sweet_spot_strategy(victim: RequestView, pool: PoolView) -> Strategy:
@@ -151,9 +101,3 @@ def _golden_min(f, lo: float, hi: float, tol: float = 1e-10) -> float:
     return float((lo + hi) / 2)
 
 
-def _bisect_crossing(f, lo: float, hi: float) -> float:
-    """The root of f between lo (f <= 0) and hi (f > 0), to a relative 1e-12."""
-    while hi - lo > 1e-12 * hi:
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if f(mid) > 0 else (mid, hi)
-    return float((lo + hi) / 2)

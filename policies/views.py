@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
-if TYPE_CHECKING:
-    from .offload.plan import OffloadCost
-    from .scheduling.layerkv import PrefillCost
-    from .swap_recompute import SwapCurves
+from .costs import OffloadCost, PrefillCost, SwapCurves
 
 
 @dataclass(frozen=True, slots=True)

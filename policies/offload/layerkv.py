@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from kvmesh.policies.scheduling.layerkv import prefill_time_s
 from kvmesh.policies.views import RequestView
 
-from .plan import OffloadCost, OffloadInput, OffloadPlan
+from ..costs import OffloadCost
+from .plan import OffloadInput, OffloadPlan
 
 
 def offload_time_s(seqlen: int, offloaded_layers: int, cost: OffloadCost) -> float:

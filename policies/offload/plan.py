@@ -11,18 +11,6 @@ from kvmesh.policies.views import PoolView, RequestView
 
 
 @dataclass(frozen=True, slots=True)
-class OffloadCost:
-    """Eq. 4's terms, measured at engine start: T_offload = beta * seqlen * 2 (L - x) d n f / bandwidth."""
-
-    beta: float                     # empirical correction, fitted from timed copies
-    num_layers: int                 # L
-    head_dim: int                   # d_heads
-    num_kv_heads: int               # n_heads of the KV (the paper's n_heads; with GQA, the KV heads)
-    bytes_per_element: int          # f_precision
-    bandwidth_bytes_per_s: float    # device -> cxl, measured
-
-
-@dataclass(frozen=True, slots=True)
 class OffloadParams:
     threshold_blocks: int = 0       # Eq. 5: below this many free device blocks (all layers), offload retained layers
     horizon_stages: int = 8         # how many stages (block_size decode steps each) ahead Eq. 5 is run

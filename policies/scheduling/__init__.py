@@ -2,7 +2,7 @@
 priority classes with the Shuffled Window."""
 
 from .car import car, fill_window, reuse_class
-from .layerkv import PrefillCost, allowed_prefill_s, future_tokens, layerkv, max_prefills, prefill_time_s
+from .layerkv import allowed_prefill_s, future_tokens, layerkv, max_prefills, prefill_time_s
 
-__all__ = ["PrefillCost", "allowed_prefill_s", "car", "fill_window", "future_tokens", "layerkv", "max_prefills",
+__all__ = ["allowed_prefill_s", "car", "fill_window", "future_tokens", "layerkv", "max_prefills",
            "prefill_time_s", "reuse_class"]

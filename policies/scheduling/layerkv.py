@@ -8,19 +8,9 @@ prefill times (Eq. 3) sum to less than the smallest allowance (Eq. 2).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from kvmesh.policies.costs import PrefillCost
 from kvmesh.policies.views import PoolView, RequestView
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillCost:
-    """Eq. 3's terms: T_prefill = alpha * seqlen * (2 n_param + 2 seqlen n_hidden) / FLOPS."""
-
-    alpha: float               # empirical correction, fitted from prefills timed at engine start
-    num_params: int            # n_param
-    hidden_size: int           # n_hidden
-    flops_per_s: float         # the device's, measured at engine start
 
 
 def prefill_time_s(seqlen: int, cost: PrefillCost) -> float:

@@ -12,9 +12,7 @@ from msgspec import Meta, Struct, field
 
 from kvmesh.libs.controlplane import BadRequest
 from kvmesh.libs.kvmeta.messages import Id
-from kvmesh.policies.offload import OffloadCost
-from kvmesh.policies.scheduling import PrefillCost
-from kvmesh.policies.swap_recompute import SwapCurves
+from kvmesh.policies.costs import OffloadCost, PrefillCost, SwapCurves
 
 from .handoff import KVHandle, KVTransfer, TransferStats
 

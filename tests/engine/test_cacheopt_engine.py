@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from kvmesh.policies import preemption, registry
-from kvmesh.policies.swap_recompute import RecomputeCurve, SwapCurve, SwapCurves
+from kvmesh.policies.costs import RecomputeCurve, SwapCurve, SwapCurves
 from kvmesh.services.engine.native.request import Request, Status
 from kvmesh.services.engine.wire import Targets, SamplingParams
 

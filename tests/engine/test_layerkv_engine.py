@@ -8,8 +8,8 @@ import pytest
 
 from kvmesh.libs.controlplane import ConfigError
 from kvmesh.policies import registry
-from kvmesh.policies.offload.plan import OffloadCost, OffloadPlan
-from kvmesh.policies.scheduling.layerkv import PrefillCost
+from kvmesh.policies.costs import OffloadCost, PrefillCost
+from kvmesh.policies.offload.plan import OffloadPlan
 from kvmesh.services.engine.native.layer_staging import ChunkedCopier
 from kvmesh.services.engine.wire import Targets, SamplingParams
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from kvmesh.policies import preemption, registry
-from kvmesh.policies.swap_recompute import (RecomputeCurve, SwapCurve, SwapCurves, fit_curves, fit_recompute,
-                                            fit_swap, sweet_spot, sweet_spot_strategy)
+from kvmesh.policies.costs import RecomputeCurve, SwapCurve, SwapCurves, sweet_spot
+from kvmesh.policies.swap_recompute import fit_curves, fit_recompute, fit_swap, sweet_spot_strategy
 from kvmesh.policies.views import PoolView, RequestView, blocks_for
 
 BLOCK = 8

@@ -10,9 +10,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvmesh.policies.offload import (OffloadCost, OffloadInput, OffloadParams, forecast_free_blocks, interleaved,
+from kvmesh.policies.costs import OffloadCost, PrefillCost
+from kvmesh.policies.offload import (OffloadInput, OffloadParams, forecast_free_blocks, interleaved,
                                      layerkv, none, offload_time_s, retained_layers)
-from kvmesh.policies.scheduling import PrefillCost, allowed_prefill_s, future_tokens, max_prefills, prefill_time_s
+from kvmesh.policies.scheduling import allowed_prefill_s, future_tokens, max_prefills, prefill_time_s
 from kvmesh.policies.scheduling import layerkv as admit
 from kvmesh.policies.views import PoolView, RequestView
 

@@ -30,9 +30,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
-from kvmesh.policies.offload.plan import OffloadCost
-from kvmesh.policies.scheduling.layerkv import PrefillCost
-from kvmesh.policies.swap_recompute import SwapCurves
+from kvmesh.policies.costs import OffloadCost, PrefillCost, SwapCurves
 from kvmesh.policies.views import PoolView
 
 from ..eviction_queue import EvictionQueue

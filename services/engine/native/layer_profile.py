@@ -20,8 +20,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvmesh.policies.offload import OffloadCost, offload_time_s
-from kvmesh.policies.scheduling import PrefillCost, prefill_time_s
+from kvmesh.policies.costs import OffloadCost, PrefillCost
+from kvmesh.policies.offload import offload_time_s
+from kvmesh.policies.scheduling import prefill_time_s
 from kvmesh.policies.views import blocks_for
 
 from ..timing import fit_through_origin, measure_flops, median_seconds

@@ -33,7 +33,7 @@ import torch
 
 from kvmesh.policies.views import blocks_for
 
-from .block_manager import copy_blocks
+from .pool_copy import copy_blocks
 from .kv_pool import KVPool
 from .scheduler import ScheduledChunk
 

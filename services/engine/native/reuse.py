@@ -22,7 +22,8 @@ from kvmesh.policies.cache.prefetch import fetch
 from kvmesh.policies.cache.replacement import RUN_SCORE, WINDOW_SCORE
 from kvmesh.policies.scheduling.car import fill_window
 
-from .block_manager import BlockManager, CachedNode, copy_blocks
+from .block_manager import BlockManager, CachedNode
+from .pool_copy import copy_blocks
 from .request import Request
 
 

@@ -15,7 +15,8 @@ from functools import partial
 
 import numpy as np
 
-from kvmesh.policies.swap_recompute import SwapCurves, fit_curves
+from kvmesh.policies.costs import SwapCurves
+from kvmesh.policies.swap_recompute import fit_curves
 from kvmesh.policies.views import blocks_for
 
 from ..timing import median_seconds

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from kvmesh.policies.scheduling import PrefillCost, prefill_time_s
+from kvmesh.policies.costs import PrefillCost
+from kvmesh.policies.scheduling import prefill_time_s
 
 from ..timing import fit_through_origin, measure_flops
 

@@ -37,7 +37,7 @@ from vllm.v1.request import RequestStatus
 
 from kvmesh.policies import registry
 from kvmesh.policies.allocation import AllocationInput, AllocationParams, Grant, block_at_a_time
-from kvmesh.policies.scheduling import PrefillCost
+from kvmesh.policies.costs import PrefillCost
 from kvmesh.policies.views import PoolView, RequestView, blocks_for
 
 from ..ledger import Ledger
