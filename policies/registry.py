@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import admission, allocation, cache, offload, plugins, preemption, scheduling, swap_recompute
+from . import allocation, cache, offload, plugins, preemption, prefill_admission, swap_recompute
 
 HOOKS: dict[str, dict[str, Callable]] = {
-    "prefill_admission": {"fcfs": admission.fcfs, "layerkv": scheduling.layerkv, "car": scheduling.car},
+    "prefill_admission": {"fcfs": prefill_admission.fcfs, "layerkv": prefill_admission.layerkv,
+                          "car": prefill_admission.car},
     "kv_allocation": {"block_at_a_time": allocation.block_at_a_time, "estimate": allocation.estimate,
                       "rlp": allocation.estimate, "s3": allocation.s3, "cacheopt": allocation.cacheopt,
                       "cacheopt_guarded": allocation.cacheopt_guarded},

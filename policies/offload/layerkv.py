@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvmesh.policies.scheduling.layerkv import prefill_time_s
+from kvmesh.policies.prefill_admission.layerkv import prefill_time_s
 from kvmesh.policies.views import RequestView
 
 from ..costs import OffloadCost

@@ -4,7 +4,7 @@ positive terms, and every block it borrowed free again."""
 from __future__ import annotations
 
 from kvmesh.policies.offload import retained_layers
-from kvmesh.policies.scheduling import prefill_time_s
+from kvmesh.policies.prefill_admission import prefill_time_s
 
 from .conftest import assert_all_blocks_free, engine_for
 

@@ -10,8 +10,8 @@ import pytest
 
 from kvmesh.policies.cache import DONE_SCORE, RUN_SCORE, WINDOW_SCORE, fetch, lru, time_to_free_s
 from kvmesh.policies.cache import car as evict
-from kvmesh.policies.scheduling import car as admit
-from kvmesh.policies.scheduling import fill_window, reuse_class
+from kvmesh.policies.prefill_admission import car as admit
+from kvmesh.policies.prefill_admission import fill_window, reuse_class
 from kvmesh.policies.views import CachedBlockView, PoolView, RequestView
 
 POOL = PoolView(block_size=16, num_layers=4, free=MappingProxyType({"device": 10}),

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from kvmesh.policies.costs import OffloadCost, PrefillCost
 from kvmesh.policies.offload import (OffloadInput, OffloadParams, forecast_free_blocks, interleaved,
                                      layerkv, none, offload_time_s, retained_layers)
-from kvmesh.policies.scheduling import allowed_prefill_s, future_tokens, max_prefills, prefill_time_s
-from kvmesh.policies.scheduling import layerkv as admit
+from kvmesh.policies.prefill_admission import allowed_prefill_s, future_tokens, max_prefills, prefill_time_s
+from kvmesh.policies.prefill_admission import layerkv as admit
 from kvmesh.policies.views import PoolView, RequestView
 
 PREFILL = PrefillCost(alpha=2.0, num_params=10**6, hidden_size=256, flops_per_s=1e9)

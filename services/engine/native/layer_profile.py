@@ -22,7 +22,7 @@ import torch
 
 from kvmesh.policies.costs import OffloadCost, PrefillCost
 from kvmesh.policies.offload import offload_time_s
-from kvmesh.policies.scheduling import prefill_time_s
+from kvmesh.policies.prefill_admission import prefill_time_s
 from kvmesh.policies.views import blocks_for
 
 from ..timing import fit_through_origin, measure_flops, median_seconds

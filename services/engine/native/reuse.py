@@ -1,6 +1,6 @@
 """CaR's side of the scheduler (III-B): the Shuffled Window, the scores of the nodes its requests
 will reuse, and the prefetcher that brings their cxl-tier nodes back to the device just before
-they are needed. The decisions are policies/scheduling/car.py and policies/cache/; this applies them.
+they are needed. The decisions are policies/prefill_admission/car.py and policies/cache/; this applies them.
 
 Each step, before admission, while the `car` admission policy is on:
 - every waiting request's prefix is looked up (how many of its leading blocks are cached on the
@@ -20,7 +20,7 @@ import numpy as np
 
 from kvmesh.policies.cache.prefetch import fetch
 from kvmesh.policies.cache.replacement import RUN_SCORE, WINDOW_SCORE
-from kvmesh.policies.scheduling.car import fill_window
+from kvmesh.policies.prefill_admission.car import fill_window
 
 from .block_manager import BlockManager, CachedNode
 from .pool_copy import copy_blocks

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from kvmesh.policies.costs import PrefillCost
-from kvmesh.policies.scheduling import prefill_time_s
+from kvmesh.policies.prefill_admission import prefill_time_s
 
 from ..timing import fit_through_origin, measure_flops
 
