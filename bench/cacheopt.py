@@ -47,14 +47,14 @@ import numpy as np
 import torch
 from rich.progress import Progress
 
+from kvmesh.libs.messages.engine import Targets
 from kvmesh.policies.length import LengthPredictor, LengthQuery, Prediction
 from kvmesh.policies.length.embedding import EmbeddingPredictor, FitSettings, fit
 from kvmesh.policies.length.padding import Direction, adaptive_confidence, padded_length
 from kvmesh.policies.length.predictors import RLP_PADDING, S3_BUCKET, RLPPredictor, S3Predictor
-from kvmesh.services.engine.dtypes import fastest_dtype
 from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.engine.dtypes import fastest_dtype
 from kvmesh.services.engine.native.factory import build_engine
-from kvmesh.services.engine.wire import Targets
 from kvmesh.services.predictor.encoder import encoder
 
 from .cacheopt_serving import RunStats, capacity, replay

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvmesh.libs.messages.engine import SamplingParams, Targets
 from kvmesh.services.engine.native.engine import Engine
 from kvmesh.services.engine.native.request import Request
-from kvmesh.services.engine.wire import Targets, SamplingParams
 
 from .instruction_trace import TraceRequest
 

@@ -44,13 +44,14 @@ import numpy as np
 import torch
 from rich.progress import Progress
 
+from kvmesh.libs.messages.engine import SamplingParams
 from kvmesh.policies.views import blocks_for
+from kvmesh.services.engine.config import EngineConfig
 from kvmesh.services.engine.dtypes import fastest_dtype
 from kvmesh.services.engine.native.engine import Engine
-from kvmesh.services.engine.config import EngineConfig
 from kvmesh.services.engine.native.factory import build_engine
 from kvmesh.services.engine.native.models import PRESETS
-from kvmesh.services.engine.wire import SamplingParams, SparsityProfile
+from kvmesh.services.engine.state import SparsityProfile
 
 from . import car_sparsify
 from .car_workloads import ANSWER_LEN, USER, Conversation, conversations, final_context, system_prompt_requests

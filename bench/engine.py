@@ -36,11 +36,11 @@ import numpy as np
 import torch
 from rich.progress import Progress
 
+from kvmesh.libs.messages.engine import SamplingParams
 from kvmesh.services.engine.config import EngineConfig
-from kvmesh.services.engine.native.factory import build_engine
 from kvmesh.services.engine.model_source import DEFAULT_MODEL, resolve_model
+from kvmesh.services.engine.native.factory import build_engine
 from kvmesh.services.engine.native.models import save_preset_checkpoint
-from kvmesh.services.engine.wire import SamplingParams
 
 from .report import BenchResult, Row
 

@@ -23,9 +23,9 @@ import json
 import torch
 from tqdm import tqdm
 
+from kvmesh.libs.messages.engine import SamplingParams
 from kvmesh.services.engine.config import EngineConfig
 from kvmesh.services.engine.native.factory import build_engine
-from kvmesh.services.engine.wire import SamplingParams
 
 from .instruction_trace import INSTRUCTIONS, LENGTHS, read
 

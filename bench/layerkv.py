@@ -59,15 +59,16 @@ import numpy as np
 import torch
 from rich.progress import Progress
 
+from kvmesh.libs.messages.engine import SamplingParams, Targets
 from kvmesh.policies.length.predictors import Prediction
 from kvmesh.policies.views import blocks_for
-from kvmesh.services.engine.dtypes import fastest_dtype
-from kvmesh.services.engine.native.engine import Engine
 from kvmesh.services.engine.config import EngineConfig
-from kvmesh.services.engine.native.factory import build_engine
+from kvmesh.services.engine.dtypes import fastest_dtype
 from kvmesh.services.engine.kv_blocks import BlockShape
-from kvmesh.services.engine.wire import LayerProfile, Targets, SamplingParams
+from kvmesh.services.engine.native.engine import Engine
+from kvmesh.services.engine.native.factory import build_engine
 from kvmesh.services.engine.native.models import PRESETS
+from kvmesh.services.engine.state import LayerProfile
 from kvmesh.services.predictor.encoder import encoder
 
 from .cacheopt_serving import RunStats, capacity, replay

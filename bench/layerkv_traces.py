@@ -17,11 +17,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvmesh.libs.messages.engine import Targets
+from kvmesh.libs.messages.predictor import PredictedLength
 from kvmesh.policies.length import LengthQuery, adaptive_confidence
 from kvmesh.policies.length.embedding import EmbeddingPredictor, FitSettings, fit
 from kvmesh.policies.length.predictors import Prediction
-from kvmesh.services.admission.predictor_client import PredictedLength, predicted_lengths
-from kvmesh.services.engine.wire import Targets
+from kvmesh.services.admission.predictor_client import predicted_lengths
 
 from .instruction_trace import TraceRequest
 from .workloads import END_ID, FIRST_ID
@@ -61,7 +62,8 @@ def targets(predictions: list[Prediction], max_tokens: int, ttft_slo_ms: float, 
     passes them on."""
     return [Targets(ttft_slo_ms=ttft_slo_ms, tbt_slo_ms=tpot_slo_ms,
                     **predicted_lengths(PredictedLength(predicted=p.predicted, direction=p.direction.value,
-                                                        padding=p.padding, estimated=p.estimated), max_tokens))
+                                                        padding=p.padding, estimated=p.estimated,
+                                                        confidence=p.confidence, predictor="embedding"), max_tokens))
             for p in predictions]
 
 

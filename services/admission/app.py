@@ -29,6 +29,7 @@ from aiohttp import web
 
 from kvmesh.libs.controlplane import Service, ServiceConfig, read_body
 from kvmesh.libs.controlplane.codec import JSON
+from kvmesh.libs.messages.predictor import PredictedLength
 from kvmesh.observability import logs, tracing
 
 from .engine_client import EngineClients
@@ -36,7 +37,7 @@ from .lifecycle import Generation, Lifecycle
 from .limits import Backlog, BoundedQueue, QueueFull, RateLimiter
 from .openai_api import (ChatCompletionRequest, CompletionRequest, Model, ModelList, OpenAIError, bad_request,
                          chat_checks, completion_checks, decode_body, messages_of, prompt_of, sampling_of)
-from .predictor_client import PredictedLength, predicted_lengths
+from .predictor_client import predicted_lengths
 from .responses import Answer, json_response, stream, whole
 from .slo import Slo, SloClass, SloMetrics, Timing, slo_defaults, slo_of
 from .tokenizers import Models, ModelTokenizer

@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 from opentelemetry.trace import SpanKind
 
 from kvmesh.libs.controlplane import KvmeshError, RemoteError, ServiceUnreachable
+from kvmesh.libs.messages.engine import Frame, GenerateRequest, KVHandle, KVTransfer, Timings
+from kvmesh.libs.messages.scheduler import Route, WorkerRef
 from kvmesh.observability import tracing
 
-from .engine_client import EngineClients, EngineFrame, EngineRef, EngineTimings, GenerateBody
+from .engine_client import EngineClients
 from .openai_api import KvmeshInfo, OpenAIError, Sampling
-from .scheduler_client import Route
 from .upstreams import Upstreams
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class Generation:
     predicted_output_low: int | None = None      # the predicted range (LayerKV): lower bound and median
     predicted_output_median: int | None = None
 
-    def body(self, request_id: str, **changes) -> GenerateBody:
+    def body(self, request_id: str, **changes) -> GenerateRequest:
         s = self.sampling
         fields = dict(request_id=request_id, prompt_token_ids=self.prompt_ids, max_tokens=self.max_tokens,
                       temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed, stop=s.stop,
@@ -60,7 +61,7 @@ class Generation:
                       tbt_slo_ms=self.tbt_slo_ms, predicted_output_len=self.predicted_output_len,
                       predicted_output_low=self.predicted_output_low,
                       predicted_output_median=self.predicted_output_median)
-        return GenerateBody(**{**fields, **changes})
+        return GenerateRequest(**{**fields, **changes})
 
 
 @dataclass
@@ -76,7 +77,7 @@ class Piece:
 
 
 class EngineFailed(Exception):
-    def __init__(self, engine: EngineRef, reason: str):
+    def __init__(self, engine: WorkerRef, reason: str):
         super().__init__(f"engine {engine.id} failed: {reason}")
         self.engine = engine
 
@@ -91,7 +92,7 @@ class Journey:
     `generation` is what is left to generate: after a migration, the prompt with the tokens sent."""
 
     generation: Generation
-    holding: dict[str, tuple[EngineRef, str]] = field(default_factory=dict)
+    holding: dict[str, tuple[WorkerRef, str]] = field(default_factory=dict)
     sent: list[int] = field(default_factory=list)  # token ids the client has
 
     def migrate(self) -> None:
@@ -179,7 +180,7 @@ class Lifecycle:
         raise OpenAIError(503, f"the scheduler could not route the request: {reason}", type="server_error",
                           code="no_engine")
 
-    async def _colocated(self, journey: Journey, engine: EngineRef, request_id: str) -> AsyncIterator[Piece]:
+    async def _colocated(self, journey: Journey, engine: WorkerRef, request_id: str) -> AsyncIterator[Piece]:
         journey.holding[engine.id] = (engine, request_id)
         async for frame in self._frames("generate", engine, journey.generation.body(request_id)):
             piece = _piece(frame)
@@ -188,15 +189,16 @@ class Lifecycle:
             yield piece
         del journey.holding[engine.id]
 
-    async def _disaggregated(self, journey: Journey, prefill: EngineRef, decode: EngineRef,
+    async def _disaggregated(self, journey: Journey, prefill: WorkerRef, decode: WorkerRef,
                              request_id: str) -> AsyncIterator[Piece]:
         generation = journey.generation
         push, reserve_ms = self.transfer_mode == "push", None
-        transfer: dict = {"mode": "pull"}
+        transfer = KVTransfer(mode="pull")
         if push:  # the decode engine gives blocks first; the prefill engine writes into them
             journey.holding[decode.id] = (decode, request_id)
             started = time.monotonic()
-            transfer = {"mode": "push", "target": await self._reserve(decode, request_id, len(generation.prompt_ids))}
+            target = await self._reserve(decode, request_id, len(generation.prompt_ids))
+            transfer = KVTransfer(mode="push", target=target)
             reserve_ms = (time.monotonic() - started) * 1e3
         journey.holding[prefill.id] = (prefill, request_id)
         frames = [f async for f in self._frames("prefill", prefill,
@@ -220,7 +222,7 @@ class Lifecycle:
                                max_tokens=generation.max_tokens - len(first.token_ids),
                                **{name: _still_to_come(getattr(generation, name), len(first.token_ids))
                                   for name in PREDICTED},
-                               kv_source=transfer["target"] if push else last.kv_handle)
+                               kv_source=transfer.target if push else last.kv_handle)
         failed: list[str] = []
         while True:
             journey.holding[decode.id] = (decode, request_id)
@@ -247,12 +249,12 @@ class Lifecycle:
         del journey.holding[decode.id]
         journey.holding.pop(prefill.id, None)  # pulled and COMPLETEd: the prefill freed it
 
-    async def _reserve(self, decode: EngineRef, request_id: str, num_tokens: int) -> dict:
+    async def _reserve(self, decode: WorkerRef, request_id: str, num_tokens: int) -> KVHandle:
         with _engine_errors(decode), tracing.span("reserve", kind=SpanKind.CLIENT,
                                                   attributes={"kvmesh.engine": decode.id}):
             return await self.engines.reserve(decode, request_id, num_tokens, self.stall_timeout_s)
 
-    async def _another_decode(self, generation: Generation, failed: list[str], failure: EngineFailed) -> EngineRef:
+    async def _another_decode(self, generation: Generation, failed: list[str], failure: EngineFailed) -> WorkerRef:
         """Another decode engine to pull the held KV; with none left, the failure stands, and the
         request migrates (run) to whatever engine serves on: the prompt and first token computed again."""
         try:
@@ -263,7 +265,7 @@ class Lifecycle:
             raise failure
         return route.decode
 
-    async def _frames(self, step: str, engine: EngineRef, body: GenerateBody) -> AsyncIterator[EngineFrame]:
+    async def _frames(self, step: str, engine: WorkerRef, body: GenerateRequest) -> AsyncIterator[Frame]:
         """The engine's frames up to the finishing one; any way the engine fails is EngineFailed. The
         call is the CLIENT span `step` (not made current: this generator yields to its consumer)."""
         span = tracing.start(step, kind=SpanKind.CLIENT,
@@ -315,7 +317,7 @@ def _engines(route: Route) -> dict[str, str | None]:
 
 
 @contextlib.contextmanager
-def _engine_errors(engine: EngineRef) -> Iterator[None]:
+def _engine_errors(engine: WorkerRef) -> Iterator[None]:
     """An engine's 400 is the client's error (OpenAI 400); any other failure is the engine's."""
     try:
         yield
@@ -327,7 +329,7 @@ def _engine_errors(engine: EngineRef) -> Iterator[None]:
         raise EngineFailed(engine, str(exc)) from None
 
 
-def breakdown(first: EngineTimings, decode: EngineTimings | None, reserve_ms: float | None = None) -> dict[str, float]:
+def breakdown(first: Timings, decode: Timings | None, reserve_ms: float | None = None) -> dict[str, float]:
     """KVDirect Fig. 14's breakdown in ms, from the engines' timings: the engine that produced the
     first token (prefill, or the colocated one) and, when disaggregated, the decode engine. Decode
     queueing runs from the first token to the start of the KV transfer (the hop through admission
@@ -347,12 +349,12 @@ def breakdown(first: EngineTimings, decode: EngineTimings | None, reserve_ms: fl
             "transfer": ms(decode.pull_start, decode.pull_end), "decode": ms(decode.pull_end, decode.finished)}
 
 
-def _piece(frame: EngineFrame) -> Piece:
+def _piece(frame: Frame) -> Piece:
     return Piece(list(frame.token_ids), frame.text, frame.logprobs, frame.finish_reason,
                  frame.usage.cached_tokens if frame.usage else 0)
 
 
-def _merge(frames: list[EngineFrame]) -> Piece:
+def _merge(frames: list[Frame]) -> Piece:
     """The prefill's frames (usually one) as one piece."""
     pieces = [_piece(f) for f in frames]
     logprobs = None if any(p.logprobs is None for p in pieces) else [lp for p in pieces for lp in p.logprobs]

@@ -10,28 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from msgspec import Struct
 from opentelemetry.trace import SpanKind
 
 from kvmesh.libs.controlplane import KvmeshError, ServiceClient
+from kvmesh.libs.messages.predictor import MAX_PROMPT_CHARS, MAX_PROMPT_TOKENS, ObserveRequest, PredictedLength, PredictRequest
 from kvmesh.observability import tracing
 
 log = logging.getLogger(__name__)
-
-# The predictor's limits on a prompt (services/predictor/api.py; a service does not import another).
-MAX_PROMPT_CHARS = 1_048_576
-MAX_PROMPT_TOKENS = 262_144
-
-
-class PredictedLength(Struct, kw_only=True, frozen=True):
-    """`POST /v1/predict`'s answer: `estimated` is `predicted` moved by the confidence padding."""
-
-    predicted: int
-    direction: str
-    padding: float
-    estimated: int
-    confidence: float | None = None
-
 
 def predicted_lengths(prediction: PredictedLength, max_tokens: int) -> dict[str, int]:
     """What the engines' policies are told of a request's output length: the padded estimate to
@@ -53,9 +38,9 @@ class PredictorClient:
         prompt = {"prompt": text[:MAX_PROMPT_CHARS]} if text else {"prompt_token_ids": prompt_ids[:MAX_PROMPT_TOKENS]}
         with tracing.span("predict", kind=SpanKind.CLIENT) as span:
             try:
-                answer = await self._client.call("POST", "/v1/predict", {
-                    **prompt, "max_tokens": max_tokens, "tenant": tenant}, into=PredictedLength)
-            except KvmeshError as exc:
+                body = PredictRequest(max_tokens=max_tokens, tenant=tenant, **prompt)
+                answer = await self._client.call("POST", "/v1/predict", body, into=PredictedLength)
+            except (KvmeshError, ValueError) as exc:  # ValueError: a prompt the predictor would refuse
                 log.warning("no length prediction (the request runs without one): %s", exc)
                 tracing.failed(span, exc)
                 return None
@@ -71,15 +56,13 @@ class PredictorClient:
                 text: str | None = None) -> None:
         """The request's actual output length, in the background (the answer has gone already), with
         its prompt text when it had one (what `embedding` learns from)."""
-        body = {"tenant": tenant, "prompt_len": prompt_len, "actual": actual,
-                "predicted": prediction.predicted, "estimated": prediction.estimated}
-        if text:
-            body["prompt"] = text[:MAX_PROMPT_CHARS]
+        body = ObserveRequest(tenant=tenant, prompt_len=prompt_len, actual=actual, predicted=prediction.predicted,
+                              estimated=prediction.estimated, prompt=text[:MAX_PROMPT_CHARS] if text else None)
         task = asyncio.create_task(self._observe(body))
         self._observing.add(task)
         task.add_done_callback(self._observing.discard)
 
-    async def _observe(self, body: dict) -> None:
+    async def _observe(self, body: ObserveRequest) -> None:
         try:
             await self._client.call("POST", "/v1/observe", body)
         except KvmeshError as exc:

@@ -15,10 +15,11 @@ from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast  # at import: transformers' lazy imports are not thread-safe
 
 from kvmesh.libs.controlplane import KvmeshError
+from kvmesh.libs.messages.engine import TokenizerSpec
+from kvmesh.libs.messages.scheduler import EngineStatus
 
-from .engine_client import EngineClients, TokenizerSpec
+from .engine_client import EngineClients
 from .openai_api import OpenAIError
-from .scheduler_client import ClusterEngine
 from .upstreams import Upstreams
 
 # Used when a model's tokenizer has no chat template of its own: each turn as "role: content" on its
@@ -66,11 +67,11 @@ class Models:
         self.upstreams = upstreams
         self.engines = engines
         self.refresh_s = refresh_s
-        self._engines: list[ClusterEngine] = []
+        self._engines: list[EngineStatus] = []
         self._read_at = -float("inf")
         self._tokenizers: dict[str, asyncio.Task[ModelTokenizer]] = {}
 
-    async def live(self, fresh: bool = False) -> list[ClusterEngine]:
+    async def live(self, fresh: bool = False) -> list[EngineStatus]:
         if fresh or time.monotonic() - self._read_at > self.refresh_s:
             try:
                 self._engines = (await self.upstreams.scheduler.cluster()).engines

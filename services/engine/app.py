@@ -15,6 +15,9 @@ from aiohttp import web
 from kvmesh.libs.controlplane import BadRequest, Service
 from kvmesh.libs.kvmeta.client import KvmetaClient, WorkerPresence
 from kvmesh.libs.kvmeta.messages import Load, WorkerInfo
+from kvmesh.libs.messages.engine import (AbortRequest, Aborted, CacheQuery, CacheTable, DecodeRequest, Frame,
+                                         GenerateRequest, KVHandle, KVReserve, PolicyNames, PrefillRequest,
+                                         TokenizerSpec)
 from kvmesh.observability import tracing
 
 from .backend import EngineBackend
@@ -22,12 +25,15 @@ from .cache_publisher import CachePublisher
 from .config import EngineConfig
 from .defaults import decided
 from .frame_stream import write_frames
-from .handoff import KVHandle, KVReserve
 from .phases import trace_phases
-from .wire import (GENERATION_ROUTES, Aborted, AbortRequest, CacheQuery, CacheTable, EngineState, Frame,
-                   GenerateRequest, PolicyNames, TokenizerSpec)
+from .state import EngineState
 
 Config = EngineConfig
+
+# Where each role's requests go; every backend serves all three with one handler.
+GENERATION_ROUTES = (("/v1/generate", GenerateRequest, "Generate from a prompt, or either phase of one (by its body)"),
+                     ("/v1/prefill", PrefillRequest, "Prefill a prompt and keep its KV for a decode engine"),
+                     ("/v1/decode", DecodeRequest, "Decode a prompt whose KV a prefill engine holds"))
 
 
 def build_backend(config: EngineConfig) -> EngineBackend:

@@ -14,12 +14,12 @@ from typing import Any
 from kvmesh.libs.controlplane import BadRequest
 from kvmesh.libs.kvmeta.client import KvmetaClient
 from kvmesh.libs.kvmeta.messages import BlockGeometry, Capacity, GpuNic
+from kvmesh.libs.messages.engine import (CacheQuery, CacheTable, Frame, GenerateRequest, KVHandle, SamplingParams,
+                                         Targets, TokenizerSpec)
 
 from .cache_publisher import CacheJournal
-from .handoff import KVHandle
 from .metrics import EngineCollector
-from .wire import (CacheQuery, CacheTable, EngineState, Frame, GenerateRequest, SamplingParams, Targets,
-                   TokenizerSpec)
+from .state import EngineState
 
 
 class EngineBackend(abc.ABC):

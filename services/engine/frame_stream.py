@@ -10,9 +10,9 @@ from collections.abc import Callable
 import msgspec
 from aiohttp import web
 
+from kvmesh.libs.messages.engine import Frame
 from kvmesh.observability import tracing
 
-from .wire import Frame
 
 NDJSON = "application/x-ndjson"
 

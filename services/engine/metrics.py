@@ -14,7 +14,7 @@ from typing import Any
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 
-from .wire import EngineState
+from .state import EngineState
 
 QUEUES = ("waiting", "running", "swapped", "pulling", "held_kv")
 

@@ -9,9 +9,8 @@ the engine's own timestamps when the last frame leaves: the engine thread never 
 
 from __future__ import annotations
 
+from kvmesh.libs.messages.engine import Frame
 from kvmesh.observability import tracing
-
-from .wire import Frame
 
 
 def trace_phases(frame: Frame, engine_id: str, role: str) -> None:

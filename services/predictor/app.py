@@ -30,11 +30,12 @@ from msgspec import Meta
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvmesh.libs.controlplane import BadRequest, Service, ServiceConfig
+from kvmesh.libs.messages.predictor import (ConfigChange, ObserveRequest, OpenUnit, PredictRequest, PredictedLength,
+                                            PredictorSettings)
 from kvmesh.policies.length import LengthPredictor, LengthQuery, adaptive_confidence, registry
 from kvmesh.policies.length.padding import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_CONFIDENCE
 from kvmesh.policies.length.predictors import HistoryPredictor
 
-from .api import ConfigChange, ObserveRequest, OpenUnit, PredictedLength, PredictorSettings, PredictRequest
 from .rate import ArrivalRate, arrive, rate_at
 
 log = logging.getLogger(__name__)

@@ -23,10 +23,10 @@ from msgspec import Meta
 from rich.console import Console
 from rich.progress import Progress
 
+from kvmesh.libs.messages.predictor import Key, MAX_LENGTH, MAX_PROMPT_CHARS
 from kvmesh.policies.length.embedding import MIN_EXAMPLES, FitSettings, fit
 
 from . import model_files
-from .api import MAX_LENGTH, MAX_PROMPT_CHARS, Key
 from .encoder import encoder
 
 

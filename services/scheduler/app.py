@@ -21,10 +21,11 @@ from kvmesh.libs.controlplane import BadRequest, KvmeshError, Service, ServiceCo
 from kvmesh.libs.kvmeta.client import KvmetaClient
 from kvmesh.libs.kvmeta.messages import WorkerInfo
 from kvmesh.libs.kvmeta.nodeid import node_ids
+from kvmesh.libs.messages.scheduler import ClusterView, PolicyChoice, PolicyInfo, Route, RouteRequest, WorkerRef
 from kvmesh.policies.routing import registry
 from kvmesh.policies.routing.views import RouteDecision, RouteQuery, RoutingPolicy, RoutingState
 
-from .api import ClusterView, NoEngine, PolicyChoice, PolicyInfo, Route, RouteRequest, UnknownModel, WorkerRef
+from .errors import NoEngine, UnknownModel
 from .cluster import LiveCluster
 
 # A route asked of a scheduler that has no snapshot of the engines yet waits for it this long: with the

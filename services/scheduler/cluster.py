@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from kvmesh.libs.controlplane import KvmeshError
 from kvmesh.libs.kvmeta.client import KvmetaClient
 from kvmesh.libs.kvmeta.messages import Load, Worker, WorkerEvent, WorkerInfo
+from kvmesh.libs.messages.scheduler import EngineStatus
 from kvmesh.policies.routing.views import EngineLoad, EngineView
 
-from .api import EngineStatus
 
 log = logging.getLogger(__name__)
 

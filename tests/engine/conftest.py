@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvmesh.services.engine.native.engine import Engine
+from kvmesh.libs.messages.engine import SamplingParams
 from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.engine.native.engine import Engine
 from kvmesh.services.engine.native.factory import build_engine
-from kvmesh.services.engine.wire import SamplingParams
 
 torch.set_num_threads(2)
 

@@ -14,16 +14,16 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvmesh.libs.messages.engine import SamplingParams, Targets
 from kvmesh.policies import registry
+from kvmesh.policies.allocation import AllocationParams
 from kvmesh.policies.cache import lru
 from kvmesh.policies.offload.plan import OffloadInput, OffloadPlan
-from kvmesh.services.engine.native.block_manager import BlockManager
 from kvmesh.services.engine.kv_blocks import BlockShape
+from kvmesh.services.engine.native.block_manager import BlockManager
 from kvmesh.services.engine.native.kv_pool import KVPool
 from kvmesh.services.engine.native.policy_set import Policies
-from kvmesh.policies.allocation import AllocationParams
 from kvmesh.services.engine.native.request import Request, Status
-from kvmesh.services.engine.wire import Targets, SamplingParams
 from kvmesh.services.engine.native.reuse import Reuse, WindowParams
 from kvmesh.services.engine.native.scheduler import Scheduler
 

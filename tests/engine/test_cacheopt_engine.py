@@ -8,10 +8,10 @@ import logging
 import msgspec
 import pytest
 
+from kvmesh.libs.messages.engine import SamplingParams, Targets
 from kvmesh.policies import preemption, registry
 from kvmesh.policies.costs import RecomputeCurve, SwapCurve, SwapCurves
 from kvmesh.services.engine.native.request import Request, Status
-from kvmesh.services.engine.wire import Targets, SamplingParams
 
 from .conftest import assert_all_blocks_free, engine_for
 from .test_engine_correctness import prompts

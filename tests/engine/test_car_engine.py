@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvmesh.libs.controlplane import ConfigError
-from kvmesh.services.engine.wire import SamplingParams
+from kvmesh.libs.messages.engine import SamplingParams
 
 from .conftest import assert_all_blocks_free, engine_for, run_all
 

@@ -12,7 +12,8 @@ import pytest
 
 from kvmesh.infra.local.processes import Child
 from kvmesh.libs.controlplane import RemoteError, ServiceClient
-from kvmesh.services.engine.wire import EngineState, Frame
+from kvmesh.libs.messages.engine import Frame
+from kvmesh.services.engine.state import EngineState
 
 from ..conftest import TOKEN
 from .test_engine_http import generate, launch_engine

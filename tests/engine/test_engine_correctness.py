@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from kvmesh.services.engine.wire import SamplingParams
+
+from kvmesh.libs.messages.engine import SamplingParams
 
 from .conftest import assert_all_blocks_free, engine_for, hf_greedy, run_all
 

@@ -14,7 +14,8 @@ from kvmesh.infra.local.processes import Child, free_port, service_child
 from kvmesh.libs.controlplane import RemoteError, ServiceClient
 from kvmesh.libs.kvmeta.client import KvmetaClient
 from kvmesh.libs.kvmeta.nodeid import node_ids
-from kvmesh.services.engine.wire import EngineState, Frame
+from kvmesh.libs.messages.engine import Frame
+from kvmesh.services.engine.state import EngineState
 
 from ..conftest import TOKEN, Kvmeta
 
@@ -243,7 +244,7 @@ async def test_shutdown_ends_open_streams_with_abort(tiny_checkpoint: Path, tmp_
 async def test_tokenizer_spec_rebuilds_the_engines_tokenizer(client):
     from tokenizers import Tokenizer
 
-    from kvmesh.services.engine.wire import TokenizerSpec
+    from kvmesh.libs.messages.engine import TokenizerSpec
 
     spec = await client.call("GET", "/v1/tokenizer", into=TokenizerSpec)
     rebuilt = Tokenizer.from_str(spec.tokenizer_json)

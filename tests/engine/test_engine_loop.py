@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
+from kvmesh.libs.messages.engine import SamplingParams
 from kvmesh.services.engine.native.engine_loop import EngineLoop
-from kvmesh.services.engine.wire import SamplingParams
 
 from .conftest import engine_for
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.libs.controlplane import ConfigError
+from kvmesh.libs.messages.engine import SamplingParams, Targets
 from kvmesh.policies import registry
 from kvmesh.policies.costs import OffloadCost, PrefillCost
 from kvmesh.policies.offload.plan import OffloadPlan
 from kvmesh.services.engine.native.layer_staging import ChunkedCopier
-from kvmesh.services.engine.wire import Targets, SamplingParams
 
 from .conftest import assert_all_blocks_free, engine_for, run_all
 from .test_engine_correctness import GREEDY, check, prompts, reference  # noqa: F401 (a fixture)

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from kvmesh.libs.controlplane import ServiceClient
+from kvmesh.libs.messages.engine import SamplingParams
 from kvmesh.services.engine.model_source import DEFAULT_MODEL, ModelSource, resolve_model
 from kvmesh.services.engine.native.models import load_checkpoint
 from kvmesh.services.engine.native.models.gguf_weights import load_gguf_weights
-from kvmesh.services.engine.wire import SamplingParams
 
 from ..conftest import TOKEN
 from .conftest import assert_all_blocks_free, engine_for, hf_greedy, run_all

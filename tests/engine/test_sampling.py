@@ -6,9 +6,9 @@ import math
 
 import torch
 
+from kvmesh.libs.messages.engine import SamplingParams
 from kvmesh.services.engine.native.detokenizer import advance_text
 from kvmesh.services.engine.native.request import Request
-from kvmesh.services.engine.wire import SamplingParams
 from kvmesh.services.engine.native.sampling import sample
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]])

@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from kvmesh.libs.controlplane import ServiceClient
-from kvmesh.services.admission.predictor_client import MAX_PROMPT_CHARS, MAX_PROMPT_TOKENS, PredictorClient
-from kvmesh.services.predictor import api as predictor_api
+from kvmesh.libs.messages.predictor import MAX_PROMPT_CHARS, MAX_PROMPT_TOKENS
+from kvmesh.services.admission.predictor_client import PredictorClient
 
 from ..conftest import TOKEN, cluster_name
 from . import test_predictor_embedding as embedding_tests
@@ -143,8 +143,6 @@ async def test_the_predictor_gets_the_prompt_text_and_learns_from_it(embedded):
 
 async def test_a_prompt_over_the_predictors_limits_is_cut_not_refused(embedded):
     _, predictor, _ = embedded
-    # admission keeps its own copy of the limits (a service does not import another)
-    assert (MAX_PROMPT_CHARS, MAX_PROMPT_TOKENS) == (predictor_api.MAX_PROMPT_CHARS, predictor_api.MAX_PROMPT_TOKENS)
     before = await embedding_counts(predictor.url)
     client = PredictorClient(predictor.url, TOKEN, timeout_s=60)
     try:

@@ -21,7 +21,7 @@ from kvmesh.infra.local.state import pid_alive
 from kvmesh.infra.local.status import Status
 from kvmesh.libs.controlplane import ServiceClient
 from kvmesh.libs.kvmeta.client import KvmetaClient
-from kvmesh.services.engine.wire import Frame
+from kvmesh.libs.messages.engine import Frame
 from kvmesh.services.engine.model_source import DEFAULT_MODEL
 
 from .test_policy_swap import counter, ratio_predictor

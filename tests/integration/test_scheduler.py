@@ -22,7 +22,7 @@ from kvmesh.libs.controlplane import RemoteError, ServiceClient
 from kvmesh.libs.kvmeta.client import KvmetaClient
 from kvmesh.libs.kvmeta.messages import Load
 from kvmesh.libs.kvmeta.nodeid import node_ids
-from kvmesh.services.scheduler.api import MAX_PROMPT_TOKENS, ClusterView, PolicyInfo, Route
+from kvmesh.libs.messages.scheduler import ClusterView, MAX_PROMPT_TOKENS, PolicyInfo, Route
 
 from ..conftest import TOKEN, Kvmeta, start_kvmeta
 from ..factories import entries, worker_info

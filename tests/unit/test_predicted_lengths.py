@@ -3,11 +3,13 @@ predicted +- padding as lower bound and median (LayerKV), within [1, max_tokens]
 
 from __future__ import annotations
 
-from kvmesh.services.admission.predictor_client import PredictedLength, predicted_lengths
+from kvmesh.libs.messages.predictor import PredictedLength
+from kvmesh.services.admission.predictor_client import predicted_lengths
 
 
 def prediction(predicted: int, padding: float, estimated: int) -> PredictedLength:
-    return PredictedLength(predicted=predicted, direction="over", padding=padding, estimated=estimated)
+    return PredictedLength(predicted=predicted, direction="over", padding=padding, estimated=estimated,
+                           confidence=None, predictor="fixed")
 
 
 def test_the_range_is_the_prediction_plus_minus_its_padding():

@@ -11,13 +11,14 @@ from typing import Any
 from kvmesh.libs.controlplane import BadRequest
 from kvmesh.libs.kvmeta.client import KvmetaClient
 from kvmesh.libs.kvmeta.messages import BlockGeometry, Capacity, GpuNic
+from kvmesh.libs.messages.engine import (CacheEntry, CacheQuery, CacheTable, Frame, GenerateRequest, KVHandle,
+                                         SamplingParams, Targets)
 
 from ..backend import EngineBackend, tokenizer_spec
 from ..cache_publisher import CacheJournal
 from ..config import EngineConfig
-from ..handoff import KVHandle
 from ..metrics import NativeEngineCollector
-from ..wire import CacheEntry, CacheQuery, CacheTable, EngineState, Frame, GenerateRequest, SamplingParams, Targets
+from ..state import EngineState
 from .cache_journal import native_journal
 from .engine_loop import EngineLoop
 from .factory import build_engine, max_model_len

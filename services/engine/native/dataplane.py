@@ -17,12 +17,12 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 import torch
 
+from kvmesh.libs.messages.engine import KVHandle
 from kvmesh.libs.rdma.backends import open_endpoint
 from kvmesh.libs.rdma.kvdirect.puller import BlockReads, KVDirectPuller, PullConnection, TransferReport
 from kvmesh.libs.rdma.kvdirect.server import KVDirectServer
 from kvmesh.libs.rdma.work import RdmaError, Segments
 
-from ..handoff import KVHandle
 
 log = logging.getLogger(__name__)
 

@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
-from ..handoff import KVHandle, KVPushTarget
-from ..wire import (EngineState, Frame, LayerProfile, SamplingParams, SparsityProfile, SwapProfile, Targets, Timings,
-                    TransferTotals, Usage)
+from kvmesh.libs.messages.engine import Frame, KVHandle, SamplingParams, Targets, Timings, Usage
+
+from ..state import EngineState, LayerProfile, SparsityProfile, SwapProfile, TransferTotals
 from .block_manager import BlockManager
 from .detokenizer import advance_text
 from .engine_handoff import EngineHandoff
 from .model_runner import ModelRunner
-from .request import Request, Status
+from .request import KVPushTarget, Request, Status
 from .sampling import sample
 from .scheduler import Scheduler
 

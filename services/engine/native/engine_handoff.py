@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ..handoff import KVHandle, TransferStats
-from ..wire import Frame, SamplingParams, Targets
+from kvmesh.libs.messages.engine import Frame, KVHandle, SamplingParams, Targets, TransferStats
+
 from .request import Request
 
 log = logging.getLogger(__name__)

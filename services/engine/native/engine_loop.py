@@ -11,7 +11,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
-from ..wire import EngineState, Frame
+from kvmesh.libs.messages.engine import Frame
+
+from ..state import EngineState
 from .engine import Engine
 
 log = logging.getLogger(__name__)

@@ -14,13 +14,12 @@ from opentelemetry.context import Context
 from kvmesh.libs.controlplane import BadRequest, ServiceUnavailable, cancel_and_wait
 from kvmesh.libs.kvmeta.client import KvmetaClient
 from kvmesh.libs.kvmeta.messages import BlockLease
+from kvmesh.libs.messages.engine import GenerateRequest, KVHandle, TransferStats
 from kvmesh.libs.rdma.work import RdmaError
 from kvmesh.observability import tracing
 
 from ..config import EngineConfig
 from ..data_link import DataLink, data_link
-from ..handoff import KVHandle, TransferStats
-from ..wire import GenerateRequest
 from .dataplane import KVDataPlane, KVPush
 from .engine import Engine
 from .engine_loop import EngineLoop

@@ -25,8 +25,8 @@ from kvmesh.policies.offload import offload_time_s
 from kvmesh.policies.prefill_admission import prefill_time_s
 from kvmesh.policies.views import blocks_for
 
+from ..state import LayerProfile
 from ..timing import fit_through_origin, measure_flops, median_seconds
-from ..wire import LayerProfile
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .pool_copy import copy_blocks

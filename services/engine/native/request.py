@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from ..handoff import KVHandle, KVPushTarget, TransferStats
-from ..wire import SamplingParams, Targets
+from kvmesh.libs.messages.engine import KVHandle, SamplingParams, Targets, TransferStats
+
+
+class KVPushTarget(Protocol):
+    """What the engine thread asks of a push in flight (dataplane.KVPush)."""
+
+    def layer_done(self, layer: int, blocks: list[int]) -> None: ...
+
+    def wait(self) -> str | None: ...
 
 
 class Status(enum.Enum):

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..wire import SamplingParams
+from kvmesh.libs.messages.engine import SamplingParams
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],

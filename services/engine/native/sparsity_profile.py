@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from kvmesh.libs.controlplane import ConfigError
-from ..wire import SparsityProfile
+from ..state import SparsityProfile
 from kvmesh.policies.cache.sparsify import MAX_RELAXATIONS, NEGLIGIBLE, keep_ratios, keep_tokens, kept_slots, within_bound
 
 log = logging.getLogger(__name__)

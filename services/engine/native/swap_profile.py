@@ -15,12 +15,13 @@ from functools import partial
 
 import numpy as np
 
+from kvmesh.libs.messages.engine import SamplingParams
 from kvmesh.policies.costs import SwapCurves
 from kvmesh.policies.swap_recompute import fit_curves
 from kvmesh.policies.views import blocks_for
 
+from ..state import SwapProfile
 from ..timing import median_seconds
-from ..wire import SamplingParams, SwapProfile
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .request import Request

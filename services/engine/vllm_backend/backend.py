@@ -24,6 +24,7 @@ import torch
 from kvmesh.libs.controlplane import BadRequest
 from kvmesh.libs.controlplane.ports import free_port
 from kvmesh.libs.kvmeta.messages import BlockGeometry, Capacity, GpuNic
+from kvmesh.libs.messages.engine import Frame, GenerateRequest, SamplingParams, Targets
 
 from ..backend import EngineBackend, tokenizer_spec
 from ..cache_publisher import CacheJournal
@@ -31,7 +32,7 @@ from ..config import EngineConfig
 from ..data_link import data_link
 from ..defaults import allocation_params
 from ..metrics import EngineCollector
-from ..wire import EngineState, Frame, GenerateRequest, SamplingParams, Targets
+from ..state import EngineState
 from .engine_thread import VllmThread
 from .outputs import Counters, Tracked, abort_request, frame_of, observe, scheduler_of, tier_journal, worker_connector
 from .policy_hooks import TARGETS

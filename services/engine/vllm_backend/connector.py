@@ -58,7 +58,7 @@ from kvmesh.libs.rdma.work import RdmaError
 from kvmesh.policies.cache.replacement import car
 from kvmesh.policies.views import blocks_for
 
-from ..wire import TransferTotals
+from ..state import TransferTotals
 from .data_plane import KVPuller, KVServer
 from .host_table import HostTable
 from .host_tier import HostTier

@@ -9,11 +9,11 @@ import time
 from dataclasses import dataclass, field
 
 from kvmesh.libs.kvmeta.messages import CacheEntry
+from kvmesh.libs.messages.engine import Frame, KVHandle, Timings, TransferStats, Usage
 
 from ..cache_publisher import CacheJournal
 from ..config import EngineConfig
-from ..handoff import KVHandle, TransferStats
-from ..wire import EngineState, Frame, Timings, TransferTotals, Usage
+from ..state import EngineState, TransferTotals
 from .host_table import HostTable
 from .settings import Geometry
 

@@ -35,13 +35,13 @@ from typing import Any
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
+from kvmesh.libs.messages.engine import Targets
 from kvmesh.policies import registry
 from kvmesh.policies.allocation import AllocationInput, AllocationParams, Grant, block_at_a_time
 from kvmesh.policies.costs import PrefillCost
 from kvmesh.policies.views import PoolView, RequestView, blocks_for
 
 from ..ledger import Ledger
-from ..wire import Targets
 from .allotment import Allotment
 from .policy_hooks import HOOKS, TARGETS
 

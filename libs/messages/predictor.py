@@ -1,4 +1,6 @@
-"""Bodies of the predictor's HTTP API (docs/cacheopt.md, "The predictor service")."""
+"""The predictor API's bodies (docs/cacheopt.md, "The predictor service"; docs/api/predictor.openapi.json):
+a prediction asked for and given, an observed length, and the predictor's settings. The predictor and
+admission both import these."""
 
 from __future__ import annotations
 

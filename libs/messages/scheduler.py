@@ -1,4 +1,6 @@
-"""Bodies of the scheduler's HTTP API (docs/serving.md), and its errors of its own."""
+"""The scheduler API's bodies (docs/serving.md; docs/api/scheduler.openapi.json): a route asked for
+and given, the cluster as the scheduler sees it, and its routing policy. The scheduler and admission
+both import these."""
 
 from __future__ import annotations
 
@@ -6,23 +8,10 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct, field
 
-from kvmesh.libs.controlplane import NotFound, ServiceUnavailable
 from kvmesh.libs.kvmeta.messages import Id
 
 MAX_PROMPT_TOKENS = 262_144  # the prompt is hashed into NodeIDs on the event loop: bound the work
 TokenId = Annotated[int, Meta(ge=0, lt=2**31)]
-
-
-class NoEngine(ServiceUnavailable):
-    """No live engine serves the model now (or every one that does was excluded)."""
-
-    type = "no_engine"
-
-
-class UnknownModel(NotFound):
-    """No engine has served the model since the scheduler started: the caller asked for the wrong one."""
-
-    type = "model_not_found"
 
 
 class RouteRequest(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -34,6 +23,8 @@ class RouteRequest(Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class WorkerRef(Struct, kw_only=True, frozen=True):
+    """An engine as the scheduler names it in a route."""
+
     id: str
     control_url: str
     data_address: str
@@ -65,6 +56,9 @@ class EngineStatus(Struct, kw_only=True, frozen=True):
     waiting: int
     running: int
     routed_since_heartbeat: int
+
+    def ref(self) -> WorkerRef:
+        return WorkerRef(id=self.id, control_url=self.control_url, data_address=self.data_address, role=self.role)
 
 
 class ClusterView(Struct, kw_only=True, frozen=True):

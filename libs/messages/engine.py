@@ -1,5 +1,6 @@
-"""The engine's wire types, one module for both backends (native and vLLM): the HTTP routes'
-bodies, the frames a generation streams, and the state `GET /v1/state` reports."""
+"""The engine API's bodies (docs/serving.md; docs/api/engine.openapi.json): what admission sends an
+engine and reads back, the KV hand-off's handle between a prefill and a decode engine, and the
+engine's control routes. The engine service (either backend) and its callers both import these."""
 
 from __future__ import annotations
 
@@ -7,14 +8,67 @@ import math
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-import msgspec
 from msgspec import Meta, Struct, field
 
 from kvmesh.libs.controlplane import BadRequest
 from kvmesh.libs.kvmeta.messages import Id
-from kvmesh.policies.costs import OffloadCost, PrefillCost, SwapCurves
 
-from .handoff import KVHandle, KVTransfer, TransferStats
+BlockIds = Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=1 << 16)]
+
+
+class KVHandle(Struct, kw_only=True, frozen=True):
+    """Where a request's prompt KV sits: on which engine (control id and data-plane address), under
+    which request id there, how many tokens, and each layer's blocks in order."""
+
+    engine: Id
+    data_address: Annotated[str, Meta(min_length=1, max_length=256)]
+    request_id: Id
+    num_tokens: Annotated[int, Meta(gt=0)]
+    block_size: Annotated[int, Meta(gt=0)]
+    layers: Annotated[list[BlockIds], Meta(max_length=1024)]
+    # Each layer's tier on that engine ("device" or "cxl", where LayerKV keeps some); None: all device.
+    tiers: Annotated[list[Annotated[str, Meta(pattern="^(device|cxl)$")]], Meta(max_length=1024)] | None = None
+
+    def check(self, num_layers: int, block_size: int, kv_tokens: int) -> None:
+        """400 unless the handle fits this engine and a prompt whose first `kv_tokens` have KV there."""
+        if self.block_size != block_size or len(self.layers) != num_layers:
+            raise BadRequest(f"kv_source: blocks of {self.block_size} tokens in {len(self.layers)} layers do not fit "
+                             f"this engine ({block_size} tokens, {num_layers} layers)")
+        if self.num_tokens != kv_tokens:
+            raise BadRequest(f"kv_source holds {self.num_tokens} tokens, but all but the last of the "
+                             f"{kv_tokens + 1} prompt tokens ({kv_tokens}) must have KV there")
+        if self.tiers is not None and len(self.tiers) != len(self.layers):
+            raise BadRequest(f"kv_source: {len(self.tiers)} tiers for {len(self.layers)} layers")
+        needed = -(-kv_tokens // block_size)
+        if any(len(blocks) < needed for blocks in self.layers):
+            raise BadRequest(f"kv_source: every layer needs {needed} blocks for {kv_tokens} tokens")
+
+
+class KVTransfer(Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """On a prefill engine: keep the prompt's KV for a decode engine to pull (pull mode), or write
+    it into the blocks a decode engine reserved (push mode, `target` from its /v1/kv/reserve)."""
+
+    mode: Annotated[str, Meta(pattern="^(pull|push)$")] = "pull"
+    target: KVHandle | None = None
+
+
+class KVReserve(Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """`POST /v1/kv/reserve` on a decode engine (push mode): blocks for `num_tokens` tokens of KV."""
+
+    request_id: Id
+    num_tokens: Annotated[int, Meta(gt=0)]
+
+
+class TransferStats(Struct, kw_only=True, frozen=True):
+    """What one request's KV pull moved, for its trace and the transfer metrics."""
+
+    bytes: int
+    pieces: int        # contiguous block pieces asked for
+    reads_posted: int  # reads posted after coalescing
+    seconds: float     # from the first read posted to the prefill side's ACK of COMPLETE
+    backend: str       # tcp | shm | verbs
+    peer: str          # the prefill engine's data-plane address
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -45,13 +99,13 @@ class Targets:
     predicted_output_median: int | None = None
 
 
-class Usage(msgspec.Struct, kw_only=True):
+class Usage(Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
 
 
-class Timings(msgspec.Struct, kw_only=True, omit_defaults=True):
+class Timings(Struct, kw_only=True, omit_defaults=True):
     """Where a finished request's time went on this engine (unix seconds), for latency breakdowns."""
 
     arrival: float
@@ -63,24 +117,7 @@ class Timings(msgspec.Struct, kw_only=True, omit_defaults=True):
     transfer: TransferStats | None = None  # decode role: what the pull moved
 
 
-class TransferTotals(msgspec.Struct, kw_only=True):
-    """Decode role: what this engine's KV pulls have moved, all time."""
-
-    pulls: int = 0
-    bytes: int = 0
-    pieces: int = 0          # contiguous block pieces asked for
-    reads_posted: int = 0    # reads posted after coalescing
-    seconds: float = 0.0
-
-    def add(self, stats: TransferStats) -> None:
-        self.pulls += 1
-        self.bytes += stats.bytes
-        self.pieces += stats.pieces
-        self.reads_posted += stats.reads_posted
-        self.seconds += stats.seconds
-
-
-class Frame(msgspec.Struct, kw_only=True, omit_defaults=True):
+class Frame(Struct, kw_only=True, omit_defaults=True):
     """What a client receives after a step: the new tokens of one request."""
 
     request_id: str
@@ -94,7 +131,7 @@ class Frame(msgspec.Struct, kw_only=True, omit_defaults=True):
     timings: Timings | None = None        # on the last frame
 
 
-class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """`POST /v1/generate`: a prompt (text or token ids) and how to sample its continuation."""
 
     request_id: Id | None = None
@@ -193,12 +230,6 @@ class DecodeRequest(GenerateRequest, kw_only=True, forbid_unknown_fields=True):
                              "belongs on /v1/prefill")
 
 
-# Where each role's requests go; every backend serves all three with one handler.
-GENERATION_ROUTES = (("/v1/generate", GenerateRequest, "Generate from a prompt, or either phase of one (by its body)"),
-                     ("/v1/prefill", PrefillRequest, "Prefill a prompt and keep its KV for a decode engine"),
-                     ("/v1/decode", DecodeRequest, "Decode a prompt whose KV a prefill engine holds"))
-
-
 class AbortRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     request_id: Id
 
@@ -247,76 +278,3 @@ class TokenizerSpec(Struct, kw_only=True):
     special_tokens: dict[str, str]        # bos_token, eos_token, unk_token, pad_token when set
     eos_token_ids: list[int]
     max_model_len: int
-
-
-class SwapProfile(msgspec.Struct, kw_only=True):
-    """What was timed (median seconds at each length) and the fit; `curves` is None when it failed."""
-
-    lengths: list[int]
-    recompute_s: list[float]
-    swap_s: list[float]
-    curves: SwapCurves | None
-
-
-class LayerProfile(msgspec.Struct, kw_only=True):
-    """What was timed (median seconds) and the fits; a cost is None when its fit failed."""
-
-    flops_per_s: float
-    lengths: list[int]
-    prefill_s: list[float]
-    copy_blocks: list[int]
-    copy_s: list[float]
-    bandwidth_bytes_per_s: float
-    prefill_cost: PrefillCost | None
-    offload_cost: OffloadCost | None
-
-
-class SparsityProfile(msgspec.Struct, kw_only=True):
-    sparsity: list[float]        # per layer: share of causal attention scores under 1% of their row's maximum
-    keep_ratios: list[float]     # per layer: share of a node's tokens kept when it moves to the cxl tier
-    keep_tokens: list[int]       # per layer: of each block's tokens
-    quality_cost: float          # nats: mean |change| of held-out next-token log-likelihoods against dense KV
-    quality_bound: float
-    relaxations: int             # times the profiled ratios were relaxed to meet the bound
-    configured: bool             # the ratios came from the configuration, not the profile
-
-
-class EngineState(msgspec.Struct, kw_only=True):
-    """`GET /v1/state`: free blocks per tier, queue lengths and all-time counters, replaced whole by the
-    engine's thread (the metrics and the heartbeats read the same snapshot). Fields one backend
-    lacks keep their defaults there."""
-
-    backend: str = "native"
-    free_blocks: dict[str, int]
-    total_blocks: dict[str, int]
-    waiting: int
-    running: int
-    swapped: int
-    pulling: int    # decode role: requests whose KV is being pulled
-    held_kv: int    # prefill role: finished requests whose KV waits for a decode engine
-    policies: dict[str, str]
-    preemptions: dict[str, int]                # all time, by strategy (vLLM only recomputes)
-    unallocated_tokens: int                    # KV allotted to nobody, the reservation left out (CacheOpt 3.3)
-    allocations_grown: dict[str, int]          # all time: allocations a request outgrew, grown from where
-    # All time, for the metrics (metrics.py reads this snapshot when scraped).
-    generated_tokens: int
-    computed_prompt_tokens: int                # of prompts, tokens whose KV this engine computed
-    prefix_cache_hit_tokens: int               # and those it did not (vLLM: its prefix cache, and KV pulled)
-    kv_transfer: TransferTotals                # decode role: the KV pulls
-    prefix_cache_lookup_blocks: dict[str, int] = {}  # for each tier the cache holds: full blocks looked up (in all)
-    prefix_cache_hit_blocks: dict[str, int] = {}     # by tier: of those, found there
-    prefix_cache_nodes: dict[str, int] = {}          # now: cached nodes (a block in every layer) by tier
-    prefix_cache_moved_nodes: dict[str, int] = {}    # all time: nodes moved to a tier (cxl: offloaded, device: reloaded)
-    prefix_cache_moved_bytes: dict[str, int] = {}    # all time: the KV bytes those moves copied
-    # The native engine's
-    tbt_ms_p50: float | None = None
-    tbt_ms_p99: float | None = None
-    steps: int = 0
-    layers_offloaded: dict[str, int] = {}      # all time: request layers LayerKV put in the cxl tier, by why, or restored
-    swap_profile: SwapProfile | None = None    # CacheOpt 3.5's start-up profile and fitted curves; None: not profiled
-    layer_profile: LayerProfile | None = None  # LayerKV's start-up fits of Eq. 3 and 4; None: not profiled
-    sparsity_profile: SparsityProfile | None = None  # CaR III-D's per-layer sparsity and keep ratios; None: off
-    # The vLLM backend's (KVMeshScheduler's)
-    prefill_cost: PrefillCost | None = None    # LayerKV Eq. 3's fit on this engine; None: not profiled
-    prefills_held_back: int = 0                # all time: waiting requests the admission or allocation policy kept out of a step
-    recent_preemptions: list[str] = []         # the latest victims, oldest first: vLLM's ids (ours, "-" and its suffix)
