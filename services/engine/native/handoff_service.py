@@ -15,12 +15,13 @@ from kvmesh.libs.controlplane import BadRequest, ServiceUnavailable, cancel_and_
 from kvmesh.libs.kvmeta.client import KvmetaClient
 from kvmesh.libs.kvmeta.messages import BlockLease
 from kvmesh.libs.messages.engine import GenerateRequest, KVHandle, TransferStats
+from kvmesh.libs.rdma.kvdirect.pusher import LayerPush
 from kvmesh.libs.rdma.work import RdmaError
 from kvmesh.observability import tracing
 
 from ..config import EngineConfig
 from ..data_link import DataLink, data_link
-from .dataplane import KVDataPlane, KVPush
+from .dataplane import KVDataPlane
 from .engine import Engine
 from .engine_loop import EngineLoop
 from .factory import shm_pool_paths
@@ -81,7 +82,7 @@ class KVHandoff:
         """Whether the request's KV was pushed into blocks this engine reserved (rather than pulled)."""
         return body.kv_source is not None and body.kv_source.engine == self.engine.engine_id
 
-    async def push_for(self, body: GenerateRequest) -> KVPush | None:
+    async def push_for(self, body: GenerateRequest) -> LayerPush | None:
         """Push mode: a push to the target's engine, connected before the prefill starts."""
         target = body.kv_transfer.target if body.kv_transfer is not None else None
         if target is None:

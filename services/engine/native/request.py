@@ -12,7 +12,7 @@ from kvmesh.libs.messages.engine import KVHandle, SamplingParams, Targets, Trans
 
 
 class KVPushTarget(Protocol):
-    """What the engine thread asks of a push in flight (dataplane.KVPush)."""
+    """What the engine thread asks of a push in flight (libs/rdma/kvdirect/pusher.py's LayerPush)."""
 
     def layer_done(self, layer: int, blocks: list[int]) -> None: ...
 

@@ -1,0 +1,72 @@
+"""KVDirect's push mode through the library alone: a pusher writes a request's layers, one at a time
+from another thread, into the blocks a server exposes; every byte lands where the handle says, and a
+peer that went away fails the push instead of hanging it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from kvmesh.libs.rdma.backends import open_endpoint
+from kvmesh.libs.rdma.kvdirect.puller import KVDirectPuller
+from kvmesh.libs.rdma.kvdirect.pusher import KVDirectPusher
+from kvmesh.libs.rdma.kvdirect.server import KVDirectServer
+from kvmesh.libs.rdma.shm.shared import shared_tensor
+
+from .conftest import TOKEN
+
+POOL_SHAPE = (48, 2, 4, 2, 8)  # one pool, as the engine's: [B, KV, L, H, D]; a layer's blocks are ids in it
+
+
+async def nothing_to_release(request_id: str) -> bool:
+    return False
+
+
+@pytest.fixture
+async def pair(backend):
+    """The decode side's pool behind a server (zeros), and a pusher over a pool holding a pattern
+    (the prefill side's computed KV)."""
+    target = shared_tensor(POOL_SHAPE, torch.bfloat16)
+    source = shared_tensor(POOL_SHAPE, torch.bfloat16)
+    source.copy_(torch.arange(source.numel(), dtype=torch.float32).view(POOL_SHAPE).to(torch.bfloat16))
+    server = KVDirectServer(open_endpoint(backend, TOKEN), nothing_to_release, timeout=5.0)
+    server.expose("device", target)
+    address = await server.start()
+    puller = KVDirectPuller(open_endpoint(backend, TOKEN), timeout=5.0)
+    puller.expose("device", source)
+    await puller.endpoint.start()
+    yield server, address, KVDirectPusher(puller, "device", timeout=5.0), source, target
+    await puller.close()
+    await server.close()
+
+
+async def test_each_layer_lands_in_the_blocks_reserved_for_it(pair):
+    _, address, pusher, source, target = pair
+    reserved = [[40, 41, 42], [5, 6, 30], [12, 13, 14]]   # the decode side's blocks, by layer
+    computed = [[0, 1, 2], [3, 4, 9], [20, 21, 22]]      # where the prefill side wrote each layer
+    push = await pusher.push(address, reserved)
+
+    def forward_pass() -> str | None:  # the engine thread: layers as they finish, then wait
+        for layer, blocks in enumerate(computed):
+            push.layer_done(layer, blocks)
+        return push.wait()
+
+    assert await asyncio.to_thread(forward_pass) is None
+    for remote, local in zip(reserved, computed):
+        assert torch.equal(target[remote], source[local])
+    untouched = sorted(set(range(POOL_SHAPE[0])) - {b for layer in reserved for b in layer})
+    assert not target[untouched].any()
+
+
+async def test_a_peer_that_went_away_fails_the_push(pair):
+    server, address, pusher, _, _ = pair
+    push = await pusher.push(address, [[1, 2]])
+    await server.close()
+
+    def forward_pass() -> str | None:
+        push.layer_done(0, [3, 4])
+        return push.wait()
+
+    assert await asyncio.wait_for(asyncio.to_thread(forward_pass), 15) is not None
