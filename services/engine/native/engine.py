@@ -107,11 +107,10 @@ class Engine(EngineHandoff):
         sampling = [c for c in plan.chunks if c.samples]
         # Push mode: prompts that finish in this step write each layer's KV out as the layer is done.
         pushing = [c.request for c in sampling if c.request.push is not None]
-        self.runner.model.after_layer = self._pusher(pushing) if pushing else None
         try:
-            logits = self.runner.run(plan.chunks, self.blocks.layer_loads(), plan.staging)
+            logits = self.runner.run(plan.chunks, self.blocks.layer_loads(), plan.staging,
+                                     after_layer=self._pusher(pushing) if pushing else None)
         finally:
-            self.runner.model.after_layer = None
             self.blocks.loads_done()
             self.blocks.give_back([*plan.staging[0], *plan.staging[1]])
         failed = {r.request_id: error for r in pushing if (error := r.push.wait()) is not None}

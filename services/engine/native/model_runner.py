@@ -9,7 +9,7 @@ per step, for all layers at once, with numpy.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 
 import numpy as np
@@ -40,10 +40,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, chunks: Sequence[ScheduledChunk], reloads: list[Copy] | None = None,
-            staging: tuple[list[int], list[int]] = ([], [])) -> torch.Tensor:
+            staging: tuple[list[int], list[int]] = ([], []),
+            after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Compute every chunk; logits [n, vocab] (float32) of the chunks that sample, in order.
         `reloads`: one copy a layer into the device pool, each made before that layer's attention;
-        `staging`: the device blocks lent for the step's staging area, its two halves (LayerKV)."""
+        `staging`: the device blocks lent for the step's staging area, its two halves (LayerKV);
+        `after_layer`: called with each layer's index once its KV is written (push mode)."""
         requests = [c.request for c in chunks]
         lengths = [c.num_tokens for c in chunks]
         query_start = np.array([0, *accumulate(lengths)], dtype=np.int32)
@@ -83,7 +85,8 @@ class ModelRunner:
         dense = any(r.num_computed < len(r.prompt_ids) for r in requests)
         try:
             hidden = self.model(torch.from_numpy(_padded(ids, rows)).to(device),
-                                torch.from_numpy(_padded(positions, rows)).to(device), attention, dense=dense)
+                                torch.from_numpy(_padded(positions, rows)).to(device), attention, dense=dense,
+                                after_layer=after_layer)
         finally:
             for copies in around:
                 copies.finish()

@@ -107,7 +107,6 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, device, dtype) for i in range(config.num_layers))
         self.norm = _parameter(hidden, device=device, dtype=dtype)
         self.lm_head = None if config.tie_word_embeddings else _parameter(vocab, hidden, device=device, dtype=dtype)
-        self.after_layer: Callable[[int], None] | None = None
         self.rotary = RotaryEmbedding(config)
         self.head: Tensor | QuantizedLinear | None = None  # set by use_quantized; else the parameter
 
@@ -127,14 +126,15 @@ class CausalLM(nn.Module):
             else:
                 _, index, attribute = name.split(".")
                 self.layers[int(index)].weights[attribute] = quantized
-    def forward(self, input_ids: Tensor, positions: Tensor, attention: Attention, dense: bool = False) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor, attention: Attention, dense: bool = False,
+                after_layer: Callable[[int], None] | None = None) -> Tensor:
         """Final-normed hidden states [T, hidden] of T tokens flattened across sequences.
 
         `positions` [T] (int64) is each token's position in its own sequence, below
         max_position_embeddings unless rope is dynamic NTK. Each layer calls
         `attention(layer, q, k, v)` with rotary applied to q and k; q, k and v are views into the
         layer's fused projection (last dim contiguous, rows strided), so a kernel that needs dense
-        tensors must call .contiguous() itself. When `after_layer` is set, it is called with each
+        tensors must call .contiguous() itself. `after_layer`, if given, is called with each
         layer's index once that layer's KV is written (push mode sends it on from there). `dense`:
         multiply by the dense weights even where quantised blocks would serve (use_quantized).
         """
@@ -143,8 +143,8 @@ class CausalLM(nn.Module):
         ops = layer_ops(h, quantized=self.head is not None, dense=dense)
         for index, layer in enumerate(self.layers):
             h = layer(h, cos, sin, attention, ops)
-            if self.after_layer is not None:
-                self.after_layer(index)
+            if after_layer is not None:
+                after_layer(index)
         return ops.rms_norm(h, self.norm, self.config.rms_norm_eps)
 
     def logits(self, hidden: Tensor, dense: bool = False) -> Tensor:
