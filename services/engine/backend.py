@@ -31,8 +31,8 @@ class EngineBackend(abc.ABC):
     tokenizer_spec: TokenizerSpec
     geometry: BlockGeometry
     capacity: Capacity
-    data_address: str = ""               # where other engines reach its KV ("" without a data plane)
-    pairing: list[GpuNic] = []
+    data_address: str                    # where other engines reach its KV ("" without a data plane)
+    pairing: list[GpuNic]                # the GPU-NIC pairs it registers in kvmeta ([] without a data plane)
 
     @abc.abstractmethod
     def start(self, on_frames: Callable[[list[Frame]], None]) -> None:
