@@ -53,6 +53,12 @@ class Generation:
     predicted_output_low: int | None = None      # the predicted range (LayerKV): lower bound and median
     predicted_output_median: int | None = None
 
+    def continued(self, tokens: list[int]) -> Generation:
+        """What is left once `tokens` are generated: they join the prompt, and fewer are left to make."""
+        return dataclasses.replace(
+            self, prompt_ids=[*self.prompt_ids, *tokens], max_tokens=self.max_tokens - len(tokens),
+            **{name: _still_to_come(getattr(self, name), len(tokens)) for name in PREDICTED})
+
     def body(self, request_id: str, **changes) -> GenerateRequest:
         s = self.sampling
         fields = dict(request_id=request_id, prompt_token_ids=self.prompt_ids, max_tokens=self.max_tokens,
@@ -97,10 +103,7 @@ class Journey:
 
     def migrate(self) -> None:
         """Continue on another engine: the tokens sent join the prompt, and fewer are left to make."""
-        start = self.generation
-        self.generation = dataclasses.replace(
-            start, prompt_ids=[*start.prompt_ids, *self.sent], max_tokens=start.max_tokens - len(self.sent),
-            **{name: _still_to_come(getattr(start, name), len(self.sent)) for name in PREDICTED})
+        self.generation = self.generation.continued(self.sent)
         self.sent = []
 
 
@@ -218,11 +221,8 @@ class Lifecycle:
             return
         first.finish_reason = None
         yield first
-        body = generation.body(request_id, prompt_token_ids=generation.prompt_ids + first.token_ids,
-                               max_tokens=generation.max_tokens - len(first.token_ids),
-                               **{name: _still_to_come(getattr(generation, name), len(first.token_ids))
-                                  for name in PREDICTED},
-                               kv_source=transfer.target if push else last.kv_handle)
+        body = generation.continued(first.token_ids).body(request_id,
+                                                          kv_source=transfer.target if push else last.kv_handle)
         failed: list[str] = []
         while True:
             journey.holding[decode.id] = (decode, request_id)
@@ -304,8 +304,8 @@ PREDICTED = ("predicted_output_len", "predicted_output_low", "predicted_output_m
 
 
 def _still_to_come(predicted: int | None, generated: int) -> int | None:
-    """The predicted output length left for the decode engine, whose output starts after the prefill's
-    tokens; at least 1 (a request past its prediction is predicted to end soon)."""
+    """The predicted output length left after `generated` tokens (the prefill's first token, or those
+    sent before a migration); at least 1 (a request past its prediction is predicted to end soon)."""
     return None if predicted is None else max(1, predicted - generated)
 
 

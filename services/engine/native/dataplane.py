@@ -10,7 +10,6 @@ coalescing), made on first use and dropped when the registry says the peer left.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable
 
 import numpy as np
@@ -22,16 +21,14 @@ from kvmesh.libs.rdma.kvdirect.puller import BlockReads, KVDirectPuller, Transfe
 from kvmesh.libs.rdma.kvdirect.pusher import KVDirectPusher, LayerPush
 from kvmesh.libs.rdma.kvdirect.server import KVDirectServer
 
-log = logging.getLogger(__name__)
-
 POOL = "device"  # where pulled or pushed KV lands
 
 
 class KVDataPlane:
-    def __init__(self, backend: str, token: str, host: str, port: int, role: str, pools: dict[str, torch.Tensor],
+    def __init__(self, backend: str, token: str, host: str, port: int, pools: dict[str, torch.Tensor],
                  release: Callable[[str], Awaitable[bool]], timeout: float = 10.0, options: dict | None = None):
         """`options` go to the backend's endpoints (verbs: device, gid_index, ib_port)."""
-        self.backend, self.role, self.timeout = backend, role, timeout
+        self.backend = backend
         self.server = KVDirectServer(open_endpoint(backend, token, host, port, **(options or {})), release,
                                      timeout=timeout)
         for tier, tensor in pools.items():

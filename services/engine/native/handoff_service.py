@@ -39,7 +39,7 @@ class KVHandoff:
         if config.dataplane != "none" and config.role in ("prefill", "decode", "both"):
             self.link = data_link(config)
             self.dataplane = KVDataPlane(config.dataplane, config.token or "", self.link.host, config.data_port,
-                                         config.role, {t: p.tensor for t, p in engine.blocks.pools.items()},
+                                         {t: p.tensor for t, p in engine.blocks.pools.items()},
                                          self._release, timeout=config.kv_timeout_ms / 1e3, options=self.link.options)
         self._main: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
