@@ -22,7 +22,7 @@ from kvmesh.libs.messages.predictor import PredictedLength
 from kvmesh.policies.length import LengthQuery, adaptive_confidence
 from kvmesh.policies.length.embedding import EmbeddingPredictor, FitSettings, fit
 from kvmesh.policies.length.predictors import Prediction
-from kvmesh.services.admission.predictor_client import predicted_lengths
+from kvmesh.services.admission.predictor_client import with_predicted_lengths
 
 from .instruction_trace import TraceRequest
 from .workloads import END_ID, FIRST_ID
@@ -60,10 +60,10 @@ def predict(predictor: EmbeddingPredictor, requests: list[TraceRequest], max_tok
 def targets(predictions: list[Prediction], max_tokens: int, ttft_slo_ms: float, tpot_slo_ms: float) -> list[Targets]:
     """Each request's SLOs (the TBT SLO is the TPOT SLO) and its predicted lengths as admission
     passes them on."""
-    return [Targets(ttft_slo_ms=ttft_slo_ms, tbt_slo_ms=tpot_slo_ms,
-                    **predicted_lengths(PredictedLength(predicted=p.predicted, direction=p.direction.value,
-                                                        padding=p.padding, estimated=p.estimated,
-                                                        confidence=p.confidence, predictor="embedding"), max_tokens))
+    slos = Targets(ttft_slo_ms=ttft_slo_ms, tbt_slo_ms=tpot_slo_ms)
+    return [with_predicted_lengths(slos, PredictedLength(predicted=p.predicted, direction=p.direction.value,
+                                                         padding=p.padding, estimated=p.estimated,
+                                                         confidence=p.confidence, predictor="embedding"), max_tokens)
             for p in predictions]
 
 

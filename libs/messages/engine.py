@@ -87,8 +87,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-@dataclass(frozen=True)
-class Targets:
+class Targets(Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     """What admission says of a request beyond its tokens, for the policies: its SLOs and the
     predictor's output length, padded (CacheOpt 3.4) and as a range (LayerKV); None where it has none."""
 
@@ -97,6 +96,20 @@ class Targets:
     predicted_output_len: int | None = None
     predicted_output_low: int | None = None     # the predicted range's lower bound and median (LayerKV 3.1)
     predicted_output_median: int | None = None
+
+    def check(self) -> None:
+        """400 unless the SLOs are positive and the predicted lengths at least 1, low <= median."""
+        for name in ("ttft_slo_ms", "tbt_slo_ms"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise BadRequest(f"{name} must be a positive number of milliseconds, got {value}")
+        for name in ("predicted_output_len", "predicted_output_low", "predicted_output_median"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise BadRequest(f"{name} must be at least 1, got {value}")
+        low, median = self.predicted_output_low, self.predicted_output_median
+        if low is not None and median is not None and low > median:
+            raise BadRequest(f"predicted_output_low ({low}) is above predicted_output_median ({median})")
 
 
 class Usage(Struct, kw_only=True):
@@ -148,11 +161,7 @@ class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True, omit_def
     logprobs: bool = False
     kv_transfer: KVTransfer | None = None  # prefill role: keep the prompt's KV for a decode engine
     kv_source: KVHandle | None = None      # decode role: the prompt's KV (all but its last token) is there
-    ttft_slo_ms: float | None = None       # the request's SLOs and predicted output length, for the policies
-    tbt_slo_ms: float | None = None
-    predicted_output_len: int | None = None
-    predicted_output_low: int | None = None     # the predicted range's lower bound and median (LayerKV)
-    predicted_output_median: int | None = None
+    targets: Targets = Targets()           # the request's SLOs and predicted output length, for the policies
 
     def validated(self, tokenizer, vocab_size: int, max_model_len: int) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and the sampling parameters, or a 400 saying what is wrong."""
@@ -187,23 +196,6 @@ class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True, omit_def
         return ids, SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
                                    top_p=self.top_p, seed=self.seed, stop_token_ids=tuple(self.stop_token_ids),
                                    stop=tuple(self.stop), ignore_eos=self.ignore_eos, logprobs=self.logprobs)
-
-    def targets(self) -> Targets:
-        """The request's SLOs and predicted output length, or a 400 saying what is wrong."""
-        for name in ("ttft_slo_ms", "tbt_slo_ms"):
-            value = getattr(self, name)
-            if value is not None and not (math.isfinite(value) and value > 0):
-                raise BadRequest(f"{name} must be a positive number of milliseconds, got {value}")
-        for name in ("predicted_output_len", "predicted_output_low", "predicted_output_median"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise BadRequest(f"{name} must be at least 1, got {value}")
-        low, median = self.predicted_output_low, self.predicted_output_median
-        if low is not None and median is not None and low > median:
-            raise BadRequest(f"predicted_output_low ({low}) is above predicted_output_median ({median})")
-        return Targets(ttft_slo_ms=self.ttft_slo_ms, tbt_slo_ms=self.tbt_slo_ms,
-                       predicted_output_len=self.predicted_output_len, predicted_output_low=low,
-                       predicted_output_median=median)
 
 
 class PrefillRequest(GenerateRequest, kw_only=True, forbid_unknown_fields=True):

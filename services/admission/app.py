@@ -29,6 +29,7 @@ from aiohttp import web
 
 from kvmesh.libs.controlplane import Service, ServiceConfig, read_body
 from kvmesh.libs.controlplane.codec import JSON
+from kvmesh.libs.messages.engine import Targets
 from kvmesh.libs.messages.predictor import PredictedLength
 from kvmesh.observability import logs, tracing
 
@@ -37,7 +38,7 @@ from .lifecycle import Generation, Lifecycle
 from .limits import Backlog, BoundedQueue, QueueFull, RateLimiter
 from .openai_api import (ChatCompletionRequest, CompletionRequest, Model, ModelList, OpenAIError, bad_request,
                          chat_checks, completion_checks, decode_body, messages_of, prompt_of, sampling_of)
-from .predictor_client import predicted_lengths
+from .predictor_client import with_predicted_lengths
 from .responses import Answer, json_response, stream, whole
 from .slo import Slo, SloClass, SloMetrics, Timing, slo_defaults, slo_of
 from .tokenizers import Models, ModelTokenizer
@@ -252,7 +253,8 @@ def build_service(config: Config) -> Service:
                     prediction = await upstreams.predictor.predict(generation.prompt_ids, generation.max_tokens,
                                                                    generation.model, prepared.prompt_text)
                     if prediction is not None:
-                        generation = dataclasses.replace(generation, **predicted_lengths(prediction, generation.max_tokens))
+                        generation = dataclasses.replace(generation, targets=with_predicted_lengths(
+                            generation.targets, prediction, generation.max_tokens))
                 try:
                     async with queue.slot():
                         return await respond(generation, prediction)
@@ -326,7 +328,8 @@ def _prepared(request: web.Request, body, tokenizer: ModelTokenizer, ids: list[i
     slo = slo_of(body, request.headers, defaults)
     prefix = "chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl"
     generation = Generation(request_id=f"{prefix}-{uuid.uuid4().hex}", model=body.model, prompt_ids=list(ids),
-                            max_tokens=max_tokens, sampling=sampling, ttft_slo_ms=slo.ttft_ms, tbt_slo_ms=slo.tbt_ms)
+                            max_tokens=max_tokens, sampling=sampling,
+                            targets=Targets(ttft_slo_ms=slo.ttft_ms, tbt_slo_ms=slo.tbt_ms))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Prepared(generation, tokenizer, bool(body.stream), include_usage, slo, prompt_text)
 

@@ -22,10 +22,11 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
+import msgspec
 from opentelemetry.trace import SpanKind
 
 from kvmesh.libs.controlplane import KvmeshError, RemoteError, ServiceUnreachable
-from kvmesh.libs.messages.engine import Frame, GenerateRequest, KVHandle, KVTransfer, Timings
+from kvmesh.libs.messages.engine import Frame, GenerateRequest, KVHandle, KVTransfer, Targets, Timings
 from kvmesh.libs.messages.scheduler import Route, WorkerRef
 from kvmesh.observability import tracing
 
@@ -47,26 +48,19 @@ class Generation:
     prompt_ids: list[int]
     max_tokens: int
     sampling: Sampling
-    ttft_slo_ms: float | None = None           # the request's SLOs and predicted output length, for the
-    tbt_slo_ms: float | None = None            # engines' policies (CacheOpt 3.4); None: it has none
-    predicted_output_len: int | None = None
-    predicted_output_low: int | None = None      # the predicted range (LayerKV): lower bound and median
-    predicted_output_median: int | None = None
+    targets: Targets = Targets()    # the request's SLOs and predicted output length, for the engines' policies
 
     def continued(self, tokens: list[int]) -> Generation:
         """What is left once `tokens` are generated: they join the prompt, and fewer are left to make."""
-        return dataclasses.replace(
-            self, prompt_ids=[*self.prompt_ids, *tokens], max_tokens=self.max_tokens - len(tokens),
-            **{name: _still_to_come(getattr(self, name), len(tokens)) for name in PREDICTED})
+        return dataclasses.replace(self, prompt_ids=[*self.prompt_ids, *tokens],
+                                   max_tokens=self.max_tokens - len(tokens),
+                                   targets=_still_to_come(self.targets, len(tokens)))
 
     def body(self, request_id: str, **changes) -> GenerateRequest:
         s = self.sampling
         fields = dict(request_id=request_id, prompt_token_ids=self.prompt_ids, max_tokens=self.max_tokens,
                       temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed, stop=s.stop,
-                      ignore_eos=s.ignore_eos, logprobs=s.logprobs, ttft_slo_ms=self.ttft_slo_ms,
-                      tbt_slo_ms=self.tbt_slo_ms, predicted_output_len=self.predicted_output_len,
-                      predicted_output_low=self.predicted_output_low,
-                      predicted_output_median=self.predicted_output_median)
+                      ignore_eos=s.ignore_eos, logprobs=s.logprobs, targets=self.targets)
         return GenerateRequest(**{**fields, **changes})
 
 
@@ -300,13 +294,14 @@ class Lifecycle:
         journey.holding.clear()
 
 
-PREDICTED = ("predicted_output_len", "predicted_output_low", "predicted_output_median")
-
-
-def _still_to_come(predicted: int | None, generated: int) -> int | None:
-    """The predicted output length left after `generated` tokens (the prefill's first token, or those
-    sent before a migration); at least 1 (a request past its prediction is predicted to end soon)."""
-    return None if predicted is None else max(1, predicted - generated)
+def _still_to_come(targets: Targets, generated: int) -> Targets:
+    """The targets with the predicted output lengths left after `generated` tokens (the prefill's first
+    token, or those sent before a migration); each at least 1 (a request past its prediction is
+    predicted to end soon)."""
+    left = lambda predicted: None if predicted is None else max(1, predicted - generated)  # noqa: E731
+    return msgspec.structs.replace(targets, predicted_output_len=left(targets.predicted_output_len),
+                                   predicted_output_low=left(targets.predicted_output_low),
+                                   predicted_output_median=left(targets.predicted_output_median))
 
 
 def _engines(route: Route) -> dict[str, str | None]:

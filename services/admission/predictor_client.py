@@ -10,21 +10,24 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import msgspec
 from opentelemetry.trace import SpanKind
 
 from kvmesh.libs.controlplane import KvmeshError, ServiceClient
+from kvmesh.libs.messages.engine import Targets
 from kvmesh.libs.messages.predictor import MAX_PROMPT_CHARS, MAX_PROMPT_TOKENS, ObserveRequest, PredictedLength, PredictRequest
 from kvmesh.observability import tracing
 
 log = logging.getLogger(__name__)
 
-def predicted_lengths(prediction: PredictedLength, max_tokens: int) -> dict[str, int]:
-    """What the engines' policies are told of a request's output length: the padded estimate to
-    allocate for (CacheOpt), and the range predicted +- padding as its lower bound and median
-    (LayerKV reads the lower bound for the tokens still to come, the median for when it ends)."""
+def with_predicted_lengths(targets: Targets, prediction: PredictedLength, max_tokens: int) -> Targets:
+    """`targets` with what the engines' policies are told of a request's output length: the padded
+    estimate to allocate for (CacheOpt), and the range predicted +- padding as its lower bound and
+    median (LayerKV reads the lower bound for the tokens still to come, the median for when it ends)."""
     median = max(1, min(prediction.predicted, max_tokens))
-    return {"predicted_output_len": prediction.estimated, "predicted_output_median": median,
-            "predicted_output_low": max(1, min(median, int(prediction.predicted - prediction.padding)))}
+    low = max(1, min(median, int(prediction.predicted - prediction.padding)))
+    return msgspec.structs.replace(targets, predicted_output_len=prediction.estimated, predicted_output_low=low,
+                                   predicted_output_median=median)
 
 
 class PredictorClient:

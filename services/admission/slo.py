@@ -6,8 +6,8 @@ else its class is `default`. Admission's config `slo_classes` maps class names t
 does not know is a 400. A request may also name its own SLOs in the body (`ttft_ms`, `tbt_ms`), else
 in headers (`X-KVMesh-TTFT-Ms`, `X-KVMesh-TBT-Ms`); what it leaves out comes from its class, then
 from `default_ttft_ms` / `default_tbt_ms`. Admission measures each request against them,
-counts attainment in `/metrics`, and sends them with every engine call (`ttft_slo_ms`, `tbt_slo_ms`),
-where the engine's policies read them; the scheduler does not take them yet (SLO-aware routing).
+counts attainment in `/metrics`, and sends them with every engine call (`targets.ttft_slo_ms`,
+`targets.tbt_slo_ms`), where the engine's policies read them; the scheduler does not take them yet (SLO-aware routing).
 """
 
 from __future__ import annotations

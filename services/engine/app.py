@@ -89,12 +89,10 @@ def build_service(config: EngineConfig) -> Service:
         Accept: JSON)."""
         arrival = backend.clock()
         ids, sampling = body.validated(backend.tokenizer, backend.vocab_size, backend.context_limit)
-        targets = body.targets()
+        targets = body.targets
+        targets.check()
         if tracing.enabled():
-            tracing.annotate({"kvmesh.ttft_slo_ms": targets.ttft_slo_ms, "kvmesh.tbt_slo_ms": targets.tbt_slo_ms,
-                              "kvmesh.predicted_output_len": targets.predicted_output_len,
-                              "kvmesh.predicted_output_low": targets.predicted_output_low,
-                              "kvmesh.predicted_output_median": targets.predicted_output_median})
+            tracing.annotate({f"kvmesh.{name}": getattr(targets, name) for name in targets.__struct_fields__})
         request_id = body.request_id or uuid.uuid4().hex
         if request_id in streams:
             raise BadRequest(f"request {request_id} is already running on this engine")

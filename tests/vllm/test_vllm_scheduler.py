@@ -56,7 +56,7 @@ async def run_two(url: str, label: str, policies: dict[str, str], predicted: tup
 
         async def generate(request_id: str, predicted: int, first: bool) -> tuple[int, dict]:
             body = {"request_id": request_id, "prompt_token_ids": PROMPT, "max_tokens": 200, "temperature": 0.0,
-                    "ignore_eos": True, "predicted_output_len": predicted}
+                    "ignore_eos": True, "targets": {"predicted_output_len": predicted}}
             tokens, last = 0, None
             async for frame in client.frames("/v1/generate", body, dict):
                 tokens, last = tokens + len(frame["token_ids"]), frame
@@ -122,7 +122,7 @@ async def test_rlp_preempts_a_request_that_outruns_its_estimate_and_brings_it_ba
     """Predicted 50 of its 100 tokens: allotted 16 + 50, preempted once its output outruns those 50,
     back with the estimate once more (16 + 100), which sees it through: one preemption."""
     tokens, moved = await generate_one(squeezed, {"kv_allocation": "estimate"},
-                                       {"max_tokens": 100, "predicted_output_len": 50})
+                                       {"max_tokens": 100, "targets": {"predicted_output_len": 50}})
     assert tokens == 100 and moved["preemptions"] == 1
     state = await wait_until_idle(squeezed)
     assert state["free_blocks"] == state["total_blocks"]
@@ -132,7 +132,7 @@ async def test_cacheopt_grows_an_underestimated_request_from_the_reservation_ins
     """Predicted 2 of its 200 tokens (7 blocks): CacheOpt allots what it can past the reservation
     (3 blocks), then grows it from the reservation on demand: no preemption."""
     tokens, moved = await generate_one(squeezed, {"kv_allocation": "cacheopt"},
-                                       {"max_tokens": 200, "predicted_output_len": 2})
+                                       {"max_tokens": 200, "targets": {"predicted_output_len": 2}})
     assert tokens == 200 and moved["preemptions"] == 0 and moved["grown_reserved"] > 0
     state = await wait_until_idle(squeezed)
     assert state["free_blocks"] == state["total_blocks"]
@@ -159,7 +159,8 @@ async def decode_then_prefill(url: str, admission: str) -> tuple[dict, dict, int
             assert tokens == body["max_tokens"]
             return last["timings"]
 
-        slow = asyncio.create_task(generate({"max_tokens": 100, "tbt_slo_ms": 1.0, "predicted_output_low": 100}, 5))
+        behind = {"max_tokens": 100, "targets": {"tbt_slo_ms": 1.0, "predicted_output_low": 100}}
+        slow = asyncio.create_task(generate(behind, 5))
         await decoding.wait()
         second = await generate({"max_tokens": 4})
         first = await slow

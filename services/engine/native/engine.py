@@ -68,8 +68,8 @@ class Engine(EngineHandoff):
         the engine thread to take it counts as queueing."""
         if self.output_len_fallback and targets.predicted_output_low is None:
             assumed = min(self.output_len_fallback, sampling.max_tokens)
-            targets = dataclasses.replace(targets, predicted_output_low=assumed,
-                                          predicted_output_median=targets.predicted_output_median or assumed)
+            targets = msgspec.structs.replace(targets, predicted_output_low=assumed,
+                                              predicted_output_median=targets.predicted_output_median or assumed)
         request = Request(request_id, list(prompt_ids), sampling, arrival or self.clock(), self.blocks.num_layers,
                           hold_kv=hold_kv, push=push, kv_source=kv_source, targets=targets)
         self._seed(request)

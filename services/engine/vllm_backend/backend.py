@@ -19,6 +19,7 @@ import shutil
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
 import torch
 
 from kvmesh.libs.controlplane import BadRequest
@@ -137,7 +138,7 @@ class VllmBackend(EngineBackend):
     async def add(self, request_id: str, body: GenerateRequest, ids: list[int], sampling: SamplingParams,
                   targets: Targets, arrival: float) -> None:
         params = transfer_params(self.config, body, ids, self.model.num_layers, self.block_size)
-        extra = {name: value for name, value in dataclasses.asdict(targets).items() if value is not None}
+        extra = msgspec.to_builtins(targets)  # the ones it has: None is the default, omitted
         tracked = self.counters.tracked
 
         def add(e) -> None:

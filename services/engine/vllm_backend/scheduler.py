@@ -27,7 +27,6 @@ Not possible: swap vs recompute, as vLLM v1 only recomputes. The native engine h
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import OrderedDict, deque
 from typing import Any
@@ -47,7 +46,7 @@ from .policy_hooks import HOOKS, TARGETS
 
 RECENT = 64  # preempted request ids kept for /v1/state
 SCHEDULED_KEPT = 4096
-TARGET_FIELDS = tuple(f.name for f in dataclasses.fields(Targets))
+TARGET_FIELDS = Targets.__struct_fields__
 ITERATIONS_KEPT = 256  # recent step times, for CacheOpt's T_I^max
 
 
