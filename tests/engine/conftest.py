@@ -51,6 +51,13 @@ def run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams, ma
     return requests
 
 
+def loop_failures(log: Path) -> list[str]:
+    """The lines of an engine service's log where its loop caught an exception of its own code: it
+    logs it and goes on, so only the log tells."""
+    return [line for line in log.read_text(errors="replace").splitlines()
+            if "engine command failed" in line or "engine step failed" in line]
+
+
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
     """transformers' greedy continuation and the logprob of each chosen token."""
     with torch.inference_mode():

@@ -12,10 +12,10 @@ import pytest
 
 from kvmesh.infra.local.processes import Child
 from kvmesh.libs.controlplane import RemoteError, ServiceClient
-from kvmesh.libs.messages.engine import Frame
 from kvmesh.services.engine.state import EngineState
 
 from ..conftest import TOKEN
+from .conftest import loop_failures
 from .test_engine_http import generate, launch_engine
 
 PROMPTS = [[5, 6, 7], list(range(10, 60)), list(range(100, 137)), [3] * 16, list(range(200, 290))]
@@ -48,6 +48,7 @@ def cluster(request, tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFac
     finally:
         for child in engines.values():
             child.stop()
+    assert {name: loop_failures(child.log_path) for name, child in engines.items()} == {name: [] for name in engines}
 
 
 @pytest.fixture

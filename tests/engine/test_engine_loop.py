@@ -21,15 +21,15 @@ def test_the_engine_is_built_and_stepped_on_one_thread(tiny_checkpoint):
         built_on.append(threading.get_ident())
         return engine_for(tiny_checkpoint)
 
-    def deliver(frames):
-        delivered.extend(frames)
-        if any(frame.finish_reason for frame in frames):
+    def deliver(events):
+        delivered.extend(events.frames)
+        if any(frame.finish_reason for frame in events.frames):
             done.set()
 
     loop = EngineLoop(build, deliver)
     engine = loop.start()
     try:
-        stepped_on = loop.call(lambda: (threading.get_ident(), [])).result(10)
+        stepped_on = loop.call(lambda: (threading.get_ident(), None)).result(10)
 
         def add() -> None:
             engine.add("r0", [1, 2, 3], SamplingParams(max_tokens=4))
@@ -48,4 +48,4 @@ def test_a_build_that_fails_fails_start():
         raise ValueError("no such model")
 
     with pytest.raises(ValueError, match="no such model"):
-        EngineLoop(build, lambda frames: None).start()
+        EngineLoop(build, lambda events: None).start()

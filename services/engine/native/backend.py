@@ -21,6 +21,7 @@ from ..metrics import NativeEngineCollector
 from ..state import EngineState
 from .cache_journal import native_journal
 from .engine_loop import EngineLoop
+from .events import EngineEvents
 from .factory import build_engine, max_model_len
 from .handoff_service import KVHandoff
 
@@ -34,11 +35,10 @@ class NativeBackend(EngineBackend):
         self.loop: EngineLoop | None = None
 
     def start(self, on_frames: Callable[[list[Frame]], None]) -> None:
-        def deliver(frames: list[Frame]) -> None:  # on the engine's thread
-            for frame in frames:
-                if frame.kv_handle is not None:
-                    self.handoff.held(frame.kv_handle)
-            on_frames(frames)
+        def deliver(events: EngineEvents) -> None:  # on the engine's thread
+            self.handoff.on_events(events)  # held KV is leased before its frame reaches the stream
+            if events.frames:
+                on_frames(events.frames)
 
         self.loop = EngineLoop(lambda: build_engine(self.config), deliver)
         self.engine = engine = self.loop.start()
@@ -93,9 +93,10 @@ class NativeBackend(EngineBackend):
                 raise BadRequest(f"kv_source: no reservation {request_id} for {len(ids) - 1} tokens on this engine "
                                  "(expired, or never made)")
             return
-        self.loop.submit(lambda: engine.add(request_id, ids, sampling,
-                                            hold_kv=body.kv_transfer is not None and push is None, push=push,
-                                            kv_source=body.kv_source, arrival=arrival, targets=targets))
+        def queue() -> None:
+            engine.add(request_id, ids, sampling, hold_kv=body.kv_transfer is not None and push is None, push=push,
+                       kv_source=body.kv_source, arrival=arrival, targets=targets)
+        self.loop.submit(queue)
 
     def ended(self, request_id: str, last: Frame | None) -> None:
         if last is None or last.kv_handle is None:
@@ -103,17 +104,18 @@ class NativeBackend(EngineBackend):
         super().ended(request_id, last)
 
     def abort_soon(self, request_id: str) -> None:
-        self.loop.submit(lambda: self.engine.abort(request_id))
+        self.loop.submit(lambda: EngineEvents(frames=self.engine.abort(request_id)))
 
     async def abort(self, request_id: str) -> bool:
-        def stop() -> tuple[bool, list[Frame]]:
-            frames = self.engine.abort(request_id)
-            return self.engine.release_held(request_id) or bool(frames), frames
+        def stop() -> tuple[bool, EngineEvents]:
+            events = self.engine.release_held(request_id)
+            events.frames = self.engine.abort(request_id)
+            return bool(events), events
         return await asyncio.wrap_future(self.loop.call(stop))
 
     async def abort_all(self, request_ids: list[str]) -> None:
-        def abort_all() -> tuple[None, list[Frame]]:
-            return None, [frame for request_id in request_ids for frame in self.engine.abort(request_id)]
+        def abort_all() -> tuple[None, EngineEvents]:
+            return None, EngineEvents(frames=[frame for request_id in request_ids for frame in self.engine.abort(request_id)])
         await asyncio.wrap_future(self.loop.call(abort_all))
 
     async def set_policies(self, policies: dict[str, str]) -> dict[str, str]:
@@ -151,4 +153,4 @@ class NativeBackend(EngineBackend):
 
     async def _call(self, work: Callable[[], Any]) -> Any:
         """`work` on the engine's thread, between two steps; its result."""
-        return await asyncio.wrap_future(self.loop.call(lambda: (work(), [])))
+        return await asyncio.wrap_future(self.loop.call(lambda: (work(), None)))

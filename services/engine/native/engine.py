@@ -1,14 +1,13 @@
 """The engine: schedule, run the model, sample, and turn the results into frames for clients.
 
-`Engine.step()` is one iteration and touches engine state from one thread only; `EngineLoop`
-(engine_loop.py) builds the engine and runs it on its own thread (torch releases the GIL while it
-computes, so the HTTP side stays responsive). The KV hand-off's calls between steps are in
-engine_handoff.py.
+`Engine.step()` is one iteration and touches engine state from one thread only; it returns what the
+service is to act on (events.py) and calls nothing of the service's. `EngineLoop` (engine_loop.py)
+builds the engine and runs it on its own thread (torch releases the GIL while it computes, so the
+HTTP side stays responsive). The KV hand-off's calls between steps are in engine_handoff.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import deque
@@ -24,6 +23,7 @@ from ..state import EngineState, LayerProfile, SparsityProfile, SwapProfile, Tra
 from .block_manager import BlockManager
 from .detokenizer import advance_text
 from .engine_handoff import EngineHandoff
+from .events import EngineEvents
 from .model_runner import ModelRunner
 from .request import KVPushTarget, Request, Status
 from .sampling import sample
@@ -49,14 +49,12 @@ class Engine(EngineHandoff):
     layer_profile: LayerProfile | None = None
     sparsity_profile: SparsityProfile | None = None
     # The KV hand-off (docs/serving.md): who we are on the data plane, how long held KV waits for its
-    # decode engine, and the service's hooks for starting a pull and for KV given up.
+    # decode engine.
     engine_id: str = "engine-0"
     data_address: str = ""
     kv_lease_s: float = 30.0
     # LayerKV: the output length assumed of a request no predictor gave a range for (None: nothing assumed).
     output_len_fallback: int | None = None
-    on_pull: Callable[[Request], None] = lambda request: None
-    on_kv_released: Callable[[str], None] = lambda request_id: None
     held: dict[str, tuple[Request, float]] = field(default_factory=dict)  # request id -> (request, deadline)
     _aborted_pulls: dict[str, Request] = field(default_factory=dict)     # their blocks free when the pull ends
     _tbt: deque[float] = field(default_factory=lambda: deque(maxlen=512))
@@ -92,18 +90,15 @@ class Engine(EngineHandoff):
             self._aborted_pulls[request_id] = request
         return [self._frame(request, [], [], [], "")]
 
-    def step(self) -> list[Frame]:
+    def step(self) -> EngineEvents:
         now = self.clock()
         plan = self.scheduler.schedule(now)
         for _victim, strategy in plan.preempted:
             self.preemptions[strategy] += 1
-        for request in plan.pulls:
-            if request.reservation:
-                request.kv_deadline = now + self.kv_lease_s
-            self.on_pull(request)
+        events = EngineEvents(pulls=[self._pull_order(request, now) for request in plan.pulls])
         if not plan.chunks:
             self.blocks.flush_loads()
-            return []
+            return events
         sampling = [c for c in plan.chunks if c.samples]
         # Push mode: prompts that finish in this step write each layer's KV out as the layer is done.
         pushing = [c.request for c in sampling if c.request.push is not None]
@@ -124,17 +119,16 @@ class Engine(EngineHandoff):
             chunk.request.num_computed += chunk.num_tokens
             self.blocks.commit(chunk.request, done)
         self.steps += 1
-        frames = []
         for chunk, token, logprob in zip(sampling, tokens, logprobs):
             request = chunk.request
             if request.request_id in failed:
                 log.warning("pushing the KV of %s failed: %s", request.request_id, failed[request.request_id])
                 self.scheduler.finish(request, "error")
-                frames.append(self._frame(request, [], [], [], ""))
+                events.frames.append(self._frame(request, [], [], [], ""))
                 continue
-            frames.append(self._emit(request, token, logprob, done))
+            events.frames.append(self._emit(request, token, logprob, done))
         self.blocks.offload_idle()  # CaR: idle prefix nodes out to the cxl tier past the high-water mark
-        return frames
+        return events
 
     def _emit(self, request: Request, token: int, logprob: float, now: float) -> Frame:
         if request.output_times:

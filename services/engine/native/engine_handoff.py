@@ -1,8 +1,8 @@
 """The native engine's side of the KV hand-off (docs/serving.md), run between steps: blocks reserved
 for KV a prefill engine pushes and the request that claims them, pulls that end, KV held for a decode
 engine under a lease and the handle that says where it is, and the per-layer writes of push mode.
-`Engine` (engine.py) keeps the state these read: `held`, `_aborted_pulls`, `kv_lease_s`, `on_pull`
-and `on_kv_released`."""
+`Engine` (engine.py) keeps the state these read: `held`, `_aborted_pulls` and `kv_lease_s`. What the
+service is to do about them (pull, unlease) goes out as events (events.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from kvmesh.libs.messages.engine import Frame, KVHandle, SamplingParams, Targets, TransferStats
 
+from .events import EngineEvents, PullOrder
 from .request import Request
 
 log = logging.getLogger(__name__)
@@ -21,7 +22,7 @@ class EngineHandoff:
 
     def reserve(self, request_id: str, num_tokens: int) -> Request:
         """Push mode, decode role: queue a reservation of blocks for `num_tokens` tokens of KV; the
-        scheduler gives them when its allocation policy will (then `on_pull` tells the service)."""
+        scheduler gives them when its allocation policy will (then a step's PullOrder tells the service)."""
         placeholder = [0] * (num_tokens + 1)  # the real tokens come with the request that claims it
         request = Request(request_id, placeholder, SamplingParams(max_tokens=1), self.clock(), self.blocks.num_layers,
                           reservation=True)
@@ -61,26 +62,35 @@ class EngineHandoff:
         self.scheduler.finish(request, "error")
         return [self._frame(request, [], [], [], "")]
 
-    def release_held(self, request_id: str) -> bool:
-        """Free the KV held for a decode engine (its COMPLETE, an abort, or the lease running out)."""
+    def release_held(self, request_id: str) -> EngineEvents:
+        """Free the KV held for a decode engine (its COMPLETE, an abort, or the lease running out);
+        no event if none was held."""
         entry = self.held.pop(request_id, None)
         if entry is None:
-            return False
+            return EngineEvents()
         self.blocks.release(entry[0])
-        self.on_kv_released(request_id)
-        return True
+        return EngineEvents(released=[request_id])
 
-    def expire_leases(self, now: float) -> float | None:
+    def expire_leases(self, now: float) -> tuple[EngineEvents, float | None]:
         """Free held KV and reservations whose lease ran out; the seconds until the next deadline."""
+        events = EngineEvents()
         for request_id in [r for r, (_, deadline) in self.held.items() if deadline <= now]:
             log.warning("no decode engine pulled the KV of %s within its lease: freed", request_id)
-            self.release_held(request_id)
+            events += self.release_held(request_id)
         reserved = [r for r in self.scheduler.pulling if r.reservation and r.kv_deadline is not None]
         for request in [r for r in reserved if r.kv_deadline <= now]:
             log.warning("nobody claimed the blocks reserved for %s within their lease: freed", request.request_id)
             self.abort(request.request_id, "abort")
         deadlines = [d for _, d in self.held.values()] + [r.kv_deadline for r in reserved if r.kv_deadline > now]
-        return min(deadlines) - now if deadlines else None
+        return events, min(deadlines) - now if deadlines else None
+
+    def _pull_order(self, request: Request, now: float) -> PullOrder:
+        """The scheduler gave `request` blocks for its KV: where they are, snapshotted on this thread."""
+        if request.reservation:
+            request.kv_deadline = now + self.kv_lease_s
+        per_layer = -(-(request.num_tokens - 1) // self.blocks.block_size)
+        return PullOrder(request.request_id, None if request.reservation else request.kv_source,
+                         [list(layer.blocks[:per_layer]) for layer in request.layers])
 
     def _pusher(self, requests: list[Request]) -> Callable[[int], None]:
         def layer_done(layer: int) -> None:

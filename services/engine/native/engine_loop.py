@@ -1,5 +1,6 @@
 """The native engine on a thread of its own: it is built there and steps there; requests, aborts and
-policy changes come in through a queue, between steps, and each step's frames go out to `deliver`."""
+policy changes come in through a queue, between steps, and what each step and command yields (frames,
+pulls, released KV: events.py) goes out to `deliver`."""
 
 from __future__ import annotations
 
@@ -11,10 +12,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
-from kvmesh.libs.messages.engine import Frame
-
 from ..state import EngineState
 from .engine import Engine
+from .events import EngineEvents
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +33,13 @@ class EngineLoop:
     times before it sleeps: a team left on the main thread made the step's worker thread sleep and be
     woken through a futex at every parallel region, 600-900 times a second under load."""
 
-    def __init__(self, build: Callable[[], Engine], deliver: Callable[[list[Frame]], None]):
+    def __init__(self, build: Callable[[], Engine], deliver: Callable[[EngineEvents], None]):
         self.deliver = deliver
         self.engine: Engine | None = None
         self.state: EngineState | None = None
         self._build = build
         self._built: Future[Engine] = Future()
-        self._commands: queue.SimpleQueue[Callable[[], list[Frame]]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Callable[[], EngineEvents | None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -54,23 +54,23 @@ class EngineLoop:
         self._wake.set()
         self._thread.join()
 
-    def submit(self, command: Callable[[], list[Frame] | None]) -> None:
-        """Run `command` on the engine thread between steps; the frames it returns are delivered."""
+    def submit(self, command: Callable[[], EngineEvents | None]) -> None:
+        """Run `command` on the engine thread between steps; the events it returns are delivered."""
         self._commands.put(command)
         self._wake.set()
 
-    def call(self, fn: Callable[[], tuple[T, list[Frame]]]) -> Future[T]:
-        """Like submit, for a command with a result: `fn` returns (result, frames to deliver)."""
+    def call(self, fn: Callable[[], tuple[T, EngineEvents | None]]) -> Future[T]:
+        """Like submit, for a command with a result: `fn` returns (result, events to deliver)."""
         future: Future[T] = Future()
 
-        def command() -> list[Frame]:
+        def command() -> EngineEvents | None:
             try:
-                result, frames = fn()
+                result, events = fn()
             except Exception as exc:
                 future.set_exception(exc)
-                return []
+                return None
             future.set_result(result)
-            return frames
+            return events
 
         self.submit(command)
         return future
@@ -85,38 +85,39 @@ class EngineLoop:
         self._built.set_result(self.engine)
         published = 0.0
         while not self._stop.is_set():
-            frames = self._drain()
+            events = self._drain()
             if self.engine.scheduler.has_work():
                 try:
-                    frames += self.engine.step()
+                    events += self.engine.step()
                 except Exception:
                     log.exception("engine step failed; failing the requests it held")
-                    frames += self._fail_all()
-            next_lease = self.engine.expire_leases(self.engine.clock())
+                    events += self._fail_all()
+            expired, next_lease = self.engine.expire_leases(self.engine.clock())
+            events += expired
             idle = not self.engine.scheduler.has_work()
             if idle or time.monotonic() - published > STATE_EVERY_S:  # not every step: it is the hot loop
                 self.state, published = self.engine.state(), time.monotonic()
-            if frames:
-                self.deliver(frames)
+            if events:
+                self.deliver(events)
             if idle:
                 # A command submitted meanwhile has set it: the next drain takes it. Held KV is
                 # checked again when its lease runs out.
                 self._wake.wait(next_lease)
                 self._wake.clear()
 
-    def _drain(self) -> list[Frame]:
-        frames: list[Frame] = []
+    def _drain(self) -> EngineEvents:
+        events = EngineEvents()
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return frames
+                return events
             try:
-                frames += command() or []
+                events += command()
             except Exception:
                 log.exception("engine command failed")
 
-    def _fail_all(self) -> list[Frame]:
+    def _fail_all(self) -> EngineEvents:
         scheduler = self.engine.scheduler
         requests = [*scheduler.running, *scheduler.waiting, *scheduler.swapped, *scheduler.pulling]
-        return [frame for r in requests for frame in self.engine.abort(r.request_id, "error")]
+        return EngineEvents(frames=[frame for r in requests for frame in self.engine.abort(r.request_id, "error")])

@@ -9,25 +9,29 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
+import numpy as np
 from opentelemetry.context import Context
 
 from kvmesh.libs.controlplane import BadRequest, ServiceUnavailable, cancel_and_wait
 from kvmesh.libs.kvmeta.client import KvmetaClient
 from kvmesh.libs.kvmeta.messages import BlockLease
 from kvmesh.libs.messages.engine import GenerateRequest, KVHandle, TransferStats
+from kvmesh.libs.rdma.kvdirect.node import KVDirectNode
+from kvmesh.libs.rdma.kvdirect.puller import BlockReads
 from kvmesh.libs.rdma.kvdirect.pusher import LayerPush
 from kvmesh.libs.rdma.work import RdmaError
 from kvmesh.observability import tracing
 
 from ..config import EngineConfig
 from ..data_link import DataLink, data_link
-from .dataplane import KVDataPlane
 from .engine import Engine
 from .engine_loop import EngineLoop
+from .events import EngineEvents, PullOrder
 from .factory import shm_pool_paths
-from .request import Request
 
 log = logging.getLogger(__name__)
+
+POOL = "device"  # where pulled or pushed KV lands, and pushed KV leaves from
 
 
 class KVHandoff:
@@ -38,9 +42,11 @@ class KVHandoff:
         self.link: DataLink | None = None
         if config.dataplane != "none" and config.role in ("prefill", "decode", "both"):
             self.link = data_link(config)
-            self.dataplane = KVDataPlane(config.dataplane, config.token or "", self.link.host, config.data_port,
-                                         {t: p.tensor for t, p in engine.blocks.pools.items()},
-                                         self._release, timeout=config.kv_timeout_ms / 1e3, options=self.link.options)
+            # Peers read any tier our held KV is in; pulled and pushed KV lands in (and leaves) the device tier.
+            pools = {t: p.tensor for t, p in engine.blocks.pools.items()}
+            self.dataplane = KVDirectNode(config.dataplane, config.token or "", self.link.host, config.data_port,
+                                          served=pools, landing={POOL: pools[POOL]}, release=self._release,
+                                          timeout=config.kv_timeout_ms / 1e3, options=self.link.options)
         self._main: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
         self._traces: dict[str, Context] = {}  # prefill role: request id -> its trace, while its KV is held
@@ -50,8 +56,6 @@ class KVHandoff:
         self._main = asyncio.get_running_loop()
         if self.dataplane is not None:
             self.engine.data_address = await self.dataplane.start()
-            self.engine.on_pull = self._on_pull
-            self.engine.on_kv_released = lambda request_id: self._main.call_soon_threadsafe(self._released, request_id)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -88,7 +92,7 @@ class KVHandoff:
         if target is None:
             return None
         try:
-            return await self.dataplane.push_to(target)
+            return await self.dataplane.push(target.data_address, POOL, target.layers)
         except RdmaError as exc:
             raise ServiceUnavailable(f"cannot reach the decode engine {target.engine} at {target.data_address}: {exc}") from None
 
@@ -111,34 +115,37 @@ class KVHandoff:
         return KVHandle(engine=self.engine.engine_id, data_address=self.engine.data_address, request_id=request_id,
                         num_tokens=num_tokens, block_size=self.engine.blocks.block_size, layers=layers)
 
+    def on_events(self, events: EngineEvents) -> None:
+        """On the engine thread: what a step or a command asks of the hand-off, done on the service's loop."""
+        for frame in events.frames:
+            if frame.kv_handle is not None:
+                self._main.call_soon_threadsafe(self._lease, frame.kv_handle)
+        for order in events.pulls:
+            self._main.call_soon_threadsafe(self._pull_or_reserved, order)
+        for request_id in events.released:
+            self._main.call_soon_threadsafe(self._released, request_id)
+
     # decode role: the scheduler gave a request blocks; pull its KV into them
 
-    def _on_pull(self, request: Request) -> None:
-        """On the engine thread: the request has blocks for its KV. Snapshot where the KV goes, and
-        pull it on the service's loop (or, for a reservation, tell its caller where to push)."""
-        per_layer = -(-(request.num_tokens - 1) // self.engine.blocks.block_size)
-        local = [list(layer.blocks[:per_layer]) for layer in request.layers]
-        if request.reservation:
-            self._main.call_soon_threadsafe(self._reserved, request.request_id, local)
+    def _pull_or_reserved(self, order: PullOrder) -> None:
+        if order.source is not None:
+            self._spawn(self._pull(order.request_id, order.source, order.local))
             return
-        self._main.call_soon_threadsafe(self._spawn, self._pull(request.request_id, request.kv_source, local))
-
-    def _reserved(self, request_id: str, layers: list[list[int]]) -> None:
-        ready = self._reservations.get(request_id)
+        ready = self._reservations.get(order.request_id)  # push mode: the caller of kv/reserve pushes
         if ready is not None and not ready.done():
-            ready.set_result(layers)
+            ready.set_result(order.local)
 
     async def _pull(self, request_id: str, handle: KVHandle, local: list[list[int]]) -> None:
         error, started, stats = None, self.engine.clock(), None
         try:
-            report = await self.dataplane.pull(handle, local)
+            report = await self.dataplane.pull(handle.data_address, request_id, _reads(handle, local))
             stats = TransferStats(bytes=report.bytes, pieces=report.pieces, reads_posted=report.reads_posted,
-                                  seconds=report.seconds, backend=self.dataplane.backend, peer=handle.data_address)
+                                  seconds=report.seconds, backend=self.dataplane.transport, peer=handle.data_address)
             log.debug("pulled %s: %d bytes in %d reads, %.1f ms", request_id, report.bytes, report.reads_posted,
                       report.seconds * 1e3)
         except Exception as exc:  # any failure ends the request with an error frame, never a hang
             error = f"{type(exc).__name__}: {exc}"
-        self.loop.submit(lambda: self.engine.pull_done(request_id, started, error, stats))
+        self.loop.submit(lambda: EngineEvents(frames=self.engine.pull_done(request_id, started, error, stats)))
 
     # prefill role: KV held for a decode engine
 
@@ -148,19 +155,12 @@ class KVHandoff:
         this one (one is in flight per connection) for the rest of a prefill step, tens of ms."""
         if request_id not in self.engine.held:  # a dict lookup; the engine thread only adds and removes
             return False
-
-        def release() -> None:  # a command returns frames or None, not release_held's bool
-            self.engine.release_held(request_id)
-        self.loop.submit(release)
+        self.loop.submit(lambda: self.engine.release_held(request_id))
         return True
 
-    def held(self, handle: KVHandle) -> None:
-        """On the engine's thread: record held KV in kvmeta's block map, so the cluster can see who holds
-        what until when (before the frame with the handle reaches its stream)."""
-        if self.kvmeta is not None:
-            self._main.call_soon_threadsafe(self._lease, handle)
-
     def _lease(self, handle: KVHandle) -> None:
+        """Record held KV in kvmeta's block map, so the cluster can see who holds what until when
+        (queued before the frame with the handle reaches its stream)."""
         if self.kvmeta is not None:
             lease = BlockLease(engine=self.engine.engine_id, layers=handle.layers, token_count=handle.num_tokens,
                                lease_ms=self.config.kv_lease_ms)
@@ -218,3 +218,16 @@ class KVHandoff:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.warning("KV hand-off task failed: %s", task.exception())
+
+
+def _reads(handle: KVHandle, local: list[list[int]]) -> list[BlockReads]:
+    """The reads that bring the handle's blocks into ours, `local[layer]`: one batch per tier of the
+    peer's that its layers are in (LayerKV may have offloaded some to its cxl tier)."""
+    tiers = handle.tiers or [POOL] * len(handle.layers)
+    reads = []
+    for tier in sorted(set(tiers)):
+        layers = [i for i, t in enumerate(tiers) if t == tier]
+        remote = np.concatenate([np.asarray(handle.layers[i][:len(local[i])], dtype=np.int64) for i in layers])
+        mine = np.concatenate([np.asarray(local[i], dtype=np.int64) for i in layers])
+        reads.append(BlockReads(tier, POOL, remote, mine))
+    return reads

@@ -52,16 +52,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.request import RequestStatus
 
-from kvmesh.libs.kvmeta.nodeid import node_ids
-from kvmesh.libs.rdma.kvdirect.puller import TransferReport
+from kvmesh.libs.rdma.kvdirect.node import KVDirectNode, ThreadedNode
+from kvmesh.libs.rdma.kvdirect.puller import BlockReads, TransferReport
 from kvmesh.libs.rdma.work import RdmaError
 from kvmesh.policies.cache.replacement import car
 from kvmesh.policies.views import blocks_for
 
 from ..state import TransferTotals
-from .data_plane import KVPuller, KVServer
 from .host_table import HostTable
 from .host_tier import HostTier
+from .tier_plan import TierPlan
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -108,17 +108,6 @@ class Load:
 
 
 @dataclass
-class TierRequest:
-    """Scheduler side: a request the cxl tier serves, from its first schedule to its end."""
-
-    request: Request
-    node_ids: list[str] = field(default_factory=list)   # of its full blocks so far
-    used: set[str] = field(default_factory=set)         # nodes scored for it
-    walked: int = 0                                     # full blocks already loaded, saved or scored
-    hit: tuple[int, int] = (0, 0)                       # its last lookup: (first block, blocks in the tier)
-
-
-@dataclass
 class KVMeshConnectorMetadata(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)   # consumer: pull these before this step runs
     held: list[str] = field(default_factory=list)     # producer: finished requests whose KV now waits
@@ -140,13 +129,10 @@ class KVMeshConnector(KVConnectorBase_V1):
         self._held: list[str] = []
         self._local_tokens: dict[str, int] = {}   # tokens a request found in our own prefix cache
         self.table = HostTable(self.settings.cxl_blocks, car) if self.settings.cxl_blocks else None
-        self._tier_requests: dict[str, TierRequest] = {}
-        self._tier_loads: tuple[list[int], list[int]] = ([], [])
-        self._pinned: list[str] = []
+        self.tier_plan = TierPlan(self.table, self.block_size, self.settings.model) if self.table else None
         # Worker side.
         self.kv_caches: dict[str, torch.Tensor] = {}   # vLLM's, by layer name
-        self._server: KVServer | None = None
-        self._puller: KVPuller | None = None
+        self.data_plane: ThreadedNode | None = None   # serves our layers (producer), pulls into them (consumer)
         self.tier: HostTier | None = None
         self._tier_saves: tuple[list[int], list[int]] = ([], [])   # this step's, in the block order
         self._lock = threading.Lock()          # the data plane's thread completes what the worker thread holds
@@ -167,7 +153,8 @@ class KVMeshConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
         if not params.get("remote_address"):
-            return self._tier_lookup(request, num_computed_tokens), False   # loaded layer by layer in the step
+            # from the cxl tier, if any: loaded layer by layer in the step
+            return (self.tier_plan.lookup(request, num_computed_tokens) if self.tier_plan else 0), False
         # The whole prompt, its last block partly full or not: vLLM computes the last token again, to
         # sample from, as after a full prefix hit (recomputing a whole last block instead cost a 32-token
         # step, 40-50 ms against 14 for one token on `small` here).
@@ -181,8 +168,8 @@ class KVMeshConnector(KVConnectorBase_V1):
         return external, external > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        if self.table is not None:
-            self._tier_after_alloc(request, blocks, num_external_tokens)
+        if self.tier_plan is not None:
+            self.tier_plan.after_alloc(request, blocks, num_external_tokens)
         local = self._local_tokens.pop(request.request_id, 0)
         params = request.kv_transfer_params
         if num_external_tokens <= 0 or not (params or {}).get("remote_address"):
@@ -198,16 +185,14 @@ class KVMeshConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVMeshConnectorMetadata(loads=self._loads, held=self._held)
         self._loads, self._held = [], []
-        if self.table is not None:
-            meta.tier_loads, meta.tier_saves = self._tier_loads, self._tier_saves_of(scheduler_output)
-            self.table.unpin(self._pinned)
-            self._tier_loads, self._pinned = ([], []), []
+        if self.tier_plan is not None:
+            meta.tier_loads, meta.tier_saves = self.tier_plan.step(
+                scheduler_output, lambda request_id: self._kv_cache_manager.get_block_ids(request_id)[0])
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        tracked = self._tier_requests.pop(request.request_id, None)
-        if tracked is not None:
-            self.table.release(tracked.used)
+        if self.tier_plan is not None:
+            self.tier_plan.finished(request.request_id)
         params = request.kv_transfer_params or {}
         if not (self._kv_transfer_config.is_kv_producer and params.get("do_remote_decode")) or not block_ids:
             return False, None
@@ -218,83 +203,6 @@ class KVMeshConnector(KVConnectorBase_V1):
                       "remote_address": f"{self.settings.data_host}:{self.settings.data_port}",
                       "remote_block_ids": list(block_ids), "num_tokens": request.num_computed_tokens}
 
-    # -- scheduler side: the cxl tier -------------------------------------------------------------
-
-    def _tier_lookup(self, request: Request, num_computed_tokens: int) -> int:
-        """Tokens after vLLM's own device hit whose blocks the cxl tier holds, in a row (whole blocks
-        but the last token's, which vLLM computes to sample from)."""
-        if self.table is None:
-            return 0
-        tracked = self._tier_requests.get(request.request_id) or TierRequest(request)
-        self._tier_requests[request.request_id] = tracked
-        ids = self._node_ids(tracked)[:(request.num_tokens - 1) // self.block_size]
-        first = num_computed_tokens // self.block_size
-        tracked.hit = first, self.table.match(ids, first)
-        return tracked.hit[1] * self.block_size
-
-    def _tier_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        tracked = self._tier_requests.setdefault(request.request_id, TierRequest(request))
-        first, count = tracked.hit
-        tracked.hit = (0, 0)
-        if num_external_tokens <= 0 or (request.kv_transfer_params or {}).get("remote_address"):
-            return
-        count = min(count, num_external_tokens // self.block_size)
-        loading = tracked.node_ids[first:first + count]
-        slots = self.table.take_for_load(loading, time.monotonic())
-        tracked.used.update(loading)
-        self._pinned += loading
-        self._tier_loads[0].extend(slots)
-        self._tier_loads[1].extend(blocks.get_block_ids()[0][first:first + count])
-
-    def _tier_saves_of(self, scheduler_output: SchedulerOutput) -> tuple[list[int], list[int]]:
-        """(blocks, slots): every full block this step completes that the tier does not hold yet, the
-        slots taken in one go; blocks it holds already are scored for the request."""
-        now = time.monotonic()
-        new: dict[str, tuple[int, int]] = {}              # node -> the block that computes it, and its index
-        owners: dict[str, list[TierRequest]] = {}         # requests computing a new node this step
-        for request_id, scheduled in scheduler_output.num_scheduled_tokens.items():
-            tracked = self._tier_requests.get(request_id)
-            if tracked is None:
-                continue
-            request = tracked.request
-            full = min(request.num_computed_tokens + scheduled, request.num_tokens) // self.block_size
-            if full <= tracked.walked:
-                continue
-            ids = self._node_ids(tracked, full)
-            block_ids = self._kv_cache_manager.get_block_ids(request_id)[0]
-            for index in range(tracked.walked, full):
-                node_id = ids[index]
-                if node_id in tracked.used:
-                    continue
-                tracked.used.add(node_id)
-                if node_id in owners:   # another request computes it this step too
-                    owners[node_id].append(tracked)
-                elif not self.table.use(node_id, now):
-                    new[node_id] = block_ids[index], index
-                    owners[node_id] = [tracked]
-            tracked.walked = full
-        wanted = list(new)
-        slots = self.table.take_for_saves([(node_id, new[node_id][1]) for node_id in wanted], now)
-        kept = wanted[:len(slots)]
-        for node_id in wanted[len(slots):]:   # every slot pinned this step: not kept
-            for tracked in owners[node_id]:
-                tracked.used.discard(node_id)
-        for node_id in kept:
-            for _ in owners[node_id][1:]:   # the other requests that computed it: scored as its users
-                self.table.use(node_id, now)
-        self._pinned += kept
-        return [new[node_id][0] for node_id in kept], slots
-
-    def _node_ids(self, tracked: TierRequest, blocks: int | None = None) -> list[str]:
-        """The request's NodeIDs, extended to `blocks` full blocks (all it has when None)."""
-        tokens = tracked.request.all_token_ids
-        blocks = len(tokens) // self.block_size if blocks is None else blocks
-        have = len(tracked.node_ids)
-        if blocks > have:
-            tracked.node_ids += node_ids(tokens[have * self.block_size:blocks * self.block_size], self.block_size,
-                                         self.settings.model, tracked.node_ids[-1] if have else None)
-        return tracked.node_ids
-
     # -- worker side ------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -304,11 +212,13 @@ class KVMeshConnector(KVConnectorBase_V1):
             self.tier = HostTier(kv_caches, s.cxl_blocks)
         if not s.handoff:
             return
-        if self._kv_transfer_config.is_kv_producer:
-            self._server = KVServer(kv_caches, s.backend, s.token, s.data_host, s.data_port, self._on_complete,
-                                    s.timeout_s, s.endpoint)
-        if self._kv_transfer_config.is_kv_consumer:
-            self._puller = KVPuller(kv_caches, s.backend, s.token, s.data_host, s.timeout_s, s.endpoint)
+        # A vLLM layer's cache is a tensor whose first dimension is the block: a block's bytes in every
+        # layer are what moves, whatever the attention backend lays out inside it.
+        config = self._kv_transfer_config
+        self.data_plane = ThreadedNode(KVDirectNode(
+            s.backend, s.token, s.data_host, s.data_port,
+            served=kv_caches if config.is_kv_producer else None, landing=kv_caches if config.is_kv_consumer else None,
+            release=self._on_complete, timeout=s.timeout_s, options=s.endpoint))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -318,7 +228,9 @@ class KVMeshConnector(KVConnectorBase_V1):
             self._held_until.update((request_id, deadline) for request_id in meta.held)
         for load in meta.loads:
             load.started = time.time()
-            pull = self._puller.start_pull(load.address, load.remote_request_id, load.remote_blocks, load.local_blocks)
+            pull = self.data_plane.pull(load.address, load.remote_request_id,
+                                        [BlockReads(name, name, load.remote_blocks, load.local_blocks)
+                                         for name in self.kv_caches])
             if load.in_step:
                 self._in_step.append((load, pull))
             else:
@@ -413,7 +325,7 @@ class KVMeshConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         for _, pull in [*self._pulling.values(), *self._in_step]:
             pull.cancel()
-        for plane in (self._server, self._puller, self.tier):
+        for plane in (self.data_plane, self.tier):
             if plane is not None:
                 plane.close()
 
