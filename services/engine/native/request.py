@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 
 from kvmesh.libs.messages.engine import KVHandle, SamplingParams, Targets, TransferStats
+from kvmesh.policies.views import RequestView
 
 
 class KVPushTarget(Protocol):
@@ -111,3 +112,21 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    def view(self) -> RequestView:
+        """What the policies see of the request."""
+        return RequestView(request_id=self.request_id, arrival=self.arrival, prompt_len=len(self.prompt_ids),
+                           num_tokens=self.num_tokens, num_computed=self.num_computed,
+                           num_generated=len(self.output_ids), max_tokens=self.sampling.max_tokens,
+                           blocks_per_layer=self.blocks_per_layer, tier=self.tier,
+                           preemptions=self.preemptions, tbt_slo_ms=self.targets.tbt_slo_ms,
+                           predicted_output_len=self.targets.predicted_output_len,
+                           ttft_slo_ms=self.targets.ttft_slo_ms, allocation=self.allocation,
+                           last_token_at=self.output_times[-1] if self.output_times else None,
+                           last_token_gap_s=(self.output_times[-1] - self.output_times[-2]
+                                             if len(self.output_times) > 1 else None),
+                           first_token_at=self.output_times[0] if self.output_times else None,
+                           scheduled_at=self.scheduled_at, predicted_output_low=self.targets.predicted_output_low,
+                           predicted_output_median=self.targets.predicted_output_median,
+                           device_layers=self.device_layers, cached_device_blocks=self.cache_hits[0],
+                           cached_cxl_blocks=self.cache_hits[1], window_since=self.window_since)

@@ -39,20 +39,19 @@ class Reuse:
         self.bandwidth = link_bandwidth(blocks) if blocks.cache_cxl else 0.0  # cxl -> device, bytes/s
         self.prefetched = 0   # nodes the prefetcher brought back, all time
 
-    def before_admission(self, waiting: list[Request], running: list[Request], now: float, views, tpop_s: float):
-        """Look the waiting requests' prefixes up, top the window up, prefetch; `views` turns
-        requests into RequestViews (the scheduler's)."""
+    def before_admission(self, waiting: list[Request], running: list[Request], now: float, tpop_s: float):
+        """Look the waiting requests' prefixes up, top the window up, prefetch."""
         prefixes = {request.request_id: self.blocks.cached_prefix(request) for request in waiting}
         for request in waiting:
             request.cache_hits = _hits(prefixes[request.request_id])
-        entering = set(fill_window(views(waiting), self.params.size, now, self.params.max_wait_s))
+        entering = set(fill_window([r.view() for r in waiting], self.params.size, now, self.params.max_wait_s))
         for request in waiting:
             if request.request_id in entering:
                 request.window_since = now
                 self.blocks.add_score(request, prefixes[request.request_id], WINDOW_SCORE)
         if not self.blocks.cache_cxl:
             return
-        running_views = views(running)
+        running_views = [r.view() for r in running]
         for request in waiting:
             if request.window_since is None or not request.cache_hits[1]:
                 continue

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -137,7 +136,7 @@ class Scheduler:
             if not planned:  # room the plan made is for its waiting requests, not for the swapped ones
                 budget = self._resume_swapped(plan, budget)
             if self.reuse is not None and self.waiting and self.policies.names["prefill_admission"] == "car":
-                self.reuse.before_admission(list(self.waiting), self.running, now, views, self._tpop_s())
+                self.reuse.before_admission(list(self.waiting), self.running, now, self._tpop_s())
             self._admit_waiting(plan, budget, now, grants, retain)
         if self.layered:
             self._stage_running(plan, reserved, budget)
@@ -151,7 +150,7 @@ class Scheduler:
         """LayerKV: offload retained layers of running requests when the free-block forecast says
         so; how many layers each waiting request keeps on the device if admitted now."""
         plan = self.policies.layer_offload(OffloadInput(
-            admitting=self._admission_order(now), running=[view(r) for r in self.running],
+            admitting=self._admission_order(now), running=[r.view() for r in self.running],
             pool=self.blocks.pool_view(), now=now, params=self.offload))
         by_id = {r.request_id: r for r in self.running}
         for request_id, keep in plan.shrink.items():
@@ -195,7 +194,7 @@ class Scheduler:
         preempt to make the room it asks for; the waiting requests' grants, in order."""
         running_tokens = sum(r.num_tokens - r.num_computed for r in self.running)
         batch = AllocationInput(waiting=self._admission_order(now),
-                                running=[view(r) for r in self.running], unallocated=self.ledger.grantable_tokens(),
+                                running=[r.view() for r in self.running], unallocated=self.ledger.grantable_tokens(),
                                 token_budget=self.token_budget - running_tokens,
                                 max_iteration_s=max(self.iteration_s, default=0.0), now=now, params=self.ledger.params)
         allocation: AllocationPlan = self.policies.kv_allocation(batch)
@@ -270,8 +269,8 @@ class Scheduler:
         """The waiting requests' views, in the admission policy's order."""
         if not self.waiting:
             return []
-        views = {r.request_id: view(r) for r in self.waiting}
-        order = self.policies.prefill_admission(list(views.values()), [view(r) for r in self.running],
+        views = {r.request_id: r.view() for r in self.waiting}
+        order = self.policies.prefill_admission(list(views.values()), [r.view() for r in self.running],
                                                 self.blocks.pool_view(), now)
         return [views[i] for i in order]
 
@@ -363,11 +362,11 @@ class Scheduler:
         if guest is not None:
             return guest
         by_id = {r.request_id: r for r in candidates}
-        order = self.policies.preemption_order([view(r) for r in candidates], self.blocks.pool_view())
+        order = self.policies.preemption_order([r.view() for r in candidates], self.blocks.pool_view())
         return by_id[order[0]]
 
     def _preempt(self, victim: Request, plan: Plan) -> None:
-        strategy = self.policies.preemption_strategy(view(victim), self.blocks.pool_view())
+        strategy = self.policies.preemption_strategy(victim.view(), self.blocks.pool_view())
         victim.preemptions += 1
         self.ledger.settle(victim)
         if victim in self.running:
@@ -383,24 +382,3 @@ class Scheduler:
             self.waiting.appendleft(victim)
         plan.preempted.append((victim, strategy))
 
-
-def views(requests: Iterable[Request]) -> list[RequestView]:
-    return [view(r) for r in requests]
-
-
-def view(request: Request) -> RequestView:
-    return RequestView(request_id=request.request_id, arrival=request.arrival, prompt_len=len(request.prompt_ids),
-                       num_tokens=request.num_tokens, num_computed=request.num_computed,
-                       num_generated=len(request.output_ids), max_tokens=request.sampling.max_tokens,
-                       blocks_per_layer=request.blocks_per_layer, tier=request.tier,
-                       preemptions=request.preemptions, tbt_slo_ms=request.targets.tbt_slo_ms,
-                       predicted_output_len=request.targets.predicted_output_len,
-                       ttft_slo_ms=request.targets.ttft_slo_ms, allocation=request.allocation,
-                       last_token_at=request.output_times[-1] if request.output_times else None,
-                       last_token_gap_s=(request.output_times[-1] - request.output_times[-2]
-                                         if len(request.output_times) > 1 else None),
-                       first_token_at=request.output_times[0] if request.output_times else None,
-                       scheduled_at=request.scheduled_at, predicted_output_low=request.targets.predicted_output_low,
-                       predicted_output_median=request.targets.predicted_output_median,
-                       device_layers=request.device_layers, cached_device_blocks=request.cache_hits[0],
-                       cached_cxl_blocks=request.cache_hits[1], window_since=request.window_since)
