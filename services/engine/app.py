@@ -44,26 +44,29 @@ def build_backend(config: EngineConfig) -> EngineBackend:
     return NativeBackend(config)
 
 
-def build_service(config: EngineConfig) -> Service:
-    config = decided(config)
-    backend = build_backend(config)
-    service = Service("engine", config)
-    streams: dict[str, asyncio.Queue[Frame]] = {}
-    main_loop: asyncio.AbstractEventLoop | None = None
+class EngineRoutes:
+    """The engine service's routes, one method each, and what they share: the backend, and the frame
+    queue of each request streaming from it."""
 
-    def dispatch(frames: list[Frame]) -> None:
+    def __init__(self, config: EngineConfig, backend: EngineBackend):
+        self.config = config
+        self.backend = backend
+        self.streams: dict[str, asyncio.Queue[Frame]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def on_frames(self, frames: list[Frame]) -> None:
+        """From the backend's thread: the frames go to their streams on the event loop."""
+        self._loop.call_soon_threadsafe(self._dispatch, frames)
+
+    def _dispatch(self, frames: list[Frame]) -> None:
         for frame in frames:
-            stream = streams.get(frame.request_id)
+            stream = self.streams.get(frame.request_id)
             if stream is not None:
                 stream.put_nowait(frame)
 
-    backend.start(lambda frames: main_loop.call_soon_threadsafe(dispatch, frames))
-    service.metrics.register(backend.collector(backend.state, config.engine_id, config.role))
-
-    @service.lifespan
-    async def run_engine(app: web.Application) -> AsyncIterator[None]:
-        nonlocal main_loop
-        main_loop = asyncio.get_running_loop()
+    async def run_engine(self, app: web.Application) -> AsyncIterator[None]:
+        self._loop = asyncio.get_running_loop()
+        config, backend = self.config, self.backend
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(backend)  # before requests come: handles carry its data address
             if config.kvmeta_url:
@@ -79,14 +82,14 @@ def build_service(config: EngineConfig) -> Service:
                 await stack.enter_async_context(backend.registered(kvmeta))
             yield
 
-    @service.on_shutdown
-    async def end_streams() -> None:
+    async def end_streams(self) -> None:
         """Abort what is running, so every open stream ends with finish_reason `abort`."""
-        await backend.abort_all(list(streams))
+        await self.backend.abort_all(list(self.streams))
 
-    async def generate(request: web.Request, body: GenerateRequest) -> web.StreamResponse:
+    async def generate(self, request: web.Request, body: GenerateRequest) -> web.StreamResponse:
         """Generate from a prompt; streams one frame per step's new tokens (msgpack, or JSON lines on
         Accept: JSON)."""
+        backend = self.backend
         arrival = backend.clock()
         ids, sampling = body.validated(backend.tokenizer, backend.vocab_size, backend.context_limit)
         targets = body.targets
@@ -94,65 +97,77 @@ def build_service(config: EngineConfig) -> Service:
         if tracing.enabled():
             tracing.annotate({f"kvmesh.{name}": getattr(targets, name) for name in targets.__struct_fields__})
         request_id = body.request_id or uuid.uuid4().hex
-        if request_id in streams:
+        if request_id in self.streams:
             raise BadRequest(f"request {request_id} is already running on this engine")
         frames: asyncio.Queue[Frame] = asyncio.Queue()
-        streams[request_id] = frames  # before the engine can produce the first frame
+        self.streams[request_id] = frames  # before the engine can produce the first frame
         try:
             await backend.add(request_id, body, ids, sampling, targets, arrival)
         except BaseException:
-            streams.pop(request_id, None)
+            self.streams.pop(request_id, None)
             raise
         response, last = web.StreamResponse(), None
         try:
             last = await write_frames(request, frames, response,
-                                      on_last=lambda frame: trace_phases(frame, config.engine_id, config.role))
+                                      on_last=lambda frame: trace_phases(frame, self.config.engine_id,
+                                                                         self.config.role))
         finally:
-            streams.pop(request_id, None)
+            self.streams.pop(request_id, None)
             backend.ended(request_id, last)
         return response
 
-    for path, body_type, summary in GENERATION_ROUTES:
-        service.route("POST", path, body=body_type, summary=summary)(generate)
-
-    @service.route("POST", "/v1/abort", body=AbortRequest, response=Aborted)
-    async def abort(request: web.Request, body: AbortRequest) -> Aborted:
+    async def abort(self, request: web.Request, body: AbortRequest) -> Aborted:
         """Stop a request and free its blocks; its stream ends with finish_reason `abort`."""
-        return Aborted(aborted=await backend.abort(body.request_id))
+        return Aborted(aborted=await self.backend.abort(body.request_id))
 
-    @service.route("GET", "/v1/state", response=EngineState)
-    async def state(request: web.Request) -> EngineState:
+    async def state(self, request: web.Request) -> EngineState:
         """Free blocks per tier, queue lengths, KV held for or pulled from other engines, recent time
         between tokens."""
-        return backend.state()
+        return self.backend.state()
 
-    @service.route("GET", "/v1/cache", query=CacheQuery, response=CacheTable)
-    async def cache(request: web.Request, query: CacheQuery) -> CacheTable:
+    async def cache(self, request: web.Request, query: CacheQuery) -> CacheTable:
         """CaR's cache table: the prefix cache's nodes with their tier, blocks, size and score."""
-        return await backend.cache_table(query)
+        return await self.backend.cache_table(query)
 
-    @service.route("POST", "/v1/kv/reserve", body=KVReserve, response=KVHandle)
-    async def reserve(request: web.Request, body: KVReserve) -> KVHandle:
+    async def reserve(self, request: web.Request, body: KVReserve) -> KVHandle:
         """Push mode: reserve blocks for a prompt's KV that a prefill engine will write; answers where,
         once this engine's allocation policy gives them (the request then waits here, not in prefill)."""
+        backend = self.backend
         if body.num_tokens >= backend.context_limit:
             raise BadRequest(f"kv/reserve: {body.num_tokens} tokens is over this engine's context limit of "
                              f"{backend.context_limit}")
         return await backend.reserve(body.request_id, body.num_tokens)
 
-    @service.route("GET", "/v1/tokenizer", response=TokenizerSpec)
-    async def tokenizer(request: web.Request) -> TokenizerSpec:
+    async def tokenizer(self, request: web.Request) -> TokenizerSpec:
         """The model's tokenizer, chat template and context limit (admission tokenizes with it)."""
-        return backend.tokenizer_spec
+        return self.backend.tokenizer_spec
 
-    @service.route("PUT", "/v1/policy", body=PolicyNames, response=PolicyNames)
-    async def set_policy(request: web.Request, body: PolicyNames) -> PolicyNames:
+    async def set_policy(self, request: web.Request, body: PolicyNames) -> PolicyNames:
         """Switch engine-level policies by name, between two steps."""
         try:
-            return PolicyNames(policies=await backend.set_policies(body.policies))
+            return PolicyNames(policies=await self.backend.set_policies(body.policies))
         except KeyError as exc:
             raise BadRequest(str(exc.args[0])) from None
 
+
+def build_service(config: EngineConfig) -> Service:
+    config = decided(config)
+    backend = build_backend(config)
+    service = Service("engine", config)
+    engine = EngineRoutes(config, backend)
+    backend.start(engine.on_frames)
+    service.metrics.register(backend.collector(backend.state, config.engine_id, config.role))
+    service.lifespan(engine.run_engine)
+    service.on_shutdown(engine.end_streams)
+
+    for path, body_type, summary in GENERATION_ROUTES:
+        service.route("POST", path, body=body_type, summary=summary)(engine.generate)
+    service.route("POST", "/v1/abort", body=AbortRequest, response=Aborted)(engine.abort)
+    service.route("GET", "/v1/state", response=EngineState)(engine.state)
+    service.route("GET", "/v1/cache", query=CacheQuery, response=CacheTable)(engine.cache)
+    service.route("POST", "/v1/kv/reserve", body=KVReserve, response=KVHandle)(engine.reserve)
+    service.route("GET", "/v1/tokenizer", response=TokenizerSpec)(engine.tokenizer)
+    service.route("PUT", "/v1/policy", body=PolicyNames, response=PolicyNames)(engine.set_policy)
     return service
 
 
