@@ -133,118 +133,129 @@ def build_predictor(name: str, history: HistoryPredictor, embedding: LengthPredi
     return factory()
 
 
-def build_service(config: Config) -> Service:
-    service = Service("predictor", config)
-    history = HistoryPredictor()
-    embedding = None
-    if config.model_path is not None:
-        from . import learning
-        embedding = learning.load(config.model_path, history, config.refit_every, config.torch_threads)
-    current = InForce(config.predictor, build_predictor(config.predictor, history, embedding), config.alpha,
-                      config.beta, config.confidence, config.adaptive)
-    worker = ThreadPoolExecutor(1, thread_name_prefix="predictor")
-    trainer = ThreadPoolExecutor(1, thread_name_prefix="predictor-refit")
-    refitting: asyncio.Task | None = None
-    arrivals = ArrivalRate(at=time.monotonic())
-    metrics = PredictionMetrics(service.metrics)
-    metrics.show(current.name)
-    Gauge("kvmesh_predictor_arrival_rate", f"Arrival rate of /v1/predict calls, requests/s, exponentially "
-          f"weighted with a {config.rate_window_s:g} s time constant", registry=service.metrics
-          ).set_function(lambda: rate_at(arrivals, time.monotonic(), config.rate_window_s))
-    if embedding is not None:
-        Gauge("kvmesh_predictor_embedding_examples", "Observed prompts the embedding predictor keeps for its "
-              "refits, the latest ones", registry=service.metrics).set_function(lambda: embedding.examples)
+class PredictorRoutes:
+    """The predictor's routes, one method each, and what they share: the predictor in force (and the
+    `history` and `embedding` ones kept for the service's life), the arrival rate, the metrics, and
+    the two threads every predictor call and every refit run on."""
 
-    async def on_worker(call, *args):
-        return await asyncio.get_running_loop().run_in_executor(worker, call, *args)
+    def __init__(self, config: Config, metrics: CollectorRegistry):
+        self.config = config
+        self.history = HistoryPredictor()
+        self.embedding = None
+        if config.model_path is not None:
+            from . import learning
+            self.embedding = learning.load(config.model_path, self.history, config.refit_every, config.torch_threads)
+        self.current = InForce(config.predictor, build_predictor(config.predictor, self.history, self.embedding),
+                               config.alpha, config.beta, config.confidence, config.adaptive)
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="predictor")
+        self.trainer = ThreadPoolExecutor(1, thread_name_prefix="predictor-refit")
+        self.refitting: asyncio.Task | None = None
+        self.arrivals = ArrivalRate(at=time.monotonic())
+        self.metrics = PredictionMetrics(metrics)
+        self.metrics.show(self.current.name)
+        Gauge("kvmesh_predictor_arrival_rate", f"Arrival rate of /v1/predict calls, requests/s, exponentially "
+              f"weighted with a {config.rate_window_s:g} s time constant", registry=metrics
+              ).set_function(lambda: rate_at(self.arrivals, time.monotonic(), config.rate_window_s))
+        if self.embedding is not None:
+            Gauge("kvmesh_predictor_embedding_examples", "Observed prompts the embedding predictor keeps for its "
+                  "refits, the latest ones", registry=metrics).set_function(lambda: self.embedding.examples)
 
-    @service.lifespan
-    async def executors(app: web.Application) -> AsyncIterator[None]:
+    async def on_worker(self, call, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.worker, call, *args)
+
+    async def executors(self, app: web.Application) -> AsyncIterator[None]:
         yield
-        if refitting is not None:
-            refitting.cancel()
-        worker.shutdown(cancel_futures=True)
-        trainer.shutdown(wait=False, cancel_futures=True)  # a refit under way ends with the process
+        if self.refitting is not None:
+            self.refitting.cancel()
+        self.worker.shutdown(cancel_futures=True)
+        self.trainer.shutdown(wait=False, cancel_futures=True)  # a refit under way ends with the process
 
-    async def refit() -> None:
-        nonlocal refitting
+    async def refit(self) -> None:
+        from . import learning
         started = time.perf_counter()
         try:
-            report = await learning.refit(embedding, on_worker, trainer)
+            report = await learning.refit(self.embedding, self.on_worker, self.trainer)
         except Exception:
             log.exception("embedding refit failed; the model in force stays")
-            metrics.refits.labels("failed").inc()
+            self.metrics.refits.labels("failed").inc()
         else:
             outcome = "kept" if report.kept_previous else "installed"
-            metrics.refits.labels(outcome).inc()
+            self.metrics.refits.labels(outcome).inc()
             log.info("embedding refit on %d examples in %.1f s: %s, validation MAE %.1f tokens (mean length "
                      "%.1f), direction accuracy %.2f", report.examples + report.validation_examples,
                      time.perf_counter() - started, outcome, report.mae, report.baseline_mae,
                      report.direction_accuracy)
         finally:
-            refitting = None
+            self.refitting = None
 
-    @service.route("POST", "/v1/predict", body=PredictRequest, response=PredictedLength)
-    async def predict(request: web.Request, body: PredictRequest) -> PredictedLength:
+    async def predict(self, request: web.Request, body: PredictRequest) -> PredictedLength:
         """Predict a request's output length, padded for the confidence in force."""
-        nonlocal arrivals
+        config, current = self.config, self.current
         now = time.monotonic()
-        arrivals = arrive(arrivals, now, config.rate_window_s)
-        confidence = current.confidence_at(rate_at(arrivals, now, config.rate_window_s))
+        self.arrivals = arrive(self.arrivals, now, config.rate_window_s)
+        confidence = current.confidence_at(rate_at(self.arrivals, now, config.rate_window_s))
         try:
-            prediction = await on_worker(current.predictor.predict, _query(body), confidence)
+            prediction = await self.on_worker(current.predictor.predict, _query(body), confidence)
         except ValueError as exc:  # e.g. the oracle without a true_length
             raise BadRequest(f"predictor {current.name!r}: {exc}") from None
-        metrics.predictions.labels(current.name).inc()
+        self.metrics.predictions.labels(current.name).inc()
         return PredictedLength(predicted=prediction.predicted, direction=str(prediction.direction),
                                padding=prediction.padding, estimated=prediction.estimated,
                                confidence=prediction.confidence, predictor=current.name)
 
-    @service.route("POST", "/v1/observe", body=ObserveRequest)
-    async def observe(request: web.Request, body: ObserveRequest) -> None:
+    async def observe(self, request: web.Request, body: ObserveRequest) -> None:
         """Learn a finished request's actual output length."""
-        nonlocal refitting
         # Learning reads only the keys and the prompt text; max_tokens is any valid cap.
         query = LengthQuery(tenant=body.tenant, max_tokens=max(body.actual, 1), template=body.template,
                             text=body.prompt)
-        name, predictor = current.name, current.predictor
-        await on_worker(predictor.observe, query, body.actual)
-        metrics.observed(name, body)
-        if predictor is embedding and embedding.refit_due and refitting is None:
-            refitting = asyncio.create_task(refit())
+        name, predictor = self.current.name, self.current.predictor
+        await self.on_worker(predictor.observe, query, body.actual)
+        self.metrics.observed(name, body)
+        if predictor is self.embedding and self.embedding.refit_due and self.refitting is None:
+            self.refitting = asyncio.create_task(self.refit())
 
-    @service.route("GET", "/v1/config", response=PredictorSettings)
-    async def get_config(request: web.Request) -> PredictorSettings:
+    async def get_config(self, request: web.Request) -> PredictorSettings:
         """The settings in force, the predictors to choose from and the measured arrival rate."""
-        return settings()
+        return self.settings()
 
-    @service.route("PUT", "/v1/config", body=ConfigChange, response=PredictorSettings)
-    async def set_config(request: web.Request, body: ConfigChange) -> PredictorSettings:
+    async def set_config(self, request: web.Request, body: ConfigChange) -> PredictorSettings:
         """Change the predictor or the confidence settings; the next prediction uses them."""
+        current = self.current
         if body.predictor is not None and body.predictor != current.name:
             try:
-                predictor = build_predictor(body.predictor, history, embedding)
+                predictor = build_predictor(body.predictor, self.history, self.embedding)
             except KeyError:
                 raise BadRequest(f"no length predictor named {body.predictor!r}; "
-                                 f"known: {', '.join(available())}") from None
+                                 f"known: {', '.join(self.available())}") from None
             log.info("length predictor: %s -> %s", current.name, body.predictor)
             current.name, current.predictor = body.predictor, predictor
-            metrics.show(current.name)
+            self.metrics.show(current.name)
         for name in ("alpha", "beta", "confidence", "adaptive"):
             if getattr(body, name) is not None:
                 setattr(current, name, getattr(body, name))
-        return settings()
+        return self.settings()
 
-    def settings() -> PredictorSettings:
+    def settings(self) -> PredictorSettings:
+        current, config = self.current, self.config
         return PredictorSettings(predictor=current.name, alpha=current.alpha, beta=current.beta,
                                  confidence=current.confidence, adaptive=current.adaptive,
                                  rate_window_s=config.rate_window_s,
-                                 arrival_rate=rate_at(arrivals, time.monotonic(), config.rate_window_s),
-                                 available=available())
+                                 arrival_rate=rate_at(self.arrivals, time.monotonic(), config.rate_window_s),
+                                 available=self.available())
 
-    def available() -> list[str]:
-        return [name for name in registry.names() if name != "embedding" or embedding is not None]
+    def available(self) -> list[str]:
+        return [name for name in registry.names() if name != "embedding" or self.embedding is not None]
 
+
+def build_service(config: Config) -> Service:
+    service = Service("predictor", config)
+    predictor = PredictorRoutes(config, service.metrics)
+    service.lifespan(predictor.executors)
+
+    service.route("POST", "/v1/predict", body=PredictRequest, response=PredictedLength)(predictor.predict)
+    service.route("POST", "/v1/observe", body=ObserveRequest)(predictor.observe)
+    service.route("GET", "/v1/config", response=PredictorSettings)(predictor.get_config)
+    service.route("PUT", "/v1/config", body=ConfigChange, response=PredictorSettings)(predictor.set_config)
     return service
 
 

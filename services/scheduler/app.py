@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from aiohttp import web
-from prometheus_client import Counter
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.metrics_core import GaugeMetricFamily
 
 from kvmesh.libs.controlplane import BadRequest, KvmeshError, Service, ServiceConfig, ServiceUnavailable, cancel_and_wait
@@ -55,92 +55,69 @@ class PolicyInForce:
     state: RoutingState = field(default_factory=RoutingState)  # kept across switches
 
 
-def build_service(config: Config) -> Service:
-    service = Service("scheduler", config)
-    kvmeta = KvmetaClient(config.kvmeta_url, config.token)
-    cluster = LiveCluster()
-    current = PolicyInForce(config.policy, registry.resolve(config.policy))
-    tasks: list[asyncio.Task] = []
-    routes = Counter("kvmesh_scheduler_routes", "Routes answered, by policy and mode (no_engine: none found)",
-                     ["policy", "mode"], registry=service.metrics)
-    service.metrics.register(EnginesByState(cluster))
+class SchedulerRoutes:
+    """The scheduler's routes, one method each, and what they share: the engines it follows in kvmeta
+    and the routing policy in force."""
 
-    @service.lifespan
-    async def follow_kvmeta(app: web.Application) -> AsyncIterator[None]:
-        tasks.extend([asyncio.create_task(cluster.follow(kvmeta)),
-                      asyncio.create_task(cluster.poll_loads(kvmeta, config.load_refresh_s))])
+    def __init__(self, config: Config, metrics: CollectorRegistry):
+        self.config = config
+        self.kvmeta = KvmetaClient(config.kvmeta_url, config.token)
+        self.cluster = LiveCluster()
+        self.current = PolicyInForce(config.policy, registry.resolve(config.policy))
+        self.tasks: list[asyncio.Task] = []
+        self.routes_answered = Counter("kvmesh_scheduler_routes", "Routes answered, by policy and mode "
+                                       "(no_engine: none found)", ["policy", "mode"], registry=metrics)
+        metrics.register(EnginesByState(self.cluster))
+
+    async def follow_kvmeta(self, app: web.Application) -> AsyncIterator[None]:
+        self.tasks.extend([asyncio.create_task(self.cluster.follow(self.kvmeta)),
+                           asyncio.create_task(self.cluster.poll_loads(self.kvmeta, self.config.load_refresh_s))])
         yield
-        await cancel_and_wait(tasks)
-        await kvmeta.close()
+        await cancel_and_wait(self.tasks)
+        await self.kvmeta.close()
 
-    @service.readiness
-    async def registry_known() -> None:
-        for task in tasks:
+    async def registry_known(self) -> None:
+        for task in self.tasks:
             if task.done() and not task.cancelled() and task.exception() is not None:
-                raise ServiceUnavailable(f"following kvmeta at {config.kvmeta_url} failed: {task.exception()}")
-        if not cluster.synced.is_set():
-            raise ServiceUnavailable(f"no worker snapshot from kvmeta at {config.kvmeta_url} yet")
+                raise ServiceUnavailable(f"following kvmeta at {self.config.kvmeta_url} failed: {task.exception()}")
+        if not self.cluster.synced.is_set():
+            raise ServiceUnavailable(f"no worker snapshot from kvmeta at {self.config.kvmeta_url} yet")
 
-    async def cached_blocks(body: RouteRequest) -> dict[str, tuple[int, int]]:
-        """Leading blocks of the prompt each engine that could prefill it holds, and of those how many
-        in its device tier; {} if kvmeta cannot say.
-        Looked up whatever the policy, so every route reports what its prefill engine will reuse
-        (one kvmeta call, under a millisecond)."""
-        sizes = {m.info.geometry.block_size for m in cluster.members.values()
-                 if m.info.model == body.model and m.info.role != "decode"}
-        cached: dict[str, tuple[int, int]] = {}
-        for size in sorted(sizes):
-            ids = node_ids(body.prompt_token_ids, size, body.model)
-            if not ids:
-                continue
-            try:
-                matches = await kvmeta.lookup(ids)
-            except KvmeshError as exc:
-                log.warning("routing without the cache table: %s", exc)
-                return {}
-            holders = {engine_id for engine_id, m in cluster.members.items() if m.info.geometry.block_size == size}
-            cached.update({match.engine: (match.blocks, match.device_blocks) for match in matches
-                           if match.engine in holders})
-        return cached
-
-    @service.route("POST", "/v1/route", body=RouteRequest, response=Route)
-    async def route(request: web.Request, body: RouteRequest) -> Route:
+    async def route(self, request: web.Request, body: RouteRequest) -> Route:
         """Pick a (prefill, decode) pair, or one colocated engine, for a prompt."""
-        if not cluster.synced.is_set():  # a route asked of a process just (re)started, before it knows the engines
+        if not self.cluster.synced.is_set():  # a route asked of a process just (re)started, before it knows the engines
             try:
-                await asyncio.wait_for(cluster.synced.wait(), FIRST_SNAPSHOT_WAIT_S)
+                await asyncio.wait_for(self.cluster.synced.wait(), FIRST_SNAPSHOT_WAIT_S)
             except TimeoutError:
-                raise ServiceUnavailable(f"no worker snapshot from kvmeta at {config.kvmeta_url} yet") from None
-        cached = await cached_blocks(body)
+                raise ServiceUnavailable(f"no worker snapshot from kvmeta at {self.config.kvmeta_url} yet") from None
+        cached = await self.cached_blocks(body)
         query = RouteQuery(model=body.model, prompt_tokens=len(body.prompt_token_ids),
                            exclude=frozenset(body.exclude))
-        decision, current.state = current.decide(query, cluster.views(cached), current.state)
-        workers = {engine_id: m.info for engine_id, m in cluster.members.items()}
+        decision, self.current.state = self.current.decide(query, self.cluster.views(cached), self.current.state)
+        workers = {engine_id: m.info for engine_id, m in self.cluster.members.items()}
         if decision is None:
-            if body.model not in cluster.models_seen:
-                routes.labels(current.name, "unknown_model").inc()
+            if body.model not in self.cluster.models_seen:
+                self.routes_answered.labels(self.current.name, "unknown_model").inc()
                 raise UnknownModel(_no_engine_message(body, workers.values()))
-            routes.labels(current.name, "no_engine").inc()
+            self.routes_answered.labels(self.current.name, "no_engine").inc()
             raise NoEngine(_no_engine_message(body, workers.values()))
         for engine_id in (decision.prefill, decision.decode, decision.engine):
             if engine_id is not None:
-                cluster.routed(engine_id, query.prompt_tokens)
-        routes.labels(current.name, decision.mode).inc()
-        return _route(decision, current.name, workers)
+                self.cluster.routed(engine_id, query.prompt_tokens)
+        self.routes_answered.labels(self.current.name, decision.mode).inc()
+        return _route(decision, self.current.name, workers)
 
-    @service.route("GET", "/v1/cluster", response=ClusterView)
-    async def cluster_view(request: web.Request) -> ClusterView:
+    async def cluster_view(self, request: web.Request) -> ClusterView:
         """The live engines with their load, and the policy in force."""
-        return ClusterView(policy=current.name, engines=cluster.status())
+        return ClusterView(policy=self.current.name, engines=self.cluster.status())
 
-    @service.route("GET", "/v1/policy", response=PolicyInfo)
-    async def get_policy(request: web.Request) -> PolicyInfo:
+    async def get_policy(self, request: web.Request) -> PolicyInfo:
         """The routing policy in force and the ones to choose from."""
-        return PolicyInfo(policy=current.name, available=registry.names())
+        return PolicyInfo(policy=self.current.name, available=registry.names())
 
-    @service.route("PUT", "/v1/policy", body=PolicyChoice, response=PolicyInfo)
-    async def set_policy(request: web.Request, body: PolicyChoice) -> PolicyInfo:
+    async def set_policy(self, request: web.Request, body: PolicyChoice) -> PolicyInfo:
         """Switch the routing policy; the next route uses it."""
+        current = self.current
         try:
             policy = registry.resolve(body.policy)
         except KeyError as exc:
@@ -150,6 +127,40 @@ def build_service(config: Config) -> Service:
         current.name, current.decide = body.policy, policy
         return PolicyInfo(policy=body.policy, available=registry.names())
 
+    async def cached_blocks(self, body: RouteRequest) -> dict[str, tuple[int, int]]:
+        """Leading blocks of the prompt each engine that could prefill it holds, and of those how many
+        in its device tier; {} if kvmeta cannot say.
+        Looked up whatever the policy, so every route reports what its prefill engine will reuse
+        (one kvmeta call, under a millisecond)."""
+        cluster = self.cluster
+        sizes = {m.info.geometry.block_size for m in cluster.members.values()
+                 if m.info.model == body.model and m.info.role != "decode"}
+        cached: dict[str, tuple[int, int]] = {}
+        for size in sorted(sizes):
+            ids = node_ids(body.prompt_token_ids, size, body.model)
+            if not ids:
+                continue
+            try:
+                matches = await self.kvmeta.lookup(ids)
+            except KvmeshError as exc:
+                log.warning("routing without the cache table: %s", exc)
+                return {}
+            holders = {engine_id for engine_id, m in cluster.members.items() if m.info.geometry.block_size == size}
+            cached.update({match.engine: (match.blocks, match.device_blocks) for match in matches
+                           if match.engine in holders})
+        return cached
+
+
+def build_service(config: Config) -> Service:
+    service = Service("scheduler", config)
+    scheduler = SchedulerRoutes(config, service.metrics)
+    service.lifespan(scheduler.follow_kvmeta)
+    service.readiness(scheduler.registry_known)
+
+    service.route("POST", "/v1/route", body=RouteRequest, response=Route)(scheduler.route)
+    service.route("GET", "/v1/cluster", response=ClusterView)(scheduler.cluster_view)
+    service.route("GET", "/v1/policy", response=PolicyInfo)(scheduler.get_policy)
+    service.route("PUT", "/v1/policy", body=PolicyChoice, response=PolicyInfo)(scheduler.set_policy)
     return service
 
 
