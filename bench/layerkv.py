@@ -31,7 +31,7 @@ violates when its TTFT or its TPOT is over its SLO. Requests carry the SLOs (the
 SLO) and the predicted range of their output length as serving gives it: the predictor service's
 `embedding` predictor trained on the other instructions (B; A's prompts are token ids, so its history
 predictor, fed A-shaped requests), Eq. 4's confidence at the run's rate, and admission's
-predicted_lengths (layerkv_traces).
+with_predicted_lengths (layerkv_traces).
 
 The prefill and offload fits (Eq. 3 and 4) are profiled once, on the first LayerKV engine, and
 handed to the others (the same machine and pools: what each would measure).
