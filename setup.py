@@ -15,6 +15,7 @@ ROOTS = {
     "kvmesh.observability": "observability",
     "kvmesh.infra": "infra",
     "kvmesh.bench": "bench",
+    "kvmesh.sim": "sim",
 }
 
 setup(

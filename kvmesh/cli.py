@@ -83,6 +83,35 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--seed", type=int, default=0, help="split, batches and initial weights (%(default)s)")
     train.add_argument("--threads", type=_count, default=0, metavar="N", help="torch threads (default: torch's)")
 
+    sim = commands.add_parser("sim", help="the discrete-event simulator on kvmesh's own policies (docs/sim.md)")
+    sim_commands = sim.add_subparsers(dest="sim_command", required=True)
+    calibrate = sim_commands.add_parser("calibrate", help="time the native engine's steps and write a step-cost "
+                                                          "profile")
+    calibrate.add_argument("--model", default="tiny", help="the engine's model, as for `kvmesh up` (%(default)s)")
+    calibrate.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                           help="the engine's dtype (%(default)s: bfloat16 where it is native)")
+    calibrate.add_argument("--threads", type=_positive, default=1, help="torch threads (%(default)s)")
+    calibrate.add_argument("--out", type=Path, help="the profile to write (default: sim/profiles/MODEL-DEVICE-"
+                                                    "DTYPE-THREADSt.json)")
+    sim_run = sim_commands.add_parser("run", help="a Poisson workload through one simulated engine")
+    sim_run.add_argument("--profile", default="tiny-cpu-bfloat16-1t",
+                         help="step-cost profile: a name in sim/profiles or a .json path (%(default)s)")
+    sim_run.add_argument("--rate", type=float, default=10.0, help="arrivals per second (%(default)s)")
+    sim_run.add_argument("--requests", type=_positive, default=1000, help="how many (%(default)s)")
+    sim_run.add_argument("--prompt", default="uniform:64-512", metavar="LENGTHS",
+                         help="prompt tokens: N, uniform:LOW-HIGH or exp:MEAN (%(default)s)")
+    sim_run.add_argument("--output", default="exp:128", metavar="LENGTHS", help="output tokens, likewise (%(default)s)")
+    sim_run.add_argument("--seed", type=int, default=0, help="arrivals and lengths (%(default)s)")
+    sim_run.add_argument("--policy", action="append", default=[], metavar="HOOK=NAME",
+                         help="an engine policy by name, e.g. preemption_order=srtf (repeatable)")
+    sim_run.add_argument("--block-size", type=_positive, default=16, help="tokens per block (%(default)s)")
+    sim_run.add_argument("--device-blocks", type=_positive, default=4096, help="KV blocks, all layers (%(default)s)")
+    sim_run.add_argument("--num-layers", type=_positive, default=1,
+                         help="layers each holding a request's blocks (%(default)s)")
+    sim_run.add_argument("--max-num-seqs", type=_positive, default=64, help="requests per batch (%(default)s)")
+    sim_run.add_argument("--token-budget", type=_positive, default=2048, help="tokens per step (%(default)s)")
+    sim_run.add_argument("--json", dest="json_path", type=Path, help="also write the results here")
+
     args = parser.parse_args(argv)
     if args.command == "up":
         from kvmesh.infra.local.launcher import up as run_up
@@ -119,7 +148,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "predictor":
         from kvmesh.services.predictor.train import run as run_train
         return run_train(args.data, args.out, args.epochs, args.validation, args.seed, args.threads)
+    if args.command == "sim":
+        return _sim(args)
     return 2
+
+
+def _sim(args: argparse.Namespace) -> int:
+    if args.sim_command == "calibrate":
+        from kvmesh.sim.calibrate import run as run_calibrate
+        return run_calibrate(args.model, args.dtype, args.threads, args.out)
+    from kvmesh.sim.engine import EngineSpec
+    from kvmesh.sim.run import run as run_sim
+    try:
+        policies = dict(value.split("=", 1) for value in args.policy)
+        spec = EngineSpec(block_size=args.block_size, num_layers=args.num_layers, device_blocks=args.device_blocks,
+                          max_num_seqs=args.max_num_seqs, token_budget=args.token_budget)
+        return run_sim(args.profile, args.rate, args.requests, args.prompt, args.output, args.seed, spec, policies,
+                       args.json_path)
+    except (KeyError, ValueError, FileNotFoundError) as exc:
+        print(f"kvmesh sim run: {exc}", file=sys.stderr)
+        return 2
 
 
 def _count(text: str) -> int:

@@ -1,0 +1,40 @@
+"""The discrete-event core: a simulated clock and a heap of timed events. Events at the same time
+come out in the order they were scheduled, so a run is the same for the same inputs."""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(order=True, frozen=True, slots=True)
+class Event:
+    time: float
+    seq: int                          # scheduling order: breaks ties between events at the same time
+    kind: str = field(compare=False)
+    payload: Any = field(compare=False, default=None)
+
+
+class EventQueue:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[Event] = []
+        self._seq = 0
+
+    def schedule(self, time: float, kind: str, payload: Any = None) -> Event:
+        if time < self.now:
+            raise ValueError(f"event {kind!r} at {time} is before now ({self.now})")
+        event = Event(time, self._seq, kind, payload)
+        self._seq += 1
+        heapq.heappush(self._heap, event)
+        return event
+
+    def pop(self) -> Event:
+        """The next event; the clock moves to its time."""
+        event = heapq.heappop(self._heap)
+        self.now = event.time
+        return event
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)

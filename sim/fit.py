@@ -1,0 +1,37 @@
+"""Least-squares fit of the step-cost coefficients to timed steps, none of them negative."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .step_cost import TERMS, StepCost
+
+Shape = tuple[int, int, int]  # (prefill tokens, decode tokens, context tokens) of a step
+
+
+def fit_step_cost(shapes: Sequence[Shape], seconds: Sequence[float]) -> tuple[StepCost, dict]:
+    """The coefficients minimising the squared relative error (steps range from a millisecond to
+    a second: each counts alike), with a term whose best value is negative held at 0 (and the others
+    refitted); the cost, and the residuals of each timed step."""
+    if len(shapes) != len(seconds) or len(shapes) < len(TERMS):
+        raise ValueError(f"need as many timings as shapes, at least {len(TERMS)}; got {len(shapes)} and {len(seconds)}")
+    x = np.array([[1.0, *shape] for shape in shapes])
+    y = np.asarray(seconds, dtype=float)
+    free = list(range(len(TERMS)))
+    while True:
+        solved = np.linalg.lstsq(x[:, free] / y[:, None], np.ones_like(y), rcond=None)[0]
+        if (solved >= 0).all():
+            break
+        free.pop(int(np.argmin(solved)))
+    coefficients = np.zeros(len(TERMS))
+    coefficients[free] = solved
+    fitted = x @ coefficients
+    relative = np.abs(y - fitted) / y
+    fit = {"samples": len(y), "rms_residual_s": float(np.sqrt(np.mean((y - fitted) ** 2))),
+           "mean_relative_error": float(relative.mean()), "max_relative_error": float(relative.max()),
+           "held_at_zero": [TERMS[i] for i in range(len(TERMS)) if i not in free],
+           "steps": [{"prefill_tokens": p, "decode_tokens": d, "context_tokens": c, "measured_s": float(m),
+                      "fitted_s": float(f)} for (p, d, c), m, f in zip(shapes, y, fitted)]}
+    return StepCost(*coefficients.tolist()), fit

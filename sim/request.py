@@ -1,0 +1,48 @@
+"""A simulated request: how far its KV is computed, the blocks it holds, when each token came out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvmesh.policies.views import RequestView
+
+
+@dataclass
+class SimRequest:
+    request_id: str
+    arrival: float
+    prompt_len: int
+    max_tokens: int                  # its output length: it runs to max_tokens, as with ignore_eos
+    ttft_slo_ms: float | None = None
+    tbt_slo_ms: float | None = None
+    predicted_output_len: int | None = None
+    num_computed: int = 0            # tokens whose KV is in the cache
+    blocks_per_layer: int = 0
+    preemptions: int = 0
+    scheduled_at: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished_at: float | None = None
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_times)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + self.num_generated
+
+    @property
+    def uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    def view(self) -> RequestView:
+        """What the policies see, field for field as the native engine's Request.view() fills it."""
+        times = self.token_times
+        return RequestView(request_id=self.request_id, arrival=self.arrival, prompt_len=self.prompt_len,
+                           num_tokens=self.num_tokens, num_computed=self.num_computed,
+                           num_generated=self.num_generated, max_tokens=self.max_tokens,
+                           blocks_per_layer=self.blocks_per_layer, tier="device", preemptions=self.preemptions,
+                           tbt_slo_ms=self.tbt_slo_ms, predicted_output_len=self.predicted_output_len,
+                           ttft_slo_ms=self.ttft_slo_ms, last_token_at=times[-1] if times else None,
+                           last_token_gap_s=times[-1] - times[-2] if len(times) > 1 else None,
+                           first_token_at=times[0] if times else None, scheduled_at=self.scheduled_at)

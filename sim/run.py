@@ -1,0 +1,49 @@
+"""`kvmesh sim run`: a Poisson workload through one simulated engine, with a named step-cost profile
+and named policies; prints the latency figures and how fast the simulation ran."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from .engine import EngineSpec, SimEngine
+from .metrics import summarise
+from .simulate import simulate
+from .step_cost import load_profile
+from .workload import Lengths, poisson
+
+
+def run(profile: str, rate: float, requests: int, prompt: str, output: str, seed: int, spec: EngineSpec,
+        policies: dict[str, str], json_path: Path | None) -> int:
+    workload = poisson(rate, requests, Lengths.parse(prompt), Lengths.parse(output), seed)
+    engine = SimEngine(spec, load_profile(profile), policies)
+    start = time.perf_counter()
+    sim_seconds = simulate(engine, workload)
+    summary = summarise(workload, sim_seconds, time.perf_counter() - start)
+    config = {"profile": profile, "rate": rate, "requests": requests, "prompt": prompt, "output": output,
+              "seed": seed, "engine": {"block_size": spec.block_size, "num_layers": spec.num_layers,
+                                       "device_blocks": spec.device_blocks, "max_num_seqs": spec.max_num_seqs,
+                                       "token_budget": spec.token_budget}, "policies": engine.names}
+    print(_table(summary))
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({"sim": "run", "config": config, "results": summary}, indent=2) + "\n")
+    return 0
+
+
+def _table(summary: dict) -> str:
+    def ms(key: str) -> str:
+        return "-" if summary[key] is None else f"{summary[key] * 1e3:.1f} ms"
+
+    def rate(key: str, unit: str) -> str:
+        return "-" if summary[key] is None else f"{summary[key]:.1f} {unit}"
+
+    rows = [("requests (unfinished)", f"{summary['requests']} ({summary['unfinished']})"),
+            ("TTFT P50 / P90", f"{ms('ttft_p50_s')} / {ms('ttft_p90_s')}"), ("TPOT mean", ms("tpot_mean_s")),
+            ("end-to-end P90", ms("e2e_p90_s")), ("throughput", rate("throughput_tok_s", "tokens/s")),
+            ("requests/s", rate("throughput_req_s", "req/s")), ("preemptions", str(summary["preemptions"])),
+            ("simulated / wall", f"{summary['sim_seconds']:.1f} s in {summary['wall_seconds']:.2f} s "
+                                 f"({rate('sim_per_wall', 'sim s per wall s')})")]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

@@ -1,0 +1,44 @@
+"""Calibration: the fit recovers known coefficients, and a short real run on tiny writes a profile."""
+
+import json
+
+import numpy as np
+import pytest
+
+from kvmesh.sim import calibrate
+from kvmesh.sim.fit import fit_step_cost
+from kvmesh.sim.step_cost import TERMS, StepCost, load_profile
+
+
+def test_the_fit_recovers_known_coefficients_from_exact_timings():
+    truth = StepCost(a=1.5e-3, b=8e-5, c=1.4e-4, d=3e-7)
+    rng = np.random.default_rng(0)
+    shapes = [(int(p), int(d), int(c)) for p, d, c in zip(rng.integers(0, 4096, 40), rng.integers(0, 64, 40),
+                                                           rng.integers(0, 100_000, 40))]
+    cost, fit = fit_step_cost(shapes, [truth.seconds(*s) for s in shapes])
+    for term in TERMS:
+        assert getattr(cost, term) == pytest.approx(getattr(truth, term), rel=1e-9)
+    assert fit["max_relative_error"] < 1e-9 and fit["held_at_zero"] == []
+
+
+def test_a_term_that_would_be_negative_is_held_at_zero():
+    shapes = [(p, 0, 0) for p in (10, 20, 40, 80)] + [(0, 1, 50), (0, 2, 400), (0, 4, 100), (0, 8, 1600)]
+    seconds = [1e-3 + 1e-4 * p + 5e-5 * d - 1e-7 * c for p, d, c in shapes]  # the truth has d < 0
+    cost, fit = fit_step_cost(shapes, seconds)
+    assert cost.d == 0 and "d" in fit["held_at_zero"] and min(cost.a, cost.b, cost.c) >= 0
+
+
+def test_a_short_calibration_on_tiny_writes_a_profile(tmp_path, monkeypatch):
+    monkeypatch.setattr(calibrate, "BATCHES", (1, 2))
+    monkeypatch.setattr(calibrate, "PROMPTS", (16, 48))
+    monkeypatch.setattr(calibrate, "DECODE_STEPS", 3)
+    monkeypatch.setattr(calibrate, "REPEATS", 1)
+    path = tmp_path / "tiny.json"
+    assert calibrate.run("tiny", "float32", 1, path) == 0
+
+    body = json.loads(path.read_text())
+    assert body["model"] == "tiny" and body["dtype"] == "float32" and body["threads"] == 1
+    assert all(body["coefficients"][term]["origin"] for term in TERMS)
+    assert body["fit"]["samples"] == len(body["fit"]["steps"]) >= len(TERMS)
+    cost = load_profile(str(path))
+    assert cost.a >= 0 and cost.seconds(128, 4, 1000) > 0
