@@ -160,6 +160,9 @@ def _sim(args: argparse.Namespace) -> int:
     from kvmesh.sim.engine import EngineSpec
     from kvmesh.sim.run import run as run_sim
     try:
+        bad = [value for value in args.policy if "=" not in value]
+        if bad:
+            raise ValueError(f"--policy {bad[0]!r}: give HOOK=NAME, e.g. preemption_order=srtf")
         policies = dict(value.split("=", 1) for value in args.policy)
         spec = EngineSpec(block_size=args.block_size, num_layers=args.num_layers, device_blocks=args.device_blocks,
                           max_num_seqs=args.max_num_seqs, token_budget=args.token_budget)
