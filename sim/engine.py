@@ -20,7 +20,8 @@ from .step_cost import StepCost
 # and without one the native engine recomputes whatever the strategy says.
 HOOKS = ("prefill_admission", "kv_allocation", "preemption_order")
 # Allocation ahead (every kv_allocation but vLLM's) needs the engine's ledger, services/engine/ledger.py:
-# not simulated yet (docs/sim.md).
+# not simulated yet (docs/sim.md). vLLM's is never called: the native scheduler, too, calls the hook
+# only when it allots ahead, and offers every waiting request a place in admission order.
 ALLOCATIONS = ("block_at_a_time",)
 
 
@@ -35,7 +36,6 @@ class EngineSpec:
 
 @dataclass
 class Step:
-    started: float
     chunks: list[tuple[SimRequest, int]] = field(default_factory=list)  # (request, tokens its KV computes)
     preempted: list[tuple[str, str]] = field(default_factory=list)      # (request id, strategy carried out)
     prefill_tokens: int = 0
@@ -74,9 +74,7 @@ class SimEngine:
         self.free = spec.device_blocks
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
-        self.finished: list[SimRequest] = []
         self.refused: list[SimRequest] = []
-        self.steps = 0
         self.preemptions: list[tuple[float, str, str]] = []  # (when, request id, strategy)
 
     def pool_view(self) -> PoolView:
@@ -98,7 +96,7 @@ class SimEngine:
     # -- one iteration ----------------------------------------------------------------------------
 
     def schedule(self, now: float) -> Step:
-        step = Step(now)
+        step = Step()
         budget = self._reserve_running(step, self.spec.token_budget)
         if not step.preempted:  # nobody lost their place for want of blocks
             self._admit_waiting(step, budget, now)
@@ -114,7 +112,6 @@ class SimEngine:
                 request.token_times.append(done)
                 if request.num_generated >= request.max_tokens:
                     self._finish(request, done)
-        self.steps += 1
 
     def _reserve_running(self, step: Step, budget: int) -> int:
         pending = list(self.running)
@@ -182,4 +179,3 @@ class SimEngine:
         self.running.remove(request)
         self._release(request)
         request.finished_at = done
-        self.finished.append(request)
