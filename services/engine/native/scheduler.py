@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from kvmesh.policies.allocation import AllocationInput, AllocationParams, AllocationPlan, Grant, block_at_a_time
+from kvmesh.policies.allocation.ledger import Ledger
 from kvmesh.policies.offload import interleaved
 from kvmesh.policies.offload import none as no_offload
 from kvmesh.policies.offload.plan import OffloadInput, OffloadParams
 from kvmesh.policies.views import RequestView, blocks_for
 
-from ..ledger import Ledger
 from .block_manager import BlockManager
 from .policy_set import Policies
 from .request import Request, Status

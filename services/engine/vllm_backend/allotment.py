@@ -1,4 +1,4 @@
-"""A vLLM request's account in the allocation ledger (services/engine/ledger.py's Allottee)."""
+"""A vLLM request's account in the allocation ledger (policies/allocation/ledger.py's Allottee)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ RequestView and PoolView the native engine does, built from vLLM's requests and 
   held out of vLLM's queue for the step and put back in their places after it. LayerKV needs Eq. 3's
   prefill cost, which the engine service profiles on this vLLM engine at start (`prefill_cost`).
 - KV allocation (CacheOpt 3.3 and its baselines RLP and S^3): the native engine's ledger
-  (services/engine/ledger.py) over vLLM's block pool. Each step the policy's plan is applied: running
+  (policies/allocation/ledger.py) over vLLM's block pool. Each step the policy's plan is applied: running
   requests' new allocations, the victims it names preempted with vLLM's own preemption, and of the
   waiting requests only those whose grant the ledger covers left in vLLM's queue, in the plan's
   order. vLLM still hands out blocks as tokens come, but its `allocate_slots` is wrapped so a
@@ -37,10 +37,10 @@ from vllm.v1.request import RequestStatus
 from kvmesh.libs.messages.engine import Targets
 from kvmesh.policies import registry
 from kvmesh.policies.allocation import AllocationInput, AllocationParams, Grant, block_at_a_time
+from kvmesh.policies.allocation.ledger import Ledger
 from kvmesh.policies.costs import PrefillCost
 from kvmesh.policies.views import PoolView, RequestView, blocks_for
 
-from ..ledger import Ledger
 from .allotment import Allotment
 from .policy_hooks import HOOKS, TARGETS
 

@@ -1,5 +1,6 @@
 """CacheOpt 3.3's allocation ledger over an engine's device blocks, kept by both backends' schedulers
-(the native one and KVMeshScheduler on vLLM).
+(the native one and KVMeshScheduler on vLLM) and by the simulator: bookkeeping over the requests
+given to it, no I/O, so it sits with the allocation policies whose grants it applies.
 
 A request is *allotted* tokens of KV (its allocation, policies/allocation/plan.py) while it takes
 physical blocks only as its tokens arrive. What the ledger promises is the part of each allocation
@@ -14,9 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from kvmesh.policies.allocation import AllocationParams, Grant
-from kvmesh.policies.allocation.plan import spare_allotment
-from kvmesh.policies.views import blocks_for
+from ..views import blocks_for
+from .plan import AllocationParams, Grant, spare_allotment
 
 
 class Allottee(Protocol):
