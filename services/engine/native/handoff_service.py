@@ -117,9 +117,10 @@ class KVHandoff:
 
     def on_events(self, events: EngineEvents) -> None:
         """On the engine thread: what a step or a command asks of the hand-off, done on the service's loop."""
-        for frame in events.frames:
-            if frame.kv_handle is not None:
-                self._main.call_soon_threadsafe(self._lease, frame.kv_handle)
+        if self.kvmeta is not None:
+            for frame in events.frames:
+                if frame.kv_handle is not None:
+                    self._main.call_soon_threadsafe(self._lease, frame.kv_handle)
         for order in events.pulls:
             self._main.call_soon_threadsafe(self._pull_or_reserved, order)
         for request_id in events.released:
@@ -161,10 +162,9 @@ class KVHandoff:
     def _lease(self, handle: KVHandle) -> None:
         """Record held KV in kvmeta's block map, so the cluster can see who holds what until when
         (queued before the frame with the handle reaches its stream)."""
-        if self.kvmeta is not None:
-            lease = BlockLease(engine=self.engine.engine_id, layers=handle.layers, token_count=handle.num_tokens,
-                               lease_ms=self.config.kv_lease_ms)
-            self._spawn(self.kvmeta.lease_blocks(handle.request_id, lease), self._traces.get(handle.request_id))
+        lease = BlockLease(engine=self.engine.engine_id, layers=handle.layers, token_count=handle.num_tokens,
+                           lease_ms=self.config.kv_lease_ms)
+        self._spawn(self.kvmeta.lease_blocks(handle.request_id, lease), self._traces.get(handle.request_id))
 
     def traced(self, request_id: str) -> None:
         """Prefill role: the kvmeta calls about this request's held KV go on its trace."""
