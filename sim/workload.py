@@ -1,8 +1,9 @@
 """Workloads: Poisson arrivals with prompt and output lengths fixed or drawn from a distribution,
-the same for the same seed."""
+the same for the same seed; or a measured run's requests replayed as they were sent (`replay`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,3 +56,16 @@ def poisson(rate: float, n: int, prompt: Lengths, output: Lengths, seed: int) ->
     arrivals = np.cumsum(rng.exponential(1 / rate, n)).tolist()
     prompts, outputs = prompt.draw(rng, n), output.draw(rng, n)
     return [SimRequest(f"r{i}", t, p, o) for i, (t, p, o) in enumerate(zip(arrivals, prompts, outputs))]
+
+
+def replay(arrivals: Sequence[float], prompts: Sequence[int], outputs: Sequence[int],
+           ids: Sequence[str] | None = None) -> list[SimRequest]:
+    """Requests given one by one, as a measured run sent them: arrival times (seconds from the run's
+    start), prompt and output lengths in tokens; ids `r0`, `r1`, ... unless given."""
+    if not len(arrivals) == len(prompts) == len(outputs) or (ids is not None and len(ids) != len(arrivals)):
+        raise ValueError(f"one arrival, prompt and output length (and id) per request; got {len(arrivals)}, "
+                         f"{len(prompts)}, {len(outputs)}{'' if ids is None else f' and {len(ids)}'}")
+    if any(p < 1 or o < 1 for p, o in zip(prompts, outputs)) or any(t < 0 for t in arrivals):
+        raise ValueError("lengths must be at least 1 and arrivals at least 0")
+    names = ids if ids is not None else [f"r{i}" for i in range(len(arrivals))]
+    return [SimRequest(name, float(t), int(p), int(o)) for name, t, p, o in zip(names, arrivals, prompts, outputs)]
