@@ -102,7 +102,7 @@ class EngineRoutes:
         frames: asyncio.Queue[Frame] = asyncio.Queue()
         self.streams[request_id] = frames  # before the engine can produce the first frame
         try:
-            await backend.add(request_id, body, ids, sampling, targets, arrival)
+            await backend.add(request_id, body, ids, sampling, arrival)
         except BaseException:
             self.streams.pop(request_id, None)
             raise

@@ -15,7 +15,7 @@ from kvmesh.libs.controlplane import BadRequest
 from kvmesh.libs.kvmeta.client import KvmetaClient
 from kvmesh.libs.kvmeta.messages import BlockGeometry, Capacity, GpuNic
 from kvmesh.libs.messages.engine import (CacheQuery, CacheTable, Frame, GenerateRequest, KVHandle, SamplingParams,
-                                         Targets, TokenizerSpec)
+                                         TokenizerSpec)
 
 from .cache_publisher import CacheJournal
 from .metrics import EngineCollector
@@ -55,7 +55,7 @@ class EngineBackend(abc.ABC):
 
     @abc.abstractmethod
     async def add(self, request_id: str, body: GenerateRequest, ids: list[int], sampling: SamplingParams,
-                  targets: Targets, arrival: float) -> None:
+                  arrival: float) -> None:
         """Queue a request whose frames go to `on_frames`; a BadRequest if this engine cannot take it
         (its hand-off, or what the engine itself refuses)."""
 

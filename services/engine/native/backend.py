@@ -12,7 +12,7 @@ from kvmesh.libs.controlplane import BadRequest
 from kvmesh.libs.kvmeta.client import KvmetaClient
 from kvmesh.libs.kvmeta.messages import BlockGeometry, Capacity, GpuNic
 from kvmesh.libs.messages.engine import (CacheEntry, CacheQuery, CacheTable, Frame, GenerateRequest, KVHandle,
-                                         SamplingParams, Targets)
+                                         SamplingParams)
 
 from ..backend import EngineBackend, tokenizer_spec
 from ..cache_publisher import CacheJournal
@@ -81,8 +81,8 @@ class NativeBackend(EngineBackend):
         return self.engine.clock()
 
     async def add(self, request_id: str, body: GenerateRequest, ids: list[int], sampling: SamplingParams,
-                  targets: Targets, arrival: float) -> None:
-        engine, handoff = self.engine, self.handoff
+                  arrival: float) -> None:
+        engine, handoff, targets = self.engine, self.handoff, body.targets
         handoff.check(body, ids)
         push = await handoff.push_for(body)
         if body.kv_transfer is not None:

@@ -25,7 +25,7 @@ import torch
 from kvmesh.libs.controlplane import BadRequest
 from kvmesh.libs.controlplane.ports import free_port
 from kvmesh.libs.kvmeta.messages import BlockGeometry, Capacity, GpuNic
-from kvmesh.libs.messages.engine import Frame, GenerateRequest, SamplingParams, Targets
+from kvmesh.libs.messages.engine import Frame, GenerateRequest, SamplingParams
 
 from ..backend import EngineBackend, tokenizer_spec
 from ..cache_publisher import CacheJournal
@@ -136,9 +136,9 @@ class VllmBackend(EngineBackend):
         return self.counters.state
 
     async def add(self, request_id: str, body: GenerateRequest, ids: list[int], sampling: SamplingParams,
-                  targets: Targets, arrival: float) -> None:
+                  arrival: float) -> None:
         params = transfer_params(self.config, body, ids, self.model.num_layers, self.block_size)
-        extra = msgspec.to_builtins(targets)  # the ones it has: None is the default, omitted
+        extra = msgspec.to_builtins(body.targets)  # the ones it has: None is the default, omitted
         tracked = self.counters.tracked
 
         def add(e) -> None:
