@@ -16,9 +16,12 @@ completed requests' figures:
     target <= 0.15 each (issue 31's validation target names these three);
   sim_error_p50_ttft_colocated_<r>: reported, no target (the issue measures it but sets none).
 Information, no target: the same four with `_overhead` appended, from a second replay in which every
-request reaches the simulated engine a fixed time after its arrival; that time is the measured minus
-the simulated P50 TTFT at the lightest rate (1 req/s), so the variation is fitted on that rate and
-tested on the others. What the simulator leaves out: the admission (and its queue), HTTP and SSE,
+request reaches the simulated engine a fixed time after its arrival (the measured minus the simulated
+P50 TTFT at 1 req/s), and with `_step_overhead`, from a third in which each step also costs a fixed
+time more (the engine side's measured minus simulated decode time per token at 1 req/s) and the delay
+is refitted: both variations are fitted at 1 req/s only and tested on the other rates (variations()).
+Also the engine side (the admission's per-request `timings_ms` against the simulated queue, prefill
+and decode) and the steps the engine ran against the simulated steps. What the simulator leaves out: the admission (and its queue), HTTP and SSE,
 tokenization and detokenization, the engine service's frame stream, and the CPU the load generator
 and the other services take from the engine's on a 2-core machine (docs/benchmarks.md, issue 31).
 """
@@ -44,7 +47,7 @@ from kvmesh.sim.engine import EngineSpec, SimEngine
 from kvmesh.sim.metrics import summarise
 from kvmesh.sim.request import SimRequest
 from kvmesh.sim.simulate import simulate
-from kvmesh.sim.step_cost import load_profile, profile_path
+from kvmesh.sim.step_cost import StepCost, load_profile, profile_path
 from kvmesh.sim.workload import replay
 
 from . import serve
@@ -63,7 +66,6 @@ FIGURES = {  # key part: (sim.metrics.summarise's key in s, loadgen.summarize's 
     "p50_ttft": ("ttft_p50_s", "ttft_p50_ms"), "p90_ttft": ("ttft_p90_s", "ttft_p90_ms"),
     "mean_tpot": ("tpot_mean_s", None), "p90_e2e": ("e2e_p90_s", "e2e_p90_ms")}
 PLOT = Path("bench-results/sim_validation.png")
-SERIES = ("measured", "simulated", "simulated + overhead")
 STAGES = ("prefill_queue", "prefill", "decode")  # a colocated engine's timings_ms (no transfer, no decode queue)
 
 
@@ -82,12 +84,43 @@ def run(quick: bool) -> BenchResult:
             steps.append(engine_state(cluster.run_dir)["steps"])
     state["steps_per_load"] = [after - before for before, after in zip(steps, steps[1:])]
     spec, policies = engine_spec(state), sim_policies(state)
-    cost = load_profile(PROFILE)
-    plain = [simulated(load, spec, cost, policies) for load in loads]
-    light = plain[0]
-    overhead = max(0.0, summarize(loads[0])["ttft_p50_ms"] / 1e3 - light["ttft_p50_s"])
-    delayed = [simulated(load, spec, cost, policies, overhead) for load in loads]
-    return _result(quick, plan, loads, plain, delayed, overhead, spec, policies, state)
+    return _result(quick, plan, loads, variations(loads, spec, load_profile(PROFILE), policies), spec, policies, state)
+
+
+def variations(loads: list[LoadResult], spec: EngineSpec, cost: StepCost, policies: dict[str, str]) -> list[Variation]:
+    """The replay as the profile has it, then two variations, each fitted at the lightest load
+    (loads[0], 1 req/s) and applied unchanged to every rate: a fixed delay before each request reaches
+    the engine (the measured minus the simulated P50 TTFT), and, on top, a fixed cost per step (the
+    engine side's measured minus simulated decode time per generated token: at 1 req/s a request
+    mostly decodes alone, one step a token) with the delay refitted."""
+    def replayed(step_cost: StepCost, delay: float) -> list[dict]:
+        return [simulated(load, spec, step_cost, policies, delay) for load in loads]
+
+    def delay_for(sim: dict) -> float:
+        return max(0.0, summarize(loads[0])["ttft_p50_ms"] / 1e3 - sim["ttft_p50_s"])
+
+    plain = replayed(cost, 0.0)
+    delay = delay_for(plain[0])
+    found = [Variation("", "simulated", cost, 0.0, plain),
+             Variation("_overhead", "simulated + delay", cost, delay, replayed(cost, delay))]
+    measured_decode = (breakdown(loads[0]) or {}).get("decode")
+    if measured_decode is not None:
+        tokens = float(np.mean([r.max_tokens - 1 for r in loads[0].results if r.ok]))
+        per_step = float(max(0.0, (measured_decode - plain[0]["stages_ms"]["decode"]) / 1e3 / tokens))
+        stepped = dataclasses.replace(cost, a=cost.a + per_step)
+        first = simulated(loads[0], spec, stepped, policies)
+        found.append(Variation("_step_overhead", "simulated + step cost + delay", stepped, delay_for(first),
+                               replayed(stepped, delay_for(first))))
+    return found
+
+
+@dataclasses.dataclass
+class Variation:
+    suffix: str          # of its keys: sim_error_<figure>_colocated_<rate><suffix>
+    label: str
+    cost: StepCost
+    delay_s: float       # each request reaches the simulated engine this long after its arrival
+    summaries: list[dict]  # simulated(), one per load
 
 
 # -- the real engine's configuration --------------------------------------------------------------
@@ -194,36 +227,37 @@ def relative_error(simulated_value: float, measured_value: float) -> float:
 # -- the result -----------------------------------------------------------------------------------
 
 
-def _result(quick: bool, plan: serve.Plan, loads: list[LoadResult], plain: list[dict], delayed: list[dict],
-            overhead: float, spec: EngineSpec, policies: dict[str, str], state: dict) -> BenchResult:
+def _result(quick: bool, plan: serve.Plan, loads: list[LoadResult], found: list[Variation], spec: EngineSpec,
+            policies: dict[str, str], state: dict) -> BenchResult:
     rows, ratios, targets, stages = [], {}, {}, {}
-    table: dict[str, dict[str, list[float]]] = {label: {n: [] for n in FIGURES} for label in SERIES}
-    for load, sim, late in zip(loads, plain, delayed):
+    table = {label: {n: [] for n in FIGURES} for label in ["measured", *(v.label for v in found)]}
+    plain = found[0].summaries
+    for i, load in enumerate(loads):
         rate = f"{load.rate:g}"
-        real, model, shifted = measured_figures(load), sim_figures(sim), sim_figures(late)
-        counts = summarize(load)
-        for label, figures, extra in (("measured", real, {"failed": counts["failed"]}),
-                                      ("simulated", model, {"failed": float(sim["unfinished"])}),
-                                      ("simulated + overhead", shifted, {"failed": float(late["unfinished"])})):
+        real = measured_figures(load)
+        for label, figures, failed in (("measured", real, summarize(load)["failed"]),
+                                       *((v.label, sim_figures(v.summaries[i]), v.summaries[i]["unfinished"])
+                                         for v in found)):
             rows.append(Row(compared=label, path=f"{WORKLOAD} @ {rate} req/s ({len(load.results)} requests)",
-                            cells={**{f"{n.replace('_', ' ')} ms": figures[n] * 1e3 for n in FIGURES}, **extra}))
+                            cells={**{f"{n.replace('_', ' ')} ms": figures[n] * 1e3 for n in FIGURES},
+                                   "failed": float(failed)}))
             for n in FIGURES:
                 table[label][n].append(figures[n])
         for n in FIGURES:
             key = f"sim_error_{n}_colocated_{rate}"
-            ratios[key] = relative_error(model[n], real[n])
-            ratios[f"{key}_overhead"] = relative_error(shifted[n], real[n])
+            for v in found:
+                ratios[f"{key}{v.suffix}"] = relative_error(sim_figures(v.summaries[i])[n], real[n])
             if n in TARGETED:
                 targets[key] = TARGET
         stages[rate] = {"measured": {k: v for k, v in (breakdown(load) or {}).items() if k in STAGES},
-                        "simulated": sim["stages_ms"]}
+                        **{v.label: v.summaries[i]["stages_ms"] for v in found}}
         for label, means in stages[rate].items():
             rows.append(Row(compared=f"{label}, engine side", path=f"{WORKLOAD} @ {rate} req/s, mean per request",
                             cells={f"{k.replace('_', ' ')} ms": v for k, v in means.items()}))
         rows.append(Row(compared="relative error", path=f"{WORKLOAD} @ {rate} req/s",
                         cells={f"{n.replace('_', ' ')} ms": ratios[f"sim_error_{n}_colocated_{rate}"]
                                for n in FIGURES}))
-    plot = _plot([load.rate for load in loads], table, overhead)
+    plot = _plot([load.rate for load in loads], table)
     worst = max(targets, key=lambda k: ratios[k] if not math.isnan(ratios[k]) else math.inf)
     met = sum(1 for k in targets if not math.isnan(ratios[k]) and ratios[k] <= TARGET)
     config = {
@@ -236,12 +270,15 @@ def _result(quick: bool, plan: serve.Plan, loads: list[LoadResult], plain: list[
             "block_size": "EngineConfig default", "max_num_seqs": "EngineConfig default",
             "token_budget": "EngineConfig default (0), decided for role both"}},
         "policies": policies, "engine_policies": state.get("policies", {}),
-        "overhead_s": overhead, "overhead_from": "measured - simulated P50 TTFT at 1 req/s",
+        "variations": {v.suffix or "plain": {"label": v.label, "delay_s": v.delay_s,
+                                             "step_cost": dataclasses.asdict(v.cost)} for v in found},
+        "variations_from": "fitted at 1 req/s, applied at every rate (bench/sim.py variations())",
         "sim_per_wall": [s["sim_per_wall"] for s in plain],
         "preemptions_simulated": [s["preemptions"] for s in plain],
         "preemptions_measured": state.get("preemptions", {}),
         "engine_side_ms": stages,  # mean per request: the admission's timings_ms (measured) and the simulator's
-        "engine_steps": {"measured": state.get("steps_per_load", []), "simulated": [s["steps"] for s in plain],
+        "engine_steps": {"measured": state.get("steps_per_load", []),
+                         **{v.label: [s["steps"] for s in v.summaries] for v in found},
                          "note": "measured: the engine's step counter over each load, its 4 warm-up requests included"},
     }
     return BenchResult(
@@ -252,18 +289,17 @@ def _result(quick: bool, plan: serve.Plan, loads: list[LoadResult], plain: list[
                  f"the largest {worst} = {ratios[worst]:.2f}")
 
 
-def _plot(rates: list[float], table: dict[str, dict[str, list[float]]], overhead: float) -> str:
-    fig, axes = plt.subplots(1, len(FIGURES), figsize=(4.2 * len(FIGURES), 3.6))
-    styles = {"measured": dict(marker="o"), "simulated": dict(marker="s", linestyle="--"),
-              "simulated + overhead": dict(marker="^", linestyle=":")}
+def _plot(rates: list[float], table: dict[str, dict[str, list[float]]]) -> str:
+    fig, axes = plt.subplots(1, len(FIGURES), figsize=(4.2 * len(FIGURES), 3.8))
+    styles = [dict(marker="o"), dict(marker="s", linestyle="--"), dict(marker="^", linestyle=":"),
+              dict(marker="v", linestyle="-.")]
     for ax, name in zip(axes, FIGURES):
-        for label, style in styles.items():
-            legend = label if label != "simulated + overhead" else f"simulated + {overhead * 1e3:.0f} ms/request"
-            ax.plot(rates, np.asarray(table[label][name]) * 1e3, label=legend, **style)
+        for (label, figures), style in zip(table.items(), styles):
+            ax.plot(rates, np.asarray(figures[name]) * 1e3, label=label, **style)
         ax.set_title(name.replace("_", " "))
         ax.set_xlabel("offered requests/s")
         ax.set_ylabel("ms")
         ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=7)
     fig.suptitle(f"one colocated engine (tiny, 1 thread), {WORKLOAD}: measured vs simulated ({PROFILE})")
     return save_figure(fig, PLOT)

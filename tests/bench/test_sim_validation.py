@@ -6,12 +6,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvmesh.bench import serve
 from kvmesh.bench import sim as bench_sim
 from kvmesh.bench.loadgen import LoadResult, RequestResult, poisson_arrivals
-from kvmesh.bench.report import BenchResult
+from kvmesh.bench.report import BenchResult, save
 from kvmesh.bench.workloads import WORKLOADS
 from kvmesh.sim.engine import EngineSpec
 from kvmesh.sim.step_cost import load_profile
@@ -19,7 +20,7 @@ from kvmesh.sim.step_cost import load_profile
 from .quick import BENCH_TIMEOUT, quick_bench
 
 
-def fake_load(rate: float, count: int, ttft: float = 0.05, tbt: float = 0.004) -> LoadResult:
+def fake_load(rate: float, count: int, ttft: float = 0.05, tbt: float = 0.004, timed: bool = False) -> LoadResult:
     """What run_load would have recorded for serve's arxiv requests at `rate`, with made-up timings."""
     requests = WORKLOADS["arxiv"].requests(count, serve.SEED)
     arrivals = poisson_arrivals(count, rate, serve.SEED)
@@ -28,7 +29,10 @@ def fake_load(rate: float, count: int, ttft: float = 0.05, tbt: float = 0.004) -
         times = [ttft + k * tbt for k in range(r.max_tokens)]
         results.append(RequestResult(index=i, prompt_tokens=len(r.prompt_ids), max_tokens=r.max_tokens,
                                      arrival=float(t), ttft=ttft, e2e=times[-1], token_times=times,
-                                     completion_tokens=r.max_tokens))
+                                     completion_tokens=r.max_tokens,
+                                     kvmesh={"timings_ms": {"prefill_queue": 1.0, "prefill": 40.0, "transfer": 0.0,
+                                                            "decode_queue": 0.0, "decode": 1e3 * (times[-1] - ttft)}}
+                                     if timed else None))
     return LoadResult(rate=rate, wall_s=float(arrivals[-1]) + 1, results=results, unsent=0)
 
 
@@ -51,23 +55,35 @@ def test_a_delay_counts_in_the_simulated_latencies():
     assert late["tpot_mean_s"] == pytest.approx(plain["tpot_mean_s"])
 
 
+def test_the_step_variation_is_fitted_on_the_lightest_loads_decode():
+    loads = [fake_load(rate, 16, timed=True) for rate in bench_sim.RATES]
+    spec, cost = EngineSpec(device_blocks=4096, num_layers=4), load_profile(bench_sim.PROFILE)
+    found = bench_sim.variations(loads, spec, cost, {})
+    assert [v.suffix for v in found] == ["", "_overhead", "_step_overhead"]
+    stepped = found[2]
+    assert stepped.cost.a > cost.a and (stepped.cost.b, stepped.cost.c, stepped.cost.d) == (cost.b, cost.c, cost.d)
+    # 4 ms a token measured on the engine side: the simulated decode at 1 req/s now takes as long
+    measured = np.mean([r.kvmesh["timings_ms"]["decode"] for r in loads[0].results])
+    assert stepped.summaries[0]["stages_ms"]["decode"] == pytest.approx(measured, rel=0.02)
+
+
 def test_the_result_has_every_rates_keys_and_keeps_the_contract(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    loads = [fake_load(rate, 16) for rate in bench_sim.RATES]
+    loads = [fake_load(rate, 16, timed=True) for rate in bench_sim.RATES]
     spec, cost = EngineSpec(device_blocks=4096, num_layers=4), load_profile(bench_sim.PROFILE)
-    plain = [bench_sim.simulated(load, spec, cost, {}) for load in loads]
-    delayed = [bench_sim.simulated(load, spec, cost, {}, 0.01) for load in loads]
-    result = bench_sim._result(True, serve.QUICK, loads, plain, delayed, 0.01, spec, {}, {"policies": {}})
+    found = bench_sim.variations(loads, spec, cost, {})
+    result = bench_sim._result(True, serve.QUICK, loads, found, spec, {}, {"policies": {}})
     assert isinstance(result, BenchResult)
     for rate in bench_sim.RATES:
         for name in bench_sim.FIGURES:
             key = f"sim_error_{name}_colocated_{rate}"
-            assert key in result.ratios and f"{key}_overhead" in result.ratios
+            assert {key, f"{key}_overhead", f"{key}_step_overhead"} <= result.ratios.keys()
             assert (key in result.targets) is (name in bench_sim.TARGETED)
     assert set(result.directions.values()) == {"<="}
     assert all(not math.isnan(v) for v in result.ratios.values())
     assert result.config["engine"]["device_blocks"] == 4096
     assert Path(result.plots[0]).stat().st_size > 0
+    save(result, tmp_path / "sim.json")  # JSON all the way down (no numpy scalars)
 
 
 
