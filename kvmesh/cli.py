@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     calibrate.add_argument("--threads", type=_positive, default=1, help="torch threads (%(default)s)")
     calibrate.add_argument("--out", type=Path, help="the profile to write (default: sim/profiles/MODEL-DEVICE-"
                                                     "DTYPE-THREADSt.json)")
-    sim_run = sim_commands.add_parser("run", help="a Poisson workload through one simulated engine")
+    sim_run = sim_commands.add_parser("run", help="a Poisson workload through a simulated cluster")
     sim_run.add_argument("--profile", default="tiny-cpu-bfloat16-1t",
                          help="step-cost profile: a name in sim/profiles or a .json path (%(default)s)")
     sim_run.add_argument("--rate", type=float, default=10.0, help="arrivals per second (%(default)s)")
@@ -110,6 +110,20 @@ def main(argv: list[str] | None = None) -> int:
                          help="layers each holding a request's blocks (%(default)s)")
     sim_run.add_argument("--max-num-seqs", type=_positive, default=64, help="requests per batch (%(default)s)")
     sim_run.add_argument("--token-budget", type=_positive, default=2048, help="tokens per step (%(default)s)")
+    sim_run.add_argument("--topology", default="colocated:1",
+                         help="colocated:N engines, or pd:P:D prefill and decode engines (%(default)s)")
+    sim_run.add_argument("--routing", default="conditional", help="routing policy by name (%(default)s)")
+    sim_run.add_argument("--link-gbps", type=float, default=3.2,
+                         help="KV transfer bandwidth per prefill-decode pair, GB/s (%(default)s: loopback tcp, "
+                              "docs/sim.md)")
+    sim_run.add_argument("--link-latency-us", type=float, default=1000.0,
+                         help="each transfer's COMPLETE/ACK round trip, us (%(default)s)")
+    sim_run.add_argument("--link-read-us", type=float, default=2.0, help="each one-sided read, us (%(default)s)")
+    sim_run.add_argument("--no-coalescing", action="store_true", help="one read per block per layer")
+    sim_run.add_argument("--block-runs", type=_positive, default=1,
+                         help="contiguous runs a request's blocks make in a layer (%(default)s)")
+    sim_run.add_argument("--kv-geometry", default="4:2:64:2", metavar="LAYERS:KV_HEADS:HEAD_DIM:DTYPE_BYTES",
+                         help="the model's KV, for the transfer's bytes and reads (%(default)s: tiny, bfloat16)")
     sim_run.add_argument("--json", dest="json_path", type=Path, help="also write the results here")
 
     args = parser.parse_args(argv)
@@ -158,6 +172,7 @@ def _sim(args: argparse.Namespace) -> int:
         from kvmesh.sim.calibrate import run as run_calibrate
         return run_calibrate(args.model, args.dtype, args.threads, args.out)
     from kvmesh.sim.engine import EngineSpec
+    from kvmesh.sim.link import KVGeometry, LinkSpec
     from kvmesh.sim.run import run as run_sim
     try:
         bad = [value for value in args.policy if "=" not in value]
@@ -166,8 +181,10 @@ def _sim(args: argparse.Namespace) -> int:
         policies = dict(value.split("=", 1) for value in args.policy)
         spec = EngineSpec(block_size=args.block_size, num_layers=args.num_layers, device_blocks=args.device_blocks,
                           max_num_seqs=args.max_num_seqs, token_budget=args.token_budget)
+        link = LinkSpec(gbps=args.link_gbps, latency_us=args.link_latency_us, per_read_us=args.link_read_us,
+                        coalescing=not args.no_coalescing, block_runs=args.block_runs)
         return run_sim(args.profile, args.rate, args.requests, args.prompt, args.output, args.seed, spec, policies,
-                       args.json_path)
+                       args.json_path, args.topology, args.routing, link, KVGeometry.parse(args.kv_geometry))
     except (KeyError, ValueError, FileNotFoundError) as exc:
         print(f"kvmesh sim run: {exc}", file=sys.stderr)
         return 2

@@ -2,7 +2,11 @@
 order (services/engine/native/scheduler.py): running requests first, preempting by the policy when
 blocks run short, then waiting ones in the admission policy's order until the token budget, the
 sequence limit or the blocks say stop. Every decision is a policies/ function, called with the
-views the engine builds; blocks are a counter, one pool (the device tier), no prefix cache."""
+views the engine builds; blocks are a counter, one pool (the device tier), no prefix cache.
+
+For disaggregation (sim/cluster.py moves the KV): a request with `hold_kv` keeps its blocks when it
+ends, until `release_held`; one with `kv_elsewhere` is given blocks for that KV when admitted,
+without computing it, and waits in `pulling` until `pulled`, as the native scheduler's decode role does."""
 
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ class EngineSpec:
 @dataclass
 class Step:
     chunks: list[tuple[SimRequest, int]] = field(default_factory=list)  # (request, tokens its KV computes)
+    pulls: list[SimRequest] = field(default_factory=list)               # given blocks: their KV to pull now
     preempted: list[tuple[str, str]] = field(default_factory=list)      # (request id, strategy carried out)
     prefill_tokens: int = 0
     decode_tokens: int = 0
@@ -74,6 +79,8 @@ class SimEngine:
         self.free = spec.device_blocks
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
+        self.pulling: list[SimRequest] = []
+        self.held: dict[str, SimRequest] = {}  # ended on this engine, their KV held for a decode engine
         self.refused: list[SimRequest] = []
         self.preemptions: list[tuple[float, str, str]] = []  # (when, request id, strategy)
 
@@ -81,11 +88,13 @@ class SimEngine:
         return PoolView(block_size=self.spec.block_size, num_layers=self.spec.num_layers,
                         free={"device": self.free}, total={"device": self.spec.device_blocks})
 
-    def add(self, request: SimRequest) -> None:
+    def add(self, request: SimRequest) -> bool:
         """Queue a request, unless at its longest it could never fit in the pool (the native engine's
-        max_model_len refuses it): then it is `refused` and never runs."""
+        max_model_len refuses it): then it is `refused`, never runs, and this answers False."""
         longest = blocks_for(request.prompt_len + request.max_tokens, self.spec.block_size) * self.spec.num_layers
-        (self.refused if longest > self.spec.device_blocks else self.waiting).append(request)
+        fits = longest <= self.spec.device_blocks
+        (self.waiting if fits else self.refused).append(request)
+        return fits
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -113,6 +122,16 @@ class SimEngine:
                 if request.num_generated >= request.max_tokens:
                     self._finish(request, done)
 
+    def pulled(self, request: SimRequest) -> None:
+        """Its KV has arrived: it decodes from its last prompt token on."""
+        self.pulling.remove(request)
+        request.num_computed, request.kv_elsewhere = request.kv_elsewhere, 0
+        self.running.append(request)
+
+    def release_held(self, request_id: str) -> None:
+        """A decode engine has its KV (COMPLETE): the blocks are free."""
+        self._release(self.held.pop(request_id))
+
     def _reserve_running(self, step: Step, budget: int) -> int:
         pending = list(self.running)
         while pending and budget > 0:
@@ -139,6 +158,10 @@ class SimEngine:
             if budget <= 0 or len(self.running) >= self.spec.max_num_seqs:
                 return
             request = by_id[request_id]
+            if request.kv_elsewhere:
+                if not self._start_pull(request, step, now):
+                    return
+                continue
             n = min(request.uncomputed_tokens, budget)
             if not self._reserve(request, n):
                 return  # it waits its turn: nobody behind it goes first
@@ -147,6 +170,17 @@ class SimEngine:
             self.running.append(request)
             step.add(request, n)
             budget -= n
+
+    def _start_pull(self, request: SimRequest, step: Step, now: float) -> bool:
+        """Blocks for the KV held elsewhere, as for any request (nothing computed, no budget spent)."""
+        if len(self.running) + len(self.pulling) >= self.spec.max_num_seqs or \
+                not self._reserve(request, request.kv_elsewhere):
+            return False
+        self.waiting.remove(request)
+        request.scheduled_at = request.scheduled_at if request.scheduled_at is not None else now
+        self.pulling.append(request)
+        step.pulls.append(request)
+        return True
 
     def _reserve(self, request: SimRequest, n: int) -> bool:
         """Blocks for the request's KV after `n` more tokens; all or nothing."""
@@ -177,5 +211,8 @@ class SimEngine:
 
     def _finish(self, request: SimRequest, done: float) -> None:
         self.running.remove(request)
-        self._release(request)
+        if request.hold_kv:
+            self.held[request.request_id] = request
+        else:
+            self._release(request)
         request.finished_at = done

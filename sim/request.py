@@ -16,12 +16,15 @@ class SimRequest:
     ttft_slo_ms: float | None = None
     tbt_slo_ms: float | None = None
     predicted_output_len: int | None = None
+    kv_elsewhere: int = 0            # decode role: leading tokens whose KV another engine holds, to pull
+    hold_kv: bool = False            # prefill role: its KV stays held for a decode engine when it ends
     num_computed: int = 0            # tokens whose KV is in the cache
     blocks_per_layer: int = 0
     preemptions: int = 0
     scheduled_at: float | None = None
     token_times: list[float] = field(default_factory=list)
     finished_at: float | None = None
+    transfer_s: float | None = None  # disaggregated: its KV hand-off, from the pull's start to its COMPLETE
 
     @property
     def num_generated(self) -> int:

@@ -1,30 +1,39 @@
-"""`kvmesh sim run`: a Poisson workload through one simulated engine, with a named step-cost profile
-and named policies; prints the latency figures and how fast the simulation ran."""
+"""`kvmesh sim run`: a Poisson workload through a simulated cluster (one colocated engine unless a
+topology says otherwise), with a named step-cost profile, named policies and a link model for the KV
+hand-off; prints the latency figures, the transfer's share, and how fast the simulation ran."""
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 
-from .engine import EngineSpec, SimEngine
+from kvmesh.policies.routing import registry
+
+from .cluster import build
+from .engine import EngineSpec
+from .link import KVGeometry, LinkSpec
 from .metrics import summarise
-from .simulate import simulate
 from .step_cost import load_profile
+from .topology import Topology
 from .workload import Lengths, poisson
 
 
 def run(profile: str, rate: float, requests: int, prompt: str, output: str, seed: int, spec: EngineSpec,
-        policies: dict[str, str], json_path: Path | None) -> int:
+        policies: dict[str, str], json_path: Path | None, topology: str = "colocated:1",
+        routing: str = registry.DEFAULT, link: LinkSpec = LinkSpec(), geometry: KVGeometry = KVGeometry()) -> int:
     workload = poisson(rate, requests, Lengths.parse(prompt), Lengths.parse(output), seed)
-    engine = SimEngine(spec, load_profile(profile), policies)
+    cluster = build(Topology.parse(topology), spec, load_profile(profile), policies, routing, link, geometry)
     start = time.perf_counter()
-    sim_seconds = simulate(engine, workload)
+    sim_seconds = cluster.run(workload)
     summary = summarise(workload, sim_seconds, time.perf_counter() - start)
     config = {"profile": profile, "rate": rate, "requests": requests, "prompt": prompt, "output": output,
               "seed": seed, "engine": {"block_size": spec.block_size, "num_layers": spec.num_layers,
                                        "device_blocks": spec.device_blocks, "max_num_seqs": spec.max_num_seqs,
-                                       "token_budget": spec.token_budget}, "policies": engine.names}
+                                       "token_budget": spec.token_budget},
+              "policies": next(iter(cluster.members.values())).engine.names, "topology": topology,
+              "routing": routing, "link": asdict(link), "kv_geometry": asdict(geometry)}
     print(_table(summary))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -41,7 +50,10 @@ def _table(summary: dict) -> str:
 
     rows = [("requests (unfinished)", f"{summary['requests']} ({summary['unfinished']})"),
             ("TTFT P50 / P90", f"{ms('ttft_p50_s')} / {ms('ttft_p90_s')}"), ("TPOT mean", ms("tpot_mean_s")),
-            ("end-to-end P90", ms("e2e_p90_s")), ("throughput", rate("throughput_tok_s", "tokens/s")),
+            ("end-to-end P90", ms("e2e_p90_s")),
+            ("KV transfer mean (share)", "-" if summary["transfer_mean_s"] is None else
+             f"{ms('transfer_mean_s')} ({summary['transfer_share']:.1%} of end-to-end)"),
+            ("throughput", rate("throughput_tok_s", "tokens/s")),
             ("requests/s", rate("throughput_req_s", "req/s")), ("preemptions", str(summary["preemptions"])),
             ("simulated / wall", f"{summary['sim_seconds']:.1f} s in {summary['wall_seconds']:.2f} s "
                                  f"({rate('sim_per_wall', 'sim s per wall s')})")]

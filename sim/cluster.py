@@ -1,0 +1,202 @@
+"""A simulated cluster: engines of roles `both`, `prefill` and `decode`, a routing policy from
+policies/routing called as the scheduler calls it, and the KV hand-off in pull mode over links
+(sim/link.py), in one event loop where each engine steps on its own.
+
+A request routed to a pair runs in two parts, as admission sends them (docs/serving.md): on the
+prefill engine its prompt with `max_tokens` 1, the KV held when it ends; then, from its first token
+on, on the decode engine the prompt and first token with `max_tokens` - 1 and the prompt's KV
+elsewhere. The decode engine admits it by giving it blocks, the pull takes the link's time, the
+prefill engine frees its blocks at the COMPLETE, and the request decodes from its last prompt
+token. The request given to `run` is the record across both: arrival, first token, later tokens,
+finish, and `transfer_s`. A request of one output token needs no decode engine: it runs whole on
+the prefill engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from kvmesh.policies.routing import registry
+from kvmesh.policies.routing.views import EngineLoad, EngineView, RouteQuery, RoutingState
+from kvmesh.policies.views import blocks_for
+
+from .engine import EngineSpec, SimEngine, Step
+from .events import EventQueue
+from .link import KVGeometry, Link, LinkSpec, pull
+from .request import SimRequest
+from .step_cost import StepCost
+from .topology import Topology
+
+ARRIVAL, STEP_DONE, PULL_DONE = "arrival", "step_done", "pull_done"
+MODEL = "sim"  # every engine serves the one model routing is asked about
+
+
+@dataclass
+class Member:
+    role: str
+    engine: SimEngine
+    busy: bool = False
+    inbound: int = 0         # routed here to decode, not arrived yet (their prefill is running)
+    inbound_blocks: int = 0  # the blocks their prompts will take
+
+
+@dataclass
+class Handoff:
+    """A request split across a pair: its record, and each part on its engine."""
+
+    whole: SimRequest
+    prefill: str
+    decode: str
+    prefill_part: SimRequest
+    decode_part: SimRequest | None = None
+    pull_start: float | None = None
+
+
+class Cluster:
+    def __init__(self, engines: Mapping[str, tuple[str, SimEngine]], routing: str = registry.DEFAULT,
+                 link: LinkSpec = LinkSpec(), geometry: KVGeometry = KVGeometry()):
+        """`engines`: id -> (role, engine); routing: a policy name of policies/routing/registry.py."""
+        self.members = {engine_id: Member(role, engine) for engine_id, (role, engine) in engines.items()}
+        self.routing = routing
+        self.route = registry.resolve(routing)
+        self.routing_state = RoutingState()
+        self.link, self.geometry = link, geometry
+        self.links: dict[tuple[str, str], Link] = {}
+        self.handoffs: dict[str, Handoff] = {}
+
+    def run(self, requests: Iterable[SimRequest]) -> float:
+        """Route and serve every request; the simulated time when the last event happened. A request
+        an engine can never hold stays unfinished (its finished_at None)."""
+        events = EventQueue()
+        for request in requests:
+            events.schedule(request.arrival, ARRIVAL, request)
+        while events:
+            event = events.pop()
+            if event.kind == ARRIVAL:
+                touched = [self._arrive(event.payload)]
+            elif event.kind == STEP_DONE:
+                touched = self._step_done(*event.payload, events.now)
+            else:
+                touched = self._pull_done(event.payload, events.now)
+            for engine_id in touched:
+                self._kick(engine_id, events)
+        return events.now
+
+    # -- events -----------------------------------------------------------------------------------
+
+    def _arrive(self, request: SimRequest) -> str:
+        """Route it, as the scheduler does, and hand it (or its prefill part) to its engine."""
+        decision, self.routing_state = self.route(RouteQuery(MODEL, request.prompt_len), self._views(),
+                                                  self.routing_state)
+        if decision is None:
+            raise RuntimeError(f"routing policy {self.routing!r} found no engine for {request.request_id}")
+        if decision.mode == "colocated" or request.max_tokens == 1:
+            engine_id = decision.engine or decision.prefill
+            self.members[engine_id].engine.add(request)
+            return engine_id
+        part = SimRequest(request.request_id, request.arrival, request.prompt_len, 1, request.ttft_slo_ms,
+                          request.tbt_slo_ms, request.predicted_output_len, hold_kv=True)
+        self.handoffs[request.request_id] = Handoff(request, decision.prefill, decision.decode, part)
+        self._inbound(self.handoffs[request.request_id], +1)
+        if not self.members[decision.prefill].engine.add(part):
+            self._inbound(self.handoffs.pop(request.request_id), -1)
+        return decision.prefill
+
+    def _step_done(self, engine_id: str, step: Step, now: float) -> list[str]:
+        member = self.members[engine_id]
+        member.busy = False
+        touched = [engine_id]
+        member.engine.complete(step, now)
+        for part, _ in step.chunks:
+            handoff = self.handoffs.get(part.request_id)
+            if part.finished_at is None or handoff is None:
+                continue  # still running, or served whole: its own record
+            if part is handoff.prefill_part:
+                touched += self._to_decode(handoff, now)
+            else:
+                self._finish(self.handoffs.pop(part.request_id))
+        return touched
+
+    def _to_decode(self, handoff: Handoff, now: float) -> list[str]:
+        """The first token is out: the decode part goes to its engine, the prompt's KV elsewhere."""
+        whole, first = handoff.whole, handoff.prefill_part
+        whole.token_times.append(now)
+        whole.scheduled_at = first.scheduled_at
+        handoff.decode_part = SimRequest(
+            whole.request_id, now, whole.prompt_len + 1, whole.max_tokens - 1, whole.ttft_slo_ms, whole.tbt_slo_ms,
+            None if whole.predicted_output_len is None else max(1, whole.predicted_output_len - 1),
+            kv_elsewhere=whole.prompt_len)
+        self._inbound(handoff, -1)
+        if self.members[handoff.decode].engine.add(handoff.decode_part):
+            return [handoff.decode]
+        # It could never fit there: the held KV goes, as when its lease runs out.
+        self.members[handoff.prefill].engine.release_held(whole.request_id)
+        del self.handoffs[whole.request_id]
+        return [handoff.prefill]
+
+    def _pull_done(self, handoff: Handoff, now: float) -> list[str]:
+        """COMPLETE acknowledged: the decode part runs, the prefill engine frees the KV."""
+        self.members[handoff.decode].engine.pulled(handoff.decode_part)
+        self.members[handoff.prefill].engine.release_held(handoff.whole.request_id)
+        handoff.whole.transfer_s = now - handoff.pull_start
+        return [handoff.prefill, handoff.decode]
+
+    @staticmethod
+    def _finish(handoff: Handoff) -> None:
+        whole, first, rest = handoff.whole, handoff.prefill_part, handoff.decode_part
+        whole.token_times += rest.token_times
+        whole.preemptions = first.preemptions + rest.preemptions
+        whole.finished_at = rest.finished_at
+
+    def _inbound(self, handoff: Handoff, sign: int) -> None:
+        """Count the request as on its way to its decode engine (+1), or no longer (-1)."""
+        decode = self.members[handoff.decode]
+        spec = decode.engine.spec
+        decode.inbound += sign
+        decode.inbound_blocks += sign * blocks_for(handoff.whole.prompt_len, spec.block_size) * spec.num_layers
+
+    # -- engines ----------------------------------------------------------------------------------
+
+    def _kick(self, engine_id: str, events: EventQueue) -> None:
+        """Step the engine if it is idle and has work; start the pulls its step gave blocks to."""
+        member = self.members[engine_id]
+        while not member.busy and member.engine.has_work():
+            step = member.engine.schedule(events.now)
+            for part in step.pulls:
+                self._start_pull(self.handoffs[part.request_id], events)
+            if step.chunks:
+                events.schedule(events.now + member.engine.seconds(step), STEP_DONE, (engine_id, step))
+                member.busy = True
+            elif not step.preempted:  # nothing fits until something else happens
+                break
+
+    def _start_pull(self, handoff: Handoff, events: EventQueue) -> None:
+        part = handoff.decode_part
+        transfer = pull(self.link, self.geometry, self.members[handoff.decode].engine.spec.block_size,
+                        part.kv_elsewhere)
+        link = self.links.setdefault((handoff.prefill, handoff.decode), Link())
+        handoff.pull_start = events.now
+        events.schedule(link.start(events.now, transfer), PULL_DONE, handoff)
+
+    def _views(self) -> list[EngineView]:
+        """Each engine as the scheduler sees it (services/scheduler/cluster.py), its load fresh: free
+        device blocks, waiting and running requests, with the requests routed to it to decode and not
+        there yet counted as waiting and their prompts' blocks as taken (the scheduler's "routed
+        since the heartbeat")."""
+        views = []
+        for engine_id, member in self.members.items():
+            engine = member.engine
+            load = EngineLoad(free_device_blocks=max(0, engine.free - member.inbound_blocks),
+                              total_device_blocks=engine.spec.device_blocks,
+                              waiting=len(engine.waiting) + member.inbound, running=len(engine.running))
+            views.append(EngineView(id=engine_id, role=member.role, model=MODEL, load=load,
+                                    block_size=engine.spec.block_size,
+                                    kv_layout=(engine.spec.block_size, engine.spec.num_layers)))
+        return views
+
+
+def build(topology: Topology, spec: EngineSpec, cost: StepCost, policies: Mapping[str, str] | None = None,
+          routing: str = registry.DEFAULT, link: LinkSpec = LinkSpec(), geometry: KVGeometry = KVGeometry()) -> Cluster:
+    """A cluster of the topology's engines, alike: the same spec, step cost and engine policies."""
+    return Cluster({engine_id: (role, SimEngine(spec, cost, policies)) for engine_id, role in topology.roles().items()},
+                   routing, link, geometry)

@@ -1,0 +1,98 @@
+"""The KV hand-off's time over a link: KVDirect's pull (libs/rdma/kvdirect/puller.py), one-sided
+reads of the prompt's blocks and a COMPLETE the prefill engine ACKs.
+
+    seconds = latency + per_read * reads + bytes / bandwidth
+
+- latency: one COMPLETE/ACK round trip per transfer (CONNECT is once per peer, not per request);
+- reads: a block of one layer is one read; with coalescing (docs/dataplane.md), reads whose remote
+  and local ranges are both contiguous are merged, so each layer takes one read per contiguous run
+  of blocks: `block_runs` a layer, 1 when a request's blocks are contiguous on both sides;
+- bytes: whole blocks, as the puller reads them: K and V of `block_size` tokens, per layer.
+
+A link joins one prefill engine to one decode engine (one puller connection) and its transfers share
+it first come, first served: a transfer's reads start when the one before it has landed. The
+COMPLETE/ACK round trip does not hold the link (the puller keeps posting other requests' reads
+while it waits for an ACK).
+
+Defaults: loopback tcp on this machine, from `kvmesh bench transfer` (docs/benchmarks.md,
+"transfer", 2,048 blocks in 451 coalesced runs): the reads landed at 3.09 GB/s at 32 KB blocks and
+the COMPLETE/ACK round trip is 0.5-1.4 ms, so 1 ms; without coalescing 2,048 reads of 4 KB took
+3.1 ms more than 451 (1.20 against 2.15 GB/s), about 2 us a read; what is left of the 32 KB time,
+3.2 GB/s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvmesh.policies.views import blocks_for
+
+
+@dataclass(frozen=True, slots=True)
+class KVGeometry:
+    """The model's KV: the default is `tiny` (services/engine/native/models/presets.py) in bfloat16,
+    the model of the committed step-cost profile."""
+
+    num_layers: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    dtype_bytes: int = 2
+
+    @classmethod
+    def parse(cls, text: str) -> KVGeometry:
+        """`LAYERS:KV_HEADS:HEAD_DIM:DTYPE_BYTES`, e.g. 32:8:128:2."""
+        parts = text.split(":")
+        if len(parts) != 4 or not all(part.isdigit() and int(part) >= 1 for part in parts):
+            raise ValueError(f"KV geometry {text!r}: give LAYERS:KV_HEADS:HEAD_DIM:DTYPE_BYTES, each at least 1, "
+                             f"e.g. 32:8:128:2")
+        return cls(*(int(part) for part in parts))
+
+    def block_bytes(self, block_size: int) -> int:
+        """One block of one layer: K and V of `block_size` tokens."""
+        return 2 * block_size * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class LinkSpec:
+    gbps: float = 3.2             # GB/s (1e9 bytes a second) the reads move
+    latency_us: float = 1000.0    # each transfer's COMPLETE/ACK round trip
+    per_read_us: float = 2.0      # each read posted
+    coalescing: bool = True
+    block_runs: int = 1           # contiguous runs a request's blocks make in a layer (1: contiguous)
+
+    def __post_init__(self) -> None:
+        if self.gbps <= 0 or self.latency_us < 0 or self.per_read_us < 0 or self.block_runs < 1:
+            raise ValueError(f"link: bandwidth must be > 0, latency and per-read cost >= 0, block runs >= 1; "
+                             f"got {self.gbps} GB/s, {self.latency_us} us, {self.per_read_us} us, {self.block_runs}")
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    bytes: int
+    reads: int
+    data_s: float       # the reads: what holds the link
+    latency_s: float    # the COMPLETE/ACK round trip after them
+
+    @property
+    def seconds(self) -> float:
+        return self.data_s + self.latency_s
+
+
+def pull(link: LinkSpec, geometry: KVGeometry, block_size: int, tokens: int) -> Transfer:
+    """Pulling the KV of `tokens` tokens (whole blocks of `block_size`), alone on the link."""
+    blocks = blocks_for(tokens, block_size)
+    runs = min(blocks, link.block_runs) if link.coalescing else blocks
+    reads = runs * geometry.num_layers
+    size = blocks * geometry.num_layers * geometry.block_bytes(block_size)
+    return Transfer(size, reads, link.per_read_us * 1e-6 * reads + size / (link.gbps * 1e9), link.latency_us * 1e-6)
+
+
+class Link:
+    """One prefill-decode pair's connection: transfers one after another, first come, first served."""
+
+    def __init__(self) -> None:
+        self.free_at = 0.0  # when the reads queued so far have landed
+
+    def start(self, now: float, transfer: Transfer) -> float:
+        """Queue a transfer's reads at `now`; when its COMPLETE is ACKed."""
+        self.free_at = max(now, self.free_at) + transfer.data_s
+        return self.free_at + transfer.latency_s

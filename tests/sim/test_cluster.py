@@ -1,0 +1,168 @@
+"""The simulated cluster: a request split across a prefill and a decode engine, the KV held until
+the pull's COMPLETE, routing by the policies/routing functions, and no block left behind."""
+
+import json
+
+import pytest
+
+from kvmesh.cli import main
+from kvmesh.policies.routing import registry
+from kvmesh.sim.cluster import Cluster, build
+from kvmesh.sim.engine import EngineSpec, SimEngine
+from kvmesh.sim.link import KVGeometry, LinkSpec, pull
+from kvmesh.sim.metrics import summarise
+from kvmesh.sim.request import SimRequest
+from kvmesh.sim.step_cost import StepCost
+from kvmesh.sim.topology import Topology
+from kvmesh.sim.workload import Lengths, poisson
+
+COST = StepCost(a=3e-3, b=1e-4, c=2e-4, d=1e-6)
+SPEC = EngineSpec(block_size=16, device_blocks=256, token_budget=2048)
+LINK = LinkSpec(gbps=2.0, latency_us=500.0, per_read_us=10.0)
+
+
+def assert_no_leak(cluster: Cluster) -> None:
+    for member in cluster.members.values():
+        engine = member.engine
+        assert engine.free == engine.spec.device_blocks
+        assert not engine.held and not engine.pulling and not engine.running and not engine.waiting
+    assert not cluster.handoffs and all(m.inbound == m.inbound_blocks == 0 for m in cluster.members.values())
+
+
+def test_one_request_through_1p1d_takes_its_prefill_the_transfer_and_its_decodes():
+    """Prompt 100, 5 tokens: one prefill step makes the first; the pull of 7 blocks; the decode engine
+    computes the last prompt token's KV (a one-token chunk of its prompt of 101) and samples, then 3
+    decode steps, each reading its whole context."""
+    cluster = build(Topology.parse("pd:1:1"), SPEC, COST, link=LINK)
+    prefill, decode = cluster.members["engine-p0"].engine, cluster.members["engine-d0"].engine
+    released = []
+    hold = prefill.release_held
+    prefill.release_held = lambda request_id: (released.append((request_id, prefill.free, dict(prefill.held))),
+                                               hold(request_id))
+    request = SimRequest("r0", 0.5, 100, 5)
+    cluster.run([request])
+
+    first = 0.5 + COST.seconds(100, 0, 100 * 101 // 2)
+    transfer = pull(LINK, KVGeometry(), 16, 100)
+    t = first + transfer.data_s + transfer.latency_s
+    expected = [first, t := t + COST.seconds(1, 0, 101)]
+    for position in (101, 102, 103):
+        expected.append(t := t + COST.seconds(0, 1, position + 1))
+    assert request.token_times == pytest.approx(expected, rel=1e-12, abs=0)
+    assert request.finished_at == request.token_times[-1]
+    assert request.transfer_s == pytest.approx(transfer.seconds, rel=1e-9)
+    # Held, counted as used, until the COMPLETE: 7 blocks, released once.
+    assert [(r, free, list(held)) for r, free, held in released] == [("r0", SPEC.device_blocks - 7, ["r0"])]
+    assert decode.free == prefill.free == SPEC.device_blocks
+    summary = summarise([request], request.finished_at, 1.0)
+    assert summary["ttft_p50_s"] == pytest.approx(first - 0.5, rel=1e-12)
+    assert summary["transfer_share"] == pytest.approx(transfer.seconds / (request.finished_at - 0.5), rel=1e-9)
+    assert_no_leak(cluster)
+
+
+def test_coalescing_shortens_the_request_by_the_reads_it_saves():
+    def latency(coalescing):
+        cluster = build(Topology.parse("pd:1:1"), SPEC, COST,
+                        link=LinkSpec(LINK.gbps, LINK.latency_us, LINK.per_read_us, coalescing=coalescing))
+        request = SimRequest("r0", 0.0, 100, 3)
+        cluster.run([request])
+        assert_no_leak(cluster)
+        return request.finished_at
+
+    assert latency(False) - latency(True) == pytest.approx((7 - 1) * 4 * LINK.per_read_us * 1e-6, rel=1e-9)
+
+
+def recorded(function, calls):
+    def call(*args):
+        calls.append((args, result := function(*args)))
+        return result
+    return call
+
+
+def decode_engines(cluster):
+    """Which decode engine each request's decode part went to, in order."""
+    seen = []
+    for engine_id, member in cluster.members.items():
+        if member.role == "decode":
+            add = member.engine.add
+            member.engine.add = lambda r, add=add, engine_id=engine_id: (seen.append((r.request_id, engine_id)),
+                                                                         add(r))[1]
+    return seen
+
+
+def test_round_robin_sends_decodes_to_the_two_engines_in_turn():
+    cluster = build(Topology.parse("pd:1:2"), SPEC, COST, routing="round_robin", link=LINK)
+    calls = []
+    cluster.route = recorded(cluster.route, calls)
+    seen = decode_engines(cluster)
+    cluster.run([SimRequest(f"r{i}", i * 1.0, 64, 4) for i in range(4)])
+    assert seen == [("r0", "engine-d0"), ("r1", "engine-d1"), ("r2", "engine-d0"), ("r3", "engine-d1")]
+    assert [answer.decode for _, (answer, _) in calls] == [engine for _, engine in seen]
+    (query, views, _), _ = calls[0]
+    assert query.prompt_tokens == 64 and sorted((v.id, v.role) for v in views) == \
+        [("engine-d0", "decode"), ("engine-d1", "decode"), ("engine-p0", "prefill")]
+    assert_no_leak(cluster)
+
+
+def test_least_loaded_sends_a_request_to_the_emptier_decode_engine():
+    """r1 arrives while r0 prefills, on its way to d0 (counted there as waiting, its blocks taken):
+    the policy picks d1. r2 comes when both are empty again: the first by id."""
+    cluster = build(Topology.parse("pd:1:2"), SPEC, COST, routing="least_loaded", link=LINK)
+    calls = []
+    cluster.route = recorded(cluster.route, calls)
+    seen = decode_engines(cluster)
+    cluster.run([SimRequest("r0", 0.0, 500, 4), SimRequest("r1", 1e-3, 64, 4), SimRequest("r2", 5.0, 64, 4)])
+    assert sorted(seen) == [("r0", "engine-d0"), ("r1", "engine-d1"), ("r2", "engine-d0")]
+    views = {v.id: v.load for v in calls[1][0][1]}
+    assert views["engine-d0"].waiting == 1 and views["engine-d0"].free_device_blocks == SPEC.device_blocks - 32
+    assert views["engine-d1"].waiting == 0 and views["engine-d1"].free_device_blocks == SPEC.device_blocks
+    assert_no_leak(cluster)
+
+
+@pytest.mark.parametrize("topology, routing", [("pd:1:1", "conditional"), ("pd:2:2", "least_loaded"),
+                                               ("pd:2:1", "round_robin"), ("colocated:2", "least_loaded")])
+def test_a_workload_finishes_whole_with_nothing_held(topology, routing):
+    requests = poisson(40.0, 300, Lengths.parse("uniform:16-400"), Lengths.parse("exp:24"), seed=3)
+    cluster = build(Topology.parse(topology), EngineSpec(block_size=16, device_blocks=160, max_num_seqs=16), COST,
+                    routing=routing, link=LINK)
+    cluster.run(requests)
+    assert all(r.finished_at is not None and r.num_generated == r.max_tokens for r in requests)
+    assert all(r.token_times == sorted(r.token_times) and r.token_times[0] > r.arrival for r in requests)
+    handed = [r for r in requests if r.transfer_s is not None]
+    assert (len(handed) > 0) == topology.startswith("pd")
+    assert all(r.transfer_s >= LINK.latency_us * 1e-6 for r in handed)
+    assert_no_leak(cluster)
+
+
+def test_a_decode_engine_that_can_never_hold_the_request_lets_the_held_kv_go():
+    small = EngineSpec(block_size=16, device_blocks=8)
+    prefill, decode = SimEngine(SPEC, COST), SimEngine(small, COST)
+    cluster = Cluster({"engine-p0": ("prefill", prefill), "engine-d0": ("decode", decode)}, link=LINK)
+    request = SimRequest("r0", 0.0, 100, 40)  # 140 tokens: 9 blocks, more than the decode engine has
+    cluster.run([request])
+    assert request.finished_at is None and len(request.token_times) == 1 and decode.refused
+    assert prefill.free == SPEC.device_blocks and not prefill.held
+
+
+def test_topologies_parse_and_bad_ones_are_refused():
+    assert Topology.parse("colocated:2").roles() == {"engine-c0": "both", "engine-c1": "both"}
+    assert Topology.parse("pd:1:2").roles() == {"engine-p0": "prefill", "engine-d0": "decode", "engine-d1": "decode"}
+    for text in ("pd:1", "pd:0:1", "colocated:0", "mesh:2", "pd:a:b"):
+        with pytest.raises(ValueError):
+            Topology.parse(text)
+    assert registry.DEFAULT == build(Topology.parse("colocated:1"), SPEC, COST).routing
+
+
+def test_sim_run_takes_a_topology_and_a_link(tmp_path, capsys):
+    out = tmp_path / "pd.json"
+    assert main(["sim", "run", "--topology", "pd:1:1", "--routing", "round_robin", "--requests", "100",
+                 "--rate", "5", "--link-gbps", "1.5", "--link-latency-us", "800", "--no-coalescing",
+                 "--kv-geometry", "8:4:64:2", "--json", str(out)]) == 0
+    assert "KV transfer mean (share)" in capsys.readouterr().out
+    body = json.loads(out.read_text())
+    assert body["config"]["topology"] == "pd:1:1" and body["config"]["routing"] == "round_robin"
+    assert body["config"]["link"]["gbps"] == 1.5 and body["config"]["link"]["coalescing"] is False
+    assert body["config"]["kv_geometry"]["num_layers"] == 8
+    assert body["results"]["unfinished"] == 0 and 0 < body["results"]["transfer_share"] < 1
+    assert main(["sim", "run", "--topology", "pd:1", "--requests", "5"]) == 2
+    assert "topology" in capsys.readouterr().err

@@ -1,0 +1,45 @@
+"""The link model: bytes from the KV geometry, reads with and without coalescing, transfers one
+after another on a link."""
+
+import pytest
+
+from kvmesh.sim.link import KVGeometry, Link, LinkSpec, pull
+
+GEOMETRY = KVGeometry(num_layers=4, kv_heads=2, head_dim=64, dtype_bytes=2)
+LINK = LinkSpec(gbps=2.0, latency_us=500.0, per_read_us=10.0)
+
+
+def test_a_pull_moves_whole_blocks_of_every_layer():
+    """100 tokens in blocks of 16: 7 blocks a layer, each K and V of 16 tokens x 2 heads x 64 x 2 bytes."""
+    transfer = pull(LINK, GEOMETRY, 16, 100)
+    assert GEOMETRY.block_bytes(16) == 2 * 16 * 2 * 64 * 2 == 8192
+    assert transfer.bytes == 7 * 4 * 8192
+    assert transfer.reads == 4  # contiguous blocks: one read a layer
+    assert transfer.data_s == pytest.approx(4 * 10e-6 + 7 * 4 * 8192 / 2e9, rel=1e-12)
+    assert transfer.latency_s == pytest.approx(500e-6, rel=1e-12)
+
+
+@pytest.mark.parametrize("coalescing, runs, reads", [(True, 1, 4), (True, 3, 12), (True, 50, 28), (False, 1, 28)])
+def test_coalescing_merges_each_contiguous_run_into_one_read(coalescing, runs, reads):
+    spec = LinkSpec(gbps=LINK.gbps, latency_us=LINK.latency_us, per_read_us=LINK.per_read_us, coalescing=coalescing,
+                    block_runs=runs)
+    transfer = pull(spec, GEOMETRY, 16, 100)
+    assert transfer.reads == reads  # never more runs than blocks: 7 a layer
+    assert transfer.seconds - pull(LINK, GEOMETRY, 16, 100).seconds == pytest.approx((reads - 4) * 10e-6, rel=1e-9)
+
+
+def test_transfers_on_one_link_go_first_come_first_served():
+    """The second one's reads start when the first one's have landed; the ACK wait holds nobody."""
+    link, first, second = Link(), pull(LINK, GEOMETRY, 16, 100), pull(LINK, GEOMETRY, 16, 30)
+    assert link.start(1.0, first) == pytest.approx(1.0 + first.seconds, rel=1e-12)
+    assert link.start(1.0, second) == pytest.approx(1.0 + first.data_s + second.seconds, rel=1e-12)
+    assert link.start(5.0, first) == pytest.approx(5.0 + first.seconds, rel=1e-12)  # idle by then
+
+
+def test_bad_geometry_and_links_are_refused():
+    assert KVGeometry.parse("32:8:128:2") == KVGeometry(32, 8, 128, 2)
+    for text in ("32:8:128", "32:8:x:2", "0:8:128:2"):
+        with pytest.raises(ValueError):
+            KVGeometry.parse(text)
+    with pytest.raises(ValueError):
+        LinkSpec(gbps=0)
