@@ -107,7 +107,7 @@ class Cluster:
         member.busy = False
         touched = [engine_id]
         member.engine.complete(step, now)
-        for part, _ in step.chunks:
+        for part, _ in step.chunks if self.handoffs else ():
             handoff = self.handoffs.get(part.request_id)
             if part.finished_at is None or handoff is None:
                 continue  # still running, or served whole: its own record
