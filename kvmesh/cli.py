@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     sim_run.add_argument("--topology", default="colocated:1",
                          help="colocated:N engines, or pd:P:D prefill and decode engines (%(default)s)")
     sim_run.add_argument("--routing", default="conditional", help="routing policy by name (%(default)s)")
+    sim_run.add_argument("--transfer-mode", choices=("pull", "push"), default="pull",
+                         help="the KV hand-off between a prefill and a decode engine (%(default)s)")
     sim_run.add_argument("--link-gbps", type=float, default=3.2,
                          help="KV transfer bandwidth per prefill-decode pair, GB/s (%(default)s: loopback tcp, "
                               "docs/sim.md)")
@@ -184,7 +186,8 @@ def _sim(args: argparse.Namespace) -> int:
         link = LinkSpec(gbps=args.link_gbps, latency_us=args.link_latency_us, per_read_us=args.link_read_us,
                         coalescing=not args.no_coalescing, block_runs=args.block_runs)
         return run_sim(args.profile, args.rate, args.requests, args.prompt, args.output, args.seed, spec, policies,
-                       args.json_path, args.topology, args.routing, link, KVGeometry.parse(args.kv_geometry))
+                       args.json_path, args.topology, args.routing, link, KVGeometry.parse(args.kv_geometry),
+                       args.transfer_mode)
     except (KeyError, ValueError, FileNotFoundError) as exc:
         print(f"kvmesh sim run: {exc}", file=sys.stderr)
         return 2

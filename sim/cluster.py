@@ -1,6 +1,6 @@
 """A simulated cluster: engines of roles `both`, `prefill` and `decode`, a routing policy from
-policies/routing called as the scheduler calls it, and the KV hand-off in pull mode over links
-(sim/link.py), in one event loop where each engine steps on its own.
+policies/routing called as the scheduler calls it, and the KV hand-off in pull or push mode over
+links (sim/link.py), in one event loop where each engine steps on its own.
 
 A request routed to a pair runs in two parts, as admission sends them (docs/serving.md): on the
 prefill engine its prompt with `max_tokens` 1, the KV held when it ends; then, from its first token
@@ -9,7 +9,13 @@ elsewhere. The decode engine admits it by giving it blocks, the pull takes the l
 prefill engine frees its blocks at the COMPLETE, and the request decodes from its last prompt
 token. The request given to `run` is the record across both: arrival, first token, later tokens,
 finish, and `transfer_s`. A request of one output token needs no decode engine: it runs whole on
-the prefill engine."""
+the prefill engine.
+
+Push mode: the decode part goes to its engine first, as the reservation (`POST /v1/kv/reserve`); when
+that engine gives it blocks, the prefill part starts, and its chunks' KV is written layer by layer
+as each step computes them. The first token comes out when the last write is ACKed (the prefill's
+last frame comes after the writes); then the prefill engine frees its blocks and the decode part
+runs from its last prompt token. `transfer_s` is then what the writes add after the prefill."""
 
 from __future__ import annotations
 
@@ -22,12 +28,13 @@ from kvmesh.policies.views import blocks_for
 
 from .engine import EngineSpec, SimEngine, Step
 from .events import EventQueue
-from .link import KVGeometry, Link, LinkSpec, pull
+from .link import KVGeometry, Link, LinkSpec, pull, push
 from .request import SimRequest
 from .step_cost import StepCost
 from .topology import Topology
 
-ARRIVAL, STEP_DONE, PULL_DONE = "arrival", "step_done", "pull_done"
+ARRIVAL, STEP_DONE, PULL_DONE, PUSH_DONE = "arrival", "step_done", "pull_done", "push_done"
+TRANSFER_MODES = ("pull", "push")
 MODEL = "sim"  # every engine serves the one model routing is asked about
 
 
@@ -49,13 +56,17 @@ class Handoff:
     decode: str
     prefill_part: SimRequest
     decode_part: SimRequest | None = None
-    pull_start: float | None = None
+    transfer_start: float | None = None  # pull: its start; push: the prefill's end
+    push_done: float | None = None       # push: when the writes queued so far are ACKed
 
 
 class Cluster:
     def __init__(self, engines: Mapping[str, tuple[str, SimEngine]], routing: str = registry.DEFAULT,
-                 link: LinkSpec = LinkSpec(), geometry: KVGeometry = KVGeometry()):
+                 link: LinkSpec = LinkSpec(), geometry: KVGeometry = KVGeometry(), transfer_mode: str = "pull"):
         """`engines`: id -> (role, engine); routing: a policy name of policies/routing/registry.py."""
+        if transfer_mode not in TRANSFER_MODES:
+            raise ValueError(f"transfer mode {transfer_mode!r}: {' or '.join(TRANSFER_MODES)}")
+        self.transfer_mode = transfer_mode
         self.members = {engine_id: Member(role, engine) for engine_id, (role, engine) in engines.items()}
         self.routing = routing
         self.route = registry.resolve(routing)
@@ -73,18 +84,20 @@ class Cluster:
         while events:
             event = events.pop()
             if event.kind == ARRIVAL:
-                touched = [self._arrive(event.payload)]
+                touched = self._arrive(event.payload)
             elif event.kind == STEP_DONE:
-                touched = self._step_done(*event.payload, events.now)
-            else:
+                touched = self._step_done(*event.payload, events)
+            elif event.kind == PULL_DONE:
                 touched = self._pull_done(event.payload, events.now)
-            for engine_id in touched:
-                self._kick(engine_id, events)
+            else:
+                touched = self._push_done(event.payload, events.now)
+            while touched:
+                touched += self._kick(touched.pop(0), events)
         return events.now
 
     # -- events -----------------------------------------------------------------------------------
 
-    def _arrive(self, request: SimRequest) -> str:
+    def _arrive(self, request: SimRequest) -> list[str]:
         """Route it, as the scheduler does, and hand it (or its prefill part) to its engine."""
         decision, self.routing_state = self.route(RouteQuery(MODEL, request.prompt_len), self._views(),
                                                   self.routing_state)
@@ -93,39 +106,76 @@ class Cluster:
         if decision.mode == "colocated" or request.max_tokens == 1:
             engine_id = decision.engine or decision.prefill
             self.members[engine_id].engine.add(request)
-            return engine_id
+            return [engine_id]
         part = SimRequest(request.request_id, request.arrival, request.prompt_len, 1, request.ttft_slo_ms,
                           request.tbt_slo_ms, request.predicted_output_len, hold_kv=True)
-        self.handoffs[request.request_id] = Handoff(request, decision.prefill, decision.decode, part)
-        self._inbound(self.handoffs[request.request_id], +1)
+        handoff = Handoff(request, decision.prefill, decision.decode, part)
+        if self.transfer_mode == "push":
+            return self._reserve(handoff, request.arrival)
+        self.handoffs[request.request_id] = handoff
+        self._inbound(handoff, +1)
         if not self.members[decision.prefill].engine.add(part):
             self._inbound(self.handoffs.pop(request.request_id), -1)
-        return decision.prefill
+        return [decision.prefill]
 
-    def _step_done(self, engine_id: str, step: Step, now: float) -> list[str]:
-        member = self.members[engine_id]
+    def _reserve(self, handoff: Handoff, now: float) -> list[str]:
+        """Push: the decode part asks its engine for blocks before the prefill starts."""
+        prefill = self.members[handoff.prefill].engine
+        if not prefill.fits(handoff.prefill_part):
+            prefill.add(handoff.prefill_part)  # refused there: it could never fit
+            return []
+        handoff.decode_part = _decode_part(handoff.whole, now)
+        if not self.members[handoff.decode].engine.add(handoff.decode_part):
+            return []
+        self.handoffs[handoff.whole.request_id] = handoff
+        return [handoff.decode]
+
+    def _step_done(self, engine_id: str, step: Step, start: float, events: EventQueue) -> list[str]:
+        now, member = events.now, self.members[engine_id]
         member.busy = False
         touched = [engine_id]
+        if self.transfer_mode == "push" and self.handoffs:
+            self._push_chunks(step, start, now)
         member.engine.complete(step, now)
         for part, _ in step.chunks if self.handoffs else ():
             handoff = self.handoffs.get(part.request_id)
             if part.finished_at is None or handoff is None:
                 continue  # still running, or served whole: its own record
-            if part is handoff.prefill_part:
+            if part is not handoff.prefill_part:
+                self._finish(self.handoffs.pop(part.request_id))
+            elif self.transfer_mode == "pull":
                 touched += self._to_decode(handoff, now)
             else:
-                self._finish(self.handoffs.pop(part.request_id))
+                handoff.transfer_start = now
+                events.schedule(handoff.push_done, PUSH_DONE, handoff)
         return touched
 
+    def _push_chunks(self, step: Step, start: float, end: float) -> None:
+        """Queue the writes of the prefill parts' chunks, layer by layer as the step computed them."""
+        for part, n in step.chunks:
+            handoff = self.handoffs.get(part.request_id)
+            if handoff is not None and part is handoff.prefill_part:
+                transfer = push(self.link, self.geometry, self.members[handoff.decode].engine.spec.block_size,
+                                part.num_computed, n)
+                handoff.push_done = self._link(handoff).start_layers(start, end, transfer, self.geometry.num_layers)
+
+    def _push_done(self, handoff: Handoff, now: float) -> list[str]:
+        """The last write is ACKed: the first token goes out, the prefill engine frees the KV, and the
+        decode part runs on the blocks written."""
+        whole = handoff.whole
+        whole.token_times.append(now)
+        whole.scheduled_at = handoff.prefill_part.scheduled_at
+        whole.transfer_s = now - handoff.transfer_start
+        self.members[handoff.prefill].engine.release_held(whole.request_id)
+        self.members[handoff.decode].engine.pulled(handoff.decode_part)
+        return [handoff.prefill, handoff.decode]
+
     def _to_decode(self, handoff: Handoff, now: float) -> list[str]:
-        """The first token is out: the decode part goes to its engine, the prompt's KV elsewhere."""
+        """Pull: the first token is out; the decode part goes to its engine, the prompt's KV elsewhere."""
         whole, first = handoff.whole, handoff.prefill_part
         whole.token_times.append(now)
         whole.scheduled_at = first.scheduled_at
-        handoff.decode_part = SimRequest(
-            whole.request_id, now, whole.prompt_len + 1, whole.max_tokens - 1, whole.ttft_slo_ms, whole.tbt_slo_ms,
-            None if whole.predicted_output_len is None else max(1, whole.predicted_output_len - 1),
-            kv_elsewhere=whole.prompt_len)
+        handoff.decode_part = _decode_part(whole, now)
         self._inbound(handoff, -1)
         if self.members[handoff.decode].engine.add(handoff.decode_part):
             return [handoff.decode]
@@ -138,7 +188,7 @@ class Cluster:
         """COMPLETE acknowledged: the decode part runs, the prefill engine frees the KV."""
         self.members[handoff.decode].engine.pulled(handoff.decode_part)
         self.members[handoff.prefill].engine.release_held(handoff.whole.request_id)
-        handoff.whole.transfer_s = now - handoff.pull_start
+        handoff.whole.transfer_s = now - handoff.transfer_start
         return [handoff.prefill, handoff.decode]
 
     @staticmethod
@@ -157,26 +207,34 @@ class Cluster:
 
     # -- engines ----------------------------------------------------------------------------------
 
-    def _kick(self, engine_id: str, events: EventQueue) -> None:
-        """Step the engine if it is idle and has work; start the pulls its step gave blocks to."""
-        member = self.members[engine_id]
+    def _kick(self, engine_id: str, events: EventQueue) -> list[str]:
+        """Step the engine if it is idle and has work. The decode parts its step gave blocks to start
+        their pull, or (push) their prefill: the prefill engines to step next."""
+        member, prefills = self.members[engine_id], []
         while not member.busy and member.engine.has_work():
             step = member.engine.schedule(events.now)
             for part in step.pulls:
-                self._start_pull(self.handoffs[part.request_id], events)
+                handoff = self.handoffs[part.request_id]
+                if self.transfer_mode == "pull":
+                    self._start_pull(handoff, events)
+                else:
+                    self.members[handoff.prefill].engine.add(handoff.prefill_part)
+                    prefills.append(handoff.prefill)
             if step.chunks:
-                events.schedule(events.now + member.engine.seconds(step), STEP_DONE, (engine_id, step))
+                events.schedule(events.now + member.engine.seconds(step), STEP_DONE, (engine_id, step, events.now))
                 member.busy = True
             elif not step.preempted:  # nothing fits until something else happens
                 break
+        return prefills
 
     def _start_pull(self, handoff: Handoff, events: EventQueue) -> None:
-        part = handoff.decode_part
         transfer = pull(self.link, self.geometry, self.members[handoff.decode].engine.spec.block_size,
-                        part.kv_elsewhere)
-        link = self.links.setdefault((handoff.prefill, handoff.decode), Link())
-        handoff.pull_start = events.now
-        events.schedule(link.start(events.now, transfer), PULL_DONE, handoff)
+                        handoff.decode_part.kv_elsewhere)
+        handoff.transfer_start = events.now
+        events.schedule(self._link(handoff).start(events.now, transfer), PULL_DONE, handoff)
+
+    def _link(self, handoff: Handoff) -> Link:
+        return self.links.setdefault((handoff.prefill, handoff.decode), Link())
 
     def _views(self) -> list[EngineView]:
         """Each engine as the scheduler sees it (services/scheduler/cluster.py), its load fresh: free
@@ -196,7 +254,16 @@ class Cluster:
 
 
 def build(topology: Topology, spec: EngineSpec, cost: StepCost, policies: Mapping[str, str] | None = None,
-          routing: str = registry.DEFAULT, link: LinkSpec = LinkSpec(), geometry: KVGeometry = KVGeometry()) -> Cluster:
+          routing: str = registry.DEFAULT, link: LinkSpec = LinkSpec(), geometry: KVGeometry = KVGeometry(),
+          transfer_mode: str = "pull") -> Cluster:
     """A cluster of the topology's engines, alike: the same spec, step cost and engine policies."""
     return Cluster({engine_id: (role, SimEngine(spec, cost, policies)) for engine_id, role in topology.roles().items()},
-                   routing, link, geometry)
+                   routing, link, geometry, transfer_mode)
+
+
+def _decode_part(whole: SimRequest, arrival: float) -> SimRequest:
+    """What admission sends the decode engine: the prompt and first token, the tokens left, and the
+    prompt's KV elsewhere."""
+    return SimRequest(whole.request_id, arrival, whole.prompt_len + 1, whole.max_tokens - 1, whole.ttft_slo_ms,
+                      whole.tbt_slo_ms, None if whole.predicted_output_len is None
+                      else max(1, whole.predicted_output_len - 1), kv_elsewhere=whole.prompt_len)

@@ -91,10 +91,14 @@ class SimEngine:
     def add(self, request: SimRequest) -> bool:
         """Queue a request, unless at its longest it could never fit in the pool (the native engine's
         max_model_len refuses it): then it is `refused`, never runs, and this answers False."""
-        longest = blocks_for(request.prompt_len + request.max_tokens, self.spec.block_size) * self.spec.num_layers
-        fits = longest <= self.spec.device_blocks
+        fits = self.fits(request)
         (self.waiting if fits else self.refused).append(request)
         return fits
+
+    def fits(self, request: SimRequest) -> bool:
+        """Whether the pool could hold the request at its longest."""
+        longest = blocks_for(request.prompt_len + request.max_tokens, self.spec.block_size) * self.spec.num_layers
+        return longest <= self.spec.device_blocks
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -1,5 +1,6 @@
 """The KV hand-off's time over a link: KVDirect's pull (libs/rdma/kvdirect/puller.py), one-sided
-reads of the prompt's blocks and a COMPLETE the prefill engine ACKs.
+reads of the prompt's blocks and a COMPLETE the prefill engine ACKs; or its push, each layer's blocks
+written as the prefill computes the layer.
 
     seconds = latency + per_read * reads + bytes / bandwidth
 
@@ -13,6 +14,11 @@ A link joins one prefill engine to one decode engine (one puller connection) and
 it first come, first served: a transfer's reads start when the one before it has landed. The
 COMPLETE/ACK round trip does not hold the link (the puller keeps posting other requests' reads
 while it waits for an ACK).
+
+Push: a prefill step computing a chunk of the prompt reaches its layers one after another, evenly
+over the step; each layer's share of the chunk's writes is queued on the link when its layer is
+done. So the writes overlap the prefill, and what is left after the step is the last layer's write
+(more if the link is slower than the layers), then the ACK.
 
 Defaults: loopback tcp on this machine, from `kvmesh bench transfer` (docs/benchmarks.md,
 "transfer", 2,048 blocks in 451 coalesced runs): the reads landed at 3.09 GB/s at 32 KB blocks and
@@ -79,7 +85,16 @@ class Transfer:
 
 def pull(link: LinkSpec, geometry: KVGeometry, block_size: int, tokens: int) -> Transfer:
     """Pulling the KV of `tokens` tokens (whole blocks of `block_size`), alone on the link."""
-    blocks = blocks_for(tokens, block_size)
+    return _blocks(link, geometry, block_size, blocks_for(tokens, block_size))
+
+
+def push(link: LinkSpec, geometry: KVGeometry, block_size: int, computed: int, n: int) -> Transfer:
+    """Writing the blocks a chunk of `n` tokens after `computed` fills (a block it completes that an
+    earlier chunk began is written again), alone on the link."""
+    return _blocks(link, geometry, block_size, blocks_for(computed + n, block_size) - computed // block_size)
+
+
+def _blocks(link: LinkSpec, geometry: KVGeometry, block_size: int, blocks: int) -> Transfer:
     runs = min(blocks, link.block_runs) if link.coalescing else blocks
     reads = runs * geometry.num_layers
     size = blocks * geometry.num_layers * geometry.block_bytes(block_size)
@@ -95,4 +110,11 @@ class Link:
     def start(self, now: float, transfer: Transfer) -> float:
         """Queue a transfer's reads at `now`; when its COMPLETE is ACKed."""
         self.free_at = max(now, self.free_at) + transfer.data_s
+        return self.free_at + transfer.latency_s
+
+    def start_layers(self, start: float, end: float, transfer: Transfer, layers: int) -> float:
+        """Queue a transfer's writes layer by layer, as a step from `start` to `end` computes each
+        layer (evenly); when the last one is ACKed."""
+        for layer in range(1, layers + 1):
+            self.free_at = max(start + (end - start) * layer / layers, self.free_at) + transfer.data_s / layers
         return self.free_at + transfer.latency_s

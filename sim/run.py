@@ -22,9 +22,11 @@ from .workload import Lengths, poisson
 
 def run(profile: str, rate: float, requests: int, prompt: str, output: str, seed: int, spec: EngineSpec,
         policies: dict[str, str], json_path: Path | None, topology: str = "colocated:1",
-        routing: str = registry.DEFAULT, link: LinkSpec = LinkSpec(), geometry: KVGeometry = KVGeometry()) -> int:
+        routing: str = registry.DEFAULT, link: LinkSpec = LinkSpec(), geometry: KVGeometry = KVGeometry(),
+        transfer_mode: str = "pull") -> int:
     workload = poisson(rate, requests, Lengths.parse(prompt), Lengths.parse(output), seed)
-    cluster = build(Topology.parse(topology), spec, load_profile(profile), policies, routing, link, geometry)
+    cluster = build(Topology.parse(topology), spec, load_profile(profile), policies, routing, link, geometry,
+                    transfer_mode)
     start = time.perf_counter()
     sim_seconds = cluster.run(workload)
     summary = summarise(workload, sim_seconds, time.perf_counter() - start)
@@ -33,7 +35,8 @@ def run(profile: str, rate: float, requests: int, prompt: str, output: str, seed
                                        "device_blocks": spec.device_blocks, "max_num_seqs": spec.max_num_seqs,
                                        "token_budget": spec.token_budget},
               "policies": next(iter(cluster.members.values())).engine.names, "topology": topology,
-              "routing": routing, "link": asdict(link), "kv_geometry": asdict(geometry)}
+              "routing": routing, "transfer_mode": transfer_mode, "link": asdict(link),
+              "kv_geometry": asdict(geometry)}
     print(_table(summary))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ from kvmesh.cli import main
 from kvmesh.policies.routing import registry
 from kvmesh.sim.cluster import Cluster, build
 from kvmesh.sim.engine import EngineSpec, SimEngine
-from kvmesh.sim.link import KVGeometry, LinkSpec, pull
+from kvmesh.sim.link import KVGeometry, LinkSpec, pull, push
 from kvmesh.sim.metrics import summarise
 from kvmesh.sim.request import SimRequest
 from kvmesh.sim.step_cost import StepCost
@@ -72,6 +72,41 @@ def test_coalescing_shortens_the_request_by_the_reads_it_saves():
     assert latency(False) - latency(True) == pytest.approx((7 - 1) * 4 * LINK.per_read_us * 1e-6, rel=1e-9)
 
 
+def test_one_request_through_1p1d_in_push_mode_gets_its_first_token_after_the_last_write():
+    """The decode engine reserves first (at once, here); the prefill step's 4 layers are written as they
+    are computed, so the last layer's write and the ACK follow the step; then the decode steps."""
+    cluster = build(Topology.parse("pd:1:1"), SPEC, COST, link=LINK, transfer_mode="push")
+    request = SimRequest("r0", 0.5, 100, 3)
+    cluster.run([request])
+
+    step = COST.seconds(100, 0, 100 * 101 // 2)
+    transfer = push(LINK, KVGeometry(), 16, 0, 100)
+    first = 0.5 + step + transfer.data_s / KVGeometry().num_layers + transfer.latency_s
+    second = first + COST.seconds(1, 0, 101)
+    assert request.token_times == pytest.approx([first, second, second + COST.seconds(0, 1, 102)], rel=1e-12, abs=0)
+    assert request.transfer_s == pytest.approx(first - 0.5 - step, rel=1e-9)
+    assert_no_leak(cluster)
+
+
+def test_push_waits_for_decode_memory_before_the_prefill_and_pull_does_not():
+    """The decode engine has room for one request's KV (7 of its 10 blocks, 9 at the end): in push mode the
+    second one's prefill starts only when the first has finished and freed them; in pull mode it
+    prefills right after the first, and its decode part waits there for blocks."""
+    def first_tokens(mode):
+        cluster = Cluster({"engine-p0": ("prefill", SimEngine(SPEC, COST)),
+                           "engine-d0": ("decode", SimEngine(EngineSpec(block_size=16, device_blocks=10), COST))},
+                          link=LINK, transfer_mode=mode)
+        requests = [SimRequest("a", 0.0, 100, 40), SimRequest("b", 0.0, 100, 5)]
+        cluster.run(requests)
+        assert_no_leak(cluster)
+        return [r.token_times[0] for r in requests], requests[0].finished_at
+
+    (a, b), a_done = first_tokens("push")
+    assert b > a_done > a
+    (a, b), a_done = first_tokens("pull")
+    assert a < b < a_done
+
+
 def recorded(function, calls):
     def call(*args):
         calls.append((args, result := function(*args)))
@@ -119,12 +154,13 @@ def test_least_loaded_sends_a_request_to_the_emptier_decode_engine():
     assert_no_leak(cluster)
 
 
-@pytest.mark.parametrize("topology, routing", [("pd:1:1", "conditional"), ("pd:2:2", "least_loaded"),
-                                               ("pd:2:1", "round_robin"), ("colocated:2", "least_loaded")])
-def test_a_workload_finishes_whole_with_nothing_held(topology, routing):
+@pytest.mark.parametrize("topology, routing, mode", [
+    ("pd:1:1", "conditional", "pull"), ("pd:2:2", "least_loaded", "pull"), ("pd:2:1", "round_robin", "pull"),
+    ("pd:2:2", "conditional", "push"), ("colocated:2", "least_loaded", "pull")])
+def test_a_workload_finishes_whole_with_nothing_held(topology, routing, mode):
     requests = poisson(40.0, 300, Lengths.parse("uniform:16-400"), Lengths.parse("exp:24"), seed=3)
     cluster = build(Topology.parse(topology), EngineSpec(block_size=16, device_blocks=160, max_num_seqs=16), COST,
-                    routing=routing, link=LINK)
+                    routing=routing, link=LINK, transfer_mode=mode)
     cluster.run(requests)
     assert all(r.finished_at is not None and r.num_generated == r.max_tokens for r in requests)
     assert all(r.token_times == sorted(r.token_times) and r.token_times[0] > r.arrival for r in requests)
@@ -164,5 +200,10 @@ def test_sim_run_takes_a_topology_and_a_link(tmp_path, capsys):
     assert body["config"]["link"]["gbps"] == 1.5 and body["config"]["link"]["coalescing"] is False
     assert body["config"]["kv_geometry"]["num_layers"] == 8
     assert body["results"]["unfinished"] == 0 and 0 < body["results"]["transfer_share"] < 1
+    assert main(["sim", "run", "--topology", "pd:2:1", "--transfer-mode", "push", "--requests", "50",
+                 "--json", str(out)]) == 0
+    body = json.loads(out.read_text())
+    assert body["config"]["transfer_mode"] == "push" and body["results"]["unfinished"] == 0
+    capsys.readouterr()
     assert main(["sim", "run", "--topology", "pd:1", "--requests", "5"]) == 2
     assert "topology" in capsys.readouterr().err

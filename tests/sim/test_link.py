@@ -3,7 +3,7 @@ after another on a link."""
 
 import pytest
 
-from kvmesh.sim.link import KVGeometry, Link, LinkSpec, pull
+from kvmesh.sim.link import KVGeometry, Link, LinkSpec, pull, push
 
 GEOMETRY = KVGeometry(num_layers=4, kv_heads=2, head_dim=64, dtype_bytes=2)
 LINK = LinkSpec(gbps=2.0, latency_us=500.0, per_read_us=10.0)
@@ -43,3 +43,19 @@ def test_bad_geometry_and_links_are_refused():
             KVGeometry.parse(text)
     with pytest.raises(ValueError):
         LinkSpec(gbps=0)
+
+
+@pytest.mark.parametrize("step_s", [0.02, 1e-4])
+def test_pushed_writes_follow_the_layers_and_leave_the_last_layers_write(step_s):
+    """Layer k of L is computed at start + k T / L and its write (w = data / L) queues then: the last
+    is ACKed at start + max(T + w, T / L + L w) + latency (a link slower than the layers backs up)."""
+    transfer, layers = push(LINK, GEOMETRY, 16, 0, 100), GEOMETRY.num_layers
+    assert transfer.bytes == pull(LINK, GEOMETRY, 16, 100).bytes
+    w = transfer.data_s / layers
+    done = Link().start_layers(2.0, 2.0 + step_s, transfer, layers)
+    assert done == pytest.approx(2.0 + max(step_s + w, step_s / layers + layers * w) + transfer.latency_s, rel=1e-12)
+
+
+def test_a_chunk_pushes_the_blocks_it_fills():
+    """Tokens 20-51 in blocks of 16 touch blocks 1-3 (block 1, begun earlier, is written again)."""
+    assert push(LINK, GEOMETRY, 16, 20, 32).bytes == 3 * GEOMETRY.num_layers * GEOMETRY.block_bytes(16)
