@@ -43,7 +43,8 @@ class Member:
     role: str
     engine: SimEngine
     busy: bool = False
-    inbound: int = 0         # routed here to decode, not arrived yet (their prefill is running)
+    inbound: int = 0         # routed here, not arrived yet (pull: to decode, their prefill running;
+                             # push: to prefill, their decode blocks not given yet)
     inbound_blocks: int = 0  # the blocks their prompts will take
 
 
@@ -113,9 +114,9 @@ class Cluster:
         if self.transfer_mode == "push":
             return self._reserve(handoff, request.arrival)
         self.handoffs[request.request_id] = handoff
-        self._inbound(handoff, +1)
+        self._inbound(handoff.decode, handoff, +1)
         if not self.members[decision.prefill].engine.add(part):
-            self._inbound(self.handoffs.pop(request.request_id), -1)
+            self._inbound(handoff.decode, self.handoffs.pop(request.request_id), -1)
         return [decision.prefill]
 
     def _reserve(self, handoff: Handoff, now: float) -> list[str]:
@@ -128,6 +129,7 @@ class Cluster:
         if not self.members[handoff.decode].engine.add(handoff.decode_part):
             return []
         self.handoffs[handoff.whole.request_id] = handoff
+        self._inbound(handoff.prefill, handoff, +1)
         return [handoff.decode]
 
     def _step_done(self, engine_id: str, step: Step, start: float, events: EventQueue) -> list[str]:
@@ -176,7 +178,7 @@ class Cluster:
         whole.token_times.append(now)
         whole.scheduled_at = first.scheduled_at
         handoff.decode_part = _decode_part(whole, now)
-        self._inbound(handoff, -1)
+        self._inbound(handoff.decode, handoff, -1)
         if self.members[handoff.decode].engine.add(handoff.decode_part):
             return [handoff.decode]
         # It could never fit there: the held KV goes, as when its lease runs out.
@@ -198,12 +200,12 @@ class Cluster:
         whole.preemptions = first.preemptions + rest.preemptions
         whole.finished_at = rest.finished_at
 
-    def _inbound(self, handoff: Handoff, sign: int) -> None:
-        """Count the request as on its way to its decode engine (+1), or no longer (-1)."""
-        decode = self.members[handoff.decode]
-        spec = decode.engine.spec
-        decode.inbound += sign
-        decode.inbound_blocks += sign * blocks_for(handoff.whole.prompt_len, spec.block_size) * spec.num_layers
+    def _inbound(self, engine_id: str, handoff: Handoff, sign: int) -> None:
+        """Count the request as on its way to the engine (+1), or no longer (-1)."""
+        member = self.members[engine_id]
+        spec = member.engine.spec
+        member.inbound += sign
+        member.inbound_blocks += sign * blocks_for(handoff.whole.prompt_len, spec.block_size) * spec.num_layers
 
     # -- engines ----------------------------------------------------------------------------------
 
@@ -217,7 +219,9 @@ class Cluster:
                 handoff = self.handoffs[part.request_id]
                 if self.transfer_mode == "pull":
                     self._start_pull(handoff, events)
-                else:
+                else:  # the prefill engine gets the prompt now
+                    self._inbound(handoff.prefill, handoff, -1)
+                    handoff.prefill_part.arrival = events.now
                     self.members[handoff.prefill].engine.add(handoff.prefill_part)
                     prefills.append(handoff.prefill)
             if step.chunks:
@@ -238,9 +242,9 @@ class Cluster:
 
     def _views(self) -> list[EngineView]:
         """Each engine as the scheduler sees it (services/scheduler/cluster.py), its load fresh: free
-        device blocks, waiting and running requests, with the requests routed to it to decode and not
-        there yet counted as waiting and their prompts' blocks as taken (the scheduler's "routed
-        since the heartbeat")."""
+        device blocks, waiting and running requests, with the requests routed to it and not there
+        yet counted as waiting and their prompts' blocks as taken (the scheduler's "routed since the
+        heartbeat")."""
         views = []
         for engine_id, member in self.members.items():
             engine = member.engine
