@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     sim_run.add_argument("--topology", default="colocated:1",
                          help="colocated:N engines, or pd:P:D prefill and decode engines (%(default)s)")
     sim_run.add_argument("--routing", default="conditional", help="routing policy by name (%(default)s)")
+    sim_run.add_argument("--heartbeat-s", type=float, default=1.0,
+                         help="how often engines report their load to routing, s (%(default)s; 0: always fresh)")
     sim_run.add_argument("--transfer-mode", choices=("pull", "push"), default="pull",
                          help="the KV hand-off between a prefill and a decode engine (%(default)s)")
     sim_run.add_argument("--link-gbps", type=float, default=3.2,
@@ -187,7 +189,7 @@ def _sim(args: argparse.Namespace) -> int:
                         coalescing=not args.no_coalescing, block_runs=args.block_runs)
         return run_sim(args.profile, args.rate, args.requests, args.prompt, args.output, args.seed, spec, policies,
                        args.json_path, args.topology, args.routing, link, KVGeometry.parse(args.kv_geometry),
-                       args.transfer_mode)
+                       args.transfer_mode, args.heartbeat_s)
     except (KeyError, ValueError, FileNotFoundError) as exc:
         print(f"kvmesh sim run: {exc}", file=sys.stderr)
         return 2

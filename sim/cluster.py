@@ -35,6 +35,7 @@ from .topology import Topology
 
 ARRIVAL, STEP_DONE, PULL_DONE, PUSH_DONE = "arrival", "step_done", "pull_done", "push_done"
 TRANSFER_MODES = ("pull", "push")
+HEARTBEAT_S = 1.0  # an engine heartbeats every heartbeat_ttl_ms / 3 (services/engine/config.py: 3,000 ms)
 MODEL = "sim"  # every engine serves the one model routing is asked about
 
 
@@ -43,9 +44,10 @@ class Member:
     role: str
     engine: SimEngine
     busy: bool = False
-    inbound: int = 0         # routed here, not arrived yet (pull: to decode, their prefill running;
-                             # push: to prefill, their decode blocks not given yet)
-    inbound_blocks: int = 0  # the blocks their prompts will take
+    report: EngineLoad | None = None  # its load at its last heartbeat
+    report_at: float = 0.0
+    routed: int = 0                   # routes sent here since then
+    routed_blocks: int = 0            # device blocks their prompts take
 
 
 @dataclass
@@ -63,11 +65,15 @@ class Handoff:
 
 class Cluster:
     def __init__(self, engines: Mapping[str, tuple[str, SimEngine]], routing: str = registry.DEFAULT,
-                 link: LinkSpec = LinkSpec(), geometry: KVGeometry = KVGeometry(), transfer_mode: str = "pull"):
-        """`engines`: id -> (role, engine); routing: a policy name of policies/routing/registry.py."""
+                 link: LinkSpec = LinkSpec(), geometry: KVGeometry = KVGeometry(), transfer_mode: str = "pull",
+                 heartbeat_s: float = HEARTBEAT_S):
+        """`engines`: id -> (role, engine); routing: a policy name of policies/routing/registry.py;
+        heartbeat_s: how often engines report their load (0: routing sees it as it is)."""
         if transfer_mode not in TRANSFER_MODES:
             raise ValueError(f"transfer mode {transfer_mode!r}: {' or '.join(TRANSFER_MODES)}")
-        self.transfer_mode = transfer_mode
+        if heartbeat_s < 0:
+            raise ValueError(f"heartbeat_s must be 0 or more, got {heartbeat_s}")
+        self.transfer_mode, self.heartbeat_s = transfer_mode, heartbeat_s
         self.members = {engine_id: Member(role, engine) for engine_id, (role, engine) in engines.items()}
         self.routing = routing
         self.route = registry.resolve(routing)
@@ -100,10 +106,13 @@ class Cluster:
 
     def _arrive(self, request: SimRequest) -> list[str]:
         """Route it, as the scheduler does, and hand it (or its prefill part) to its engine."""
-        decision, self.routing_state = self.route(RouteQuery(MODEL, request.prompt_len), self._views(),
-                                                  self.routing_state)
+        decision, self.routing_state = self.route(RouteQuery(MODEL, request.prompt_len),
+                                                  self._views(request.arrival), self.routing_state)
         if decision is None:
             raise RuntimeError(f"routing policy {self.routing!r} found no engine for {request.request_id}")
+        for engine_id in (decision.prefill, decision.decode, decision.engine):
+            if engine_id is not None:
+                self._routed(self.members[engine_id], request.prompt_len)
         if decision.mode == "colocated" or request.max_tokens == 1:
             engine_id = decision.engine or decision.prefill
             self.members[engine_id].engine.add(request)
@@ -113,10 +122,8 @@ class Cluster:
         handoff = Handoff(request, decision.prefill, decision.decode, part)
         if self.transfer_mode == "push":
             return self._reserve(handoff, request.arrival)
-        self.handoffs[request.request_id] = handoff
-        self._inbound(handoff.decode, handoff, +1)
-        if not self.members[decision.prefill].engine.add(part):
-            self._inbound(handoff.decode, self.handoffs.pop(request.request_id), -1)
+        if self.members[decision.prefill].engine.add(part):
+            self.handoffs[request.request_id] = handoff
         return [decision.prefill]
 
     def _reserve(self, handoff: Handoff, now: float) -> list[str]:
@@ -129,7 +136,6 @@ class Cluster:
         if not self.members[handoff.decode].engine.add(handoff.decode_part):
             return []
         self.handoffs[handoff.whole.request_id] = handoff
-        self._inbound(handoff.prefill, handoff, +1)
         return [handoff.decode]
 
     def _step_done(self, engine_id: str, step: Step, start: float, events: EventQueue) -> list[str]:
@@ -178,7 +184,6 @@ class Cluster:
         whole.token_times.append(now)
         whole.scheduled_at = first.scheduled_at
         handoff.decode_part = _decode_part(whole, now)
-        self._inbound(handoff.decode, handoff, -1)
         if self.members[handoff.decode].engine.add(handoff.decode_part):
             return [handoff.decode]
         # It could never fit there: the held KV goes, as when its lease runs out.
@@ -200,13 +205,6 @@ class Cluster:
         whole.preemptions = first.preemptions + rest.preemptions
         whole.finished_at = rest.finished_at
 
-    def _inbound(self, engine_id: str, handoff: Handoff, sign: int) -> None:
-        """Count the request as on its way to the engine (+1), or no longer (-1)."""
-        member = self.members[engine_id]
-        spec = member.engine.spec
-        member.inbound += sign
-        member.inbound_blocks += sign * blocks_for(handoff.whole.prompt_len, spec.block_size) * spec.num_layers
-
     # -- engines ----------------------------------------------------------------------------------
 
     def _kick(self, engine_id: str, events: EventQueue) -> list[str]:
@@ -220,7 +218,6 @@ class Cluster:
                 if self.transfer_mode == "pull":
                     self._start_pull(handoff, events)
                 else:  # the prefill engine gets the prompt now
-                    self._inbound(handoff.prefill, handoff, -1)
                     handoff.prefill_part.arrival = events.now
                     self.members[handoff.prefill].engine.add(handoff.prefill_part)
                     prefills.append(handoff.prefill)
@@ -240,29 +237,43 @@ class Cluster:
     def _link(self, handoff: Handoff) -> Link:
         return self.links.setdefault((handoff.prefill, handoff.decode), Link())
 
-    def _views(self) -> list[EngineView]:
-        """Each engine as the scheduler sees it (services/scheduler/cluster.py), its load fresh: free
-        device blocks, waiting and running requests, with the requests routed to it and not there
-        yet counted as waiting and their prompts' blocks as taken (the scheduler's "routed since the
-        heartbeat")."""
+    def _views(self, now: float) -> list[EngineView]:
+        """Each engine as the scheduler sees it (services/scheduler/cluster.py): its load at its last
+        heartbeat (free device blocks, waiting and running requests), with the routes sent to it
+        since counted as waiting and their prompts' blocks as taken."""
         views = []
         for engine_id, member in self.members.items():
-            engine = member.engine
-            load = EngineLoad(free_device_blocks=max(0, engine.free - member.inbound_blocks),
-                              total_device_blocks=engine.spec.device_blocks,
-                              waiting=len(engine.waiting) + member.inbound, running=len(engine.running))
+            engine, report = member.engine, self._report(member, now)
+            load = EngineLoad(free_device_blocks=max(0, report.free_device_blocks - member.routed_blocks),
+                              total_device_blocks=report.total_device_blocks,
+                              waiting=report.waiting + member.routed, running=report.running)
             views.append(EngineView(id=engine_id, role=member.role, model=MODEL, load=load,
                                     block_size=engine.spec.block_size,
                                     kv_layout=(engine.spec.block_size, engine.spec.num_layers)))
         return views
 
+    def _report(self, member: Member, now: float) -> EngineLoad:
+        """The engine's last heartbeat, every `heartbeat_s` from 0: a newer one replaces the report and
+        the routes counted since the one before."""
+        if member.report is None or now - member.report_at >= self.heartbeat_s:
+            engine = member.engine
+            member.report = EngineLoad(engine.free, engine.spec.device_blocks, len(engine.waiting), len(engine.running))
+            member.report_at = now - (now % self.heartbeat_s if self.heartbeat_s > 0 else 0.0)
+            member.routed = member.routed_blocks = 0
+        return member.report
+
+    @staticmethod
+    def _routed(member: Member, prompt_tokens: int) -> None:
+        spec = member.engine.spec
+        member.routed += 1
+        member.routed_blocks += blocks_for(prompt_tokens, spec.block_size) * spec.num_layers
 
 def build(topology: Topology, spec: EngineSpec, cost: StepCost, policies: Mapping[str, str] | None = None,
           routing: str = registry.DEFAULT, link: LinkSpec = LinkSpec(), geometry: KVGeometry = KVGeometry(),
-          transfer_mode: str = "pull") -> Cluster:
+          transfer_mode: str = "pull", heartbeat_s: float = HEARTBEAT_S) -> Cluster:
     """A cluster of the topology's engines, alike: the same spec, step cost and engine policies."""
     return Cluster({engine_id: (role, SimEngine(spec, cost, policies)) for engine_id, role in topology.roles().items()},
-                   routing, link, geometry, transfer_mode)
+                   routing, link, geometry, transfer_mode, heartbeat_s)
 
 
 def _decode_part(whole: SimRequest, arrival: float) -> SimRequest:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvmesh.policies.routing import registry
 
-from .cluster import build
+from .cluster import HEARTBEAT_S, build
 from .engine import EngineSpec
 from .link import KVGeometry, LinkSpec
 from .metrics import summarise
@@ -23,10 +23,10 @@ from .workload import Lengths, poisson
 def run(profile: str, rate: float, requests: int, prompt: str, output: str, seed: int, spec: EngineSpec,
         policies: dict[str, str], json_path: Path | None, topology: str = "colocated:1",
         routing: str = registry.DEFAULT, link: LinkSpec = LinkSpec(), geometry: KVGeometry = KVGeometry(),
-        transfer_mode: str = "pull") -> int:
+        transfer_mode: str = "pull", heartbeat_s: float = HEARTBEAT_S) -> int:
     workload = poisson(rate, requests, Lengths.parse(prompt), Lengths.parse(output), seed)
     cluster = build(Topology.parse(topology), spec, load_profile(profile), policies, routing, link, geometry,
-                    transfer_mode)
+                    transfer_mode, heartbeat_s)
     start = time.perf_counter()
     sim_seconds = cluster.run(workload)
     summary = summarise(workload, sim_seconds, time.perf_counter() - start)
@@ -35,7 +35,7 @@ def run(profile: str, rate: float, requests: int, prompt: str, output: str, seed
                                        "device_blocks": spec.device_blocks, "max_num_seqs": spec.max_num_seqs,
                                        "token_budget": spec.token_budget},
               "policies": next(iter(cluster.members.values())).engine.names, "topology": topology,
-              "routing": routing, "transfer_mode": transfer_mode, "link": asdict(link),
+              "routing": routing, "heartbeat_s": heartbeat_s, "transfer_mode": transfer_mode, "link": asdict(link),
               "kv_geometry": asdict(geometry)}
     print(_table(summary))
     if json_path is not None:

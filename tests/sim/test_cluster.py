@@ -26,7 +26,7 @@ def assert_no_leak(cluster: Cluster) -> None:
         engine = member.engine
         assert engine.free == engine.spec.device_blocks
         assert not engine.held and not engine.pulling and not engine.running and not engine.waiting
-    assert not cluster.handoffs and all(m.inbound == m.inbound_blocks == 0 for m in cluster.members.values())
+    assert not cluster.handoffs
 
 
 def test_one_request_through_1p1d_takes_its_prefill_the_transfer_and_its_decodes():
@@ -140,8 +140,9 @@ def test_round_robin_sends_decodes_to_the_two_engines_in_turn():
 
 
 def test_least_loaded_sends_a_request_to_the_emptier_decode_engine():
-    """r1 arrives while r0 prefills, on its way to d0 (counted there as waiting, its blocks taken):
-    the policy picks d1. r2 comes when both are empty again: the first by id."""
+    """r1 arrives while r0 prefills: no heartbeat since r0 was routed to d0, so r0 counts there as
+    waiting, its blocks taken, and the policy picks d1. r2 comes when both are empty again, after
+    heartbeats: the first by id."""
     cluster = build(Topology.parse("pd:1:2"), SPEC, COST, routing="least_loaded", link=LINK)
     calls = []
     cluster.route = recorded(cluster.route, calls)
@@ -151,6 +152,22 @@ def test_least_loaded_sends_a_request_to_the_emptier_decode_engine():
     views = {v.id: v.load for v in calls[1][0][1]}
     assert views["engine-d0"].waiting == 1 and views["engine-d0"].free_device_blocks == SPEC.device_blocks - 32
     assert views["engine-d1"].waiting == 0 and views["engine-d1"].free_device_blocks == SPEC.device_blocks
+    assert_no_leak(cluster)
+
+
+@pytest.mark.parametrize("heartbeat_s, colocated", [(0.0, True), (1.0, False)])
+def test_conditional_prefills_on_an_idle_decode_engine_while_the_prefill_engine_is_backed_up(heartbeat_s, colocated):
+    """Four prompts at once on 1P1D: r0 runs, r1 and r2 wait on p0. With loads seen as they are, d0
+    has nobody waiting and r3 prefills there, colocated; within one heartbeat the three routed to d0
+    since count as waiting there, and r3 goes to the pair like the others."""
+    cluster = build(Topology.parse("pd:1:1"), SPEC, COST, link=LINK, heartbeat_s=heartbeat_s)
+    calls = []
+    cluster.route = recorded(cluster.route, calls)
+    requests = [SimRequest(f"r{i}", 0.0, 300, 4) for i in range(4)]
+    cluster.run(requests)
+    assert [answer.mode for _, (answer, _) in calls] == ["disaggregated"] * 3 + \
+        ["colocated" if colocated else "disaggregated"]
+    assert (requests[3].transfer_s is None) == colocated and all(r.num_generated == 4 for r in requests)
     assert_no_leak(cluster)
 
 
