@@ -176,7 +176,7 @@ def run(quick: bool, target: str | None = None) -> BenchResult:
             for setup in plan.setups:
                 cluster = clusters[setup.key]
                 for w in plan.workloads:
-                    measured[(setup.key, w)] = runner.run(_load(
+                    measured[(setup.key, w)] = runner.run(measured_load(
                         cluster.url, cluster.api_key, w, 2 * sweeps[w][-1].rate, plan, progress, setup.label))
     return _result(plan, quick, sweeps, measured)
 
@@ -199,8 +199,8 @@ def started_together(setups: tuple[Setup, ...], tmp: Path, progress: Progress) -
         yield clusters
 
 
-async def _load(url: str, api_key: str | None, workload: str, rate: float, plan: Plan, progress: Progress,
-                label: str) -> LoadResult:
+async def measured_load(url: str, api_key: str | None, workload: str, rate: float, plan: Plan,
+                        progress: Progress, label: str) -> LoadResult:
     """One Poisson load of `workload` at `rate`, after a few unmeasured warm-up requests."""
     spec = WORKLOADS[workload]
     model = await served_model(url, api_key)
@@ -216,7 +216,7 @@ async def _calibrate(url: str, api_key: str | None, workload: str, plan: Plan, p
     """The sweep up to (and including) the first rate whose P50 TBT is twice the light load's."""
     sweep: list[LoadResult] = []
     for rate in SWEEP[workload]:
-        sweep.append(await _load(url, api_key, workload, rate, plan, progress, label))
+        sweep.append(await measured_load(url, api_key, workload, rate, plan, progress, label))
         if _tbt(sweep[-1]) >= 2 * _tbt(sweep[0]):
             break
     return sweep

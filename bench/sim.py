@@ -2,7 +2,7 @@
 
 One run measures and then simulates the same load:
   1. measured: `bench serve`'s configuration (3), one colocated engine (`kvmesh up --colocated`, the
-     `tiny` preset, one torch thread), driven by bench/serve.py's own `_load` on the `arxiv` workload
+     `tiny` preset, one torch thread), driven by bench/serve.py's own `measured_load` on the `arxiv` workload
      at each of the rates of serve's sweep up to 12 req/s (1, 4, 8, 12: the same in `--quick` and the
      full run; `--quick` has serve's quick windows, 8 s of arrivals, the full run serve's 20 s);
   2. simulated: every request that load sent, with its prompt and output length and its scheduled
@@ -21,7 +21,8 @@ P50 TTFT at 1 req/s), and with `_step_overhead`, from a third in which each step
 time more (the engine side's measured minus simulated decode time per token at 1 req/s) and the delay
 is refitted: both variations are fitted at 1 req/s only and tested on the other rates (variations()).
 Also the engine side (the admission's per-request `timings_ms` against the simulated queue, prefill
-and decode) and the steps the engine ran against the simulated steps. What the simulator leaves out: the admission (and its queue), HTTP and SSE,
+and decode) and the steps the engine ran against the simulated steps. What the simulator leaves out:
+the admission (and its queue), HTTP and SSE,
 tokenization and detokenization, the engine service's frame stream, and the CPU the load generator
 and the other services take from the engine's on a 2-core machine (docs/benchmarks.md, issue 31).
 """
@@ -79,8 +80,8 @@ def run(quick: bool) -> BenchResult:
         state = engine_state(cluster.run_dir)
         steps = [state["steps"]]
         for rate in RATES:
-            loads.append(runner.run(serve._load(cluster.url, cluster.api_key, WORKLOAD, rate, plan, progress,
-                                                serve.COLOCATED.label)))
+            loads.append(runner.run(serve.measured_load(cluster.url, cluster.api_key, WORKLOAD, rate, plan,
+                                                        progress, serve.COLOCATED.label)))
             steps.append(engine_state(cluster.run_dir)["steps"])
     state["steps_per_load"] = [after - before for before, after in zip(steps, steps[1:])]
     spec, policies = engine_spec(state), sim_policies(state)
