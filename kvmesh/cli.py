@@ -191,7 +191,7 @@ def _sim(args: argparse.Namespace) -> int:
                        args.json_path, args.topology, args.routing, link, KVGeometry.parse(args.kv_geometry),
                        args.transfer_mode, args.heartbeat_s)
     except (KeyError, ValueError, FileNotFoundError) as exc:
-        print(f"kvmesh sim run: {exc}", file=sys.stderr)
+        print(f"kvmesh sim run: {exc.args[0] if exc.args else exc}", file=sys.stderr)  # a KeyError's str quotes it
         return 2
 
 

@@ -70,8 +70,8 @@ class SimEngine:
         if unknown:
             raise KeyError(f"the simulator runs the hooks {', '.join(HOOKS)}; not {', '.join(sorted(unknown))}")
         if names["kv_allocation"] not in ALLOCATIONS:
-            raise ValueError(f"kv_allocation {names['kv_allocation']!r} allots ahead through the engine's ledger, "
-                             f"which the simulator does not have yet; it runs {', '.join(ALLOCATIONS)}")
+            raise ValueError(f"kv_allocation {names['kv_allocation']!r} allots ahead, a step the simulator does not "
+                             f"take yet (docs/sim.md); it runs {', '.join(ALLOCATIONS)}")
         self.spec = spec
         self.cost = cost
         self.names = names

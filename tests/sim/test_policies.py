@@ -62,5 +62,5 @@ def test_a_request_the_pool_can_never_hold_is_refused():
 def test_unknown_and_unsimulated_policies_are_refused():
     with pytest.raises(KeyError):
         SimEngine(SPEC, StepCost(a=1e-3), {"preemption_order": "nobody"})
-    with pytest.raises(ValueError, match="ledger"):
+    with pytest.raises(ValueError, match="allots ahead"):
         SimEngine(SPEC, StepCost(a=1e-3), {"kv_allocation": "cacheopt"})
