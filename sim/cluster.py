@@ -268,6 +268,7 @@ class Cluster:
         member.routed += 1
         member.routed_blocks += blocks_for(prompt_tokens, spec.block_size) * spec.num_layers
 
+
 def build(topology: Topology, spec: EngineSpec, cost: StepCost, policies: Mapping[str, str] | None = None,
           routing: str = registry.DEFAULT, link: LinkSpec = LinkSpec(), geometry: KVGeometry = KVGeometry(),
           transfer_mode: str = "pull", heartbeat_s: float = HEARTBEAT_S) -> Cluster:

@@ -24,8 +24,9 @@ from .step_cost import StepCost
 # and without one the native engine recomputes whatever the strategy says.
 HOOKS = ("prefill_admission", "kv_allocation", "preemption_order")
 # Allocation ahead (every kv_allocation but vLLM's) needs the step the native scheduler runs around
-# policies/allocation/ledger.py: not simulated yet (docs/sim.md). vLLM's is never called: the native scheduler, too, calls the hook
-# only when it allots ahead, and offers every waiting request a place in admission order.
+# policies/allocation/ledger.py: not simulated yet (docs/sim.md). vLLM's is never called: the native
+# scheduler, too, calls the hook only when it allots ahead, and offers every waiting request a place in
+# admission order.
 ALLOCATIONS = ("block_at_a_time",)
 
 

@@ -15,10 +15,12 @@ from opentelemetry.trace import SpanKind
 
 from kvmesh.libs.controlplane import KvmeshError, ServiceClient
 from kvmesh.libs.messages.engine import Targets
-from kvmesh.libs.messages.predictor import MAX_PROMPT_CHARS, MAX_PROMPT_TOKENS, ObserveRequest, PredictedLength, PredictRequest
+from kvmesh.libs.messages.predictor import (MAX_PROMPT_CHARS, MAX_PROMPT_TOKENS, ObserveRequest, PredictedLength,
+                                            PredictRequest)
 from kvmesh.observability import tracing
 
 log = logging.getLogger(__name__)
+
 
 def with_predicted_lengths(targets: Targets, prediction: PredictedLength, max_tokens: int) -> Targets:
     """`targets` with what the engines' policies are told of a request's output length: the padded
