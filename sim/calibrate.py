@@ -20,7 +20,7 @@ from kvmesh.services.engine.native.factory import build_engine
 
 from .engine import chunk_shape
 from .fit import Shape, fit_step_cost
-from .step_cost import profile_path, write_profile
+from .step_cost import TERMS, profile_path, write_profile
 
 BATCHES = (1, 4, 16)          # requests prefilled together, then decoding together
 PROMPTS = (32, 128, 384)      # their prompt length: the decodes' context
@@ -45,14 +45,15 @@ def run(model: str, dtype: str, threads: int, out: Path | None, seed: int = 0) -
     path = out or profile_path(f"{_slug(model)}-{engine.runner.device.type}-{_dtype(engine)}-{threads}t")
     origin = f"least-squares fit to the median of {REPEATS} timings of each of {len(shapes)} step shapes of " \
              f"the native engine (kvmesh sim calibrate)"
-    write_profile(path, cost, {term: origin for term in ("a", "b", "c", "d")},
+    write_profile(path, cost, {term: origin for term in TERMS},
                   {"model": model, "dtype": _dtype(engine), "device": engine.runner.device.type, "threads": threads,
                    "hardware": f"{platform.machine()}, {_cpu_name()}",
                    "torch": torch.__version__, "shapes": {"batches": BATCHES, "prompts": PROMPTS,
                                                           "decode_steps": DECODE_STEPS, "repeats": REPEATS}},
                   fit)
     print(f"a = {cost.a * 1e3:.3f} ms/step, b = {cost.b * 1e6:.3f} us/prefill token, "
-          f"c = {cost.c * 1e6:.3f} us/decode token, d = {cost.d * 1e9:.3f} ns/context token")
+          f"c = {cost.c * 1e6:.3f} us/decode token, d = {cost.d * 1e9:.3f} ns/decode context token, "
+          f"e = {cost.e * 1e9:.3f} ns/prefill (query, key) pair")
     print(f"fit over {fit['samples']} shapes: mean relative error {fit['mean_relative_error']:.1%}, "
           f"max {fit['max_relative_error']:.1%}; wrote {path}")
     return 0

@@ -46,22 +46,25 @@ class Step:
     preempted: list[tuple[str, str]] = field(default_factory=list)      # (request id, strategy carried out)
     prefill_tokens: int = 0
     decode_tokens: int = 0
-    context_tokens: int = 0
+    decode_context: int = 0
+    prefill_context: int = 0
 
     def add(self, request: SimRequest, n: int) -> None:
         self.chunks.append((request, n))
-        prefill, decode, context = chunk_shape(request.prompt_len, request.num_computed, n)
+        prefill, decode, decode_context, prefill_context = chunk_shape(request.prompt_len, request.num_computed, n)
         self.prefill_tokens += prefill
         self.decode_tokens += decode
-        self.context_tokens += context
+        self.decode_context += decode_context
+        self.prefill_context += prefill_context
 
 
-def chunk_shape(prompt_len: int, num_computed: int, n: int) -> tuple[int, int, int]:
-    """A chunk of `n` tokens after `num_computed` as (prefill, decode, context) tokens: a decode when it
-    computes one generated token's KV; context, the KV tokens its attention reads, summed over its
-    tokens (each reads itself and every token before it)."""
+def chunk_shape(prompt_len: int, num_computed: int, n: int) -> tuple[int, int, int, int]:
+    """A chunk of `n` tokens after `num_computed` as (prefill tokens, decode tokens, decode context,
+    prefill context): a decode when it computes one generated token's KV. Its context is the KV its
+    attention reads, summed over its tokens (each reads itself and every token before it): for a
+    decode, its whole context; for a prompt chunk, (query, key) pairs."""
     context = n * num_computed + n * (n + 1) // 2
-    return (0, 1, context) if n == 1 and num_computed >= prompt_len else (n, 0, context)
+    return (0, 1, context, 0) if n == 1 and num_computed >= prompt_len else (n, 0, 0, context)
 
 
 class SimEngine:
@@ -105,7 +108,7 @@ class SimEngine:
         return bool(self.waiting or self.running)
 
     def seconds(self, step: Step) -> float:
-        return self.cost.seconds(step.prefill_tokens, step.decode_tokens, step.context_tokens)
+        return self.cost.seconds(step.prefill_tokens, step.decode_tokens, step.decode_context, step.prefill_context)
 
     # -- one iteration ----------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from .step_cost import TERMS, StepCost
 
-Shape = tuple[int, int, int]  # (prefill tokens, decode tokens, context tokens) of a step
+Shape = tuple[int, int, int, int]  # a step's prefill tokens, decode tokens, decode context, prefill context
 
 
 def fit_step_cost(shapes: Sequence[Shape], seconds: Sequence[float]) -> tuple[StepCost, dict]:
@@ -32,6 +32,6 @@ def fit_step_cost(shapes: Sequence[Shape], seconds: Sequence[float]) -> tuple[St
     fit = {"samples": len(y), "rms_residual_s": float(np.sqrt(np.mean((y - fitted) ** 2))),
            "mean_relative_error": float(relative.mean()), "max_relative_error": float(relative.max()),
            "held_at_zero": [TERMS[i] for i in range(len(TERMS)) if i not in free],
-           "steps": [{"prefill_tokens": p, "decode_tokens": d, "context_tokens": c, "measured_s": float(m),
-                      "fitted_s": float(f)} for (p, d, c), m, f in zip(shapes, y, fitted)]}
+           "steps": [{"prefill_tokens": p, "decode_tokens": d, "decode_context": dc, "prefill_context": pc,
+                      "measured_s": float(m), "fitted_s": float(f)} for (p, d, dc, pc), m, f in zip(shapes, y, fitted)]}
     return StepCost(*coefficients.tolist()), fit

@@ -1,9 +1,12 @@
 """The engine step's cost as a function of its batch, and the JSON profiles it is loaded from.
 
-seconds = a + b * prefill_tokens + c * decode_tokens + d * context_tokens, where prefill_tokens are
-the tokens computed as prompt (or recomputed) chunks, decode_tokens the requests decoding one token,
-and context_tokens the tokens of KV attention reads, summed over the step's tokens: a decode reads
-its whole context, a prompt token itself and the tokens before it (engine.chunk_shape). A profile in `sim/profiles/`
+seconds = a + b * prefill_tokens + c * decode_tokens + d * decode_context + e * prefill_context, where
+prefill_tokens are the tokens computed as prompt (or recomputed) chunks, decode_tokens the requests
+decoding one token, decode_context the KV tokens the decodes' attention reads (each its whole
+context) and prefill_context the (query, key) pairs the chunks' attention computes (each prompt token
+with itself and the tokens before it: engine.chunk_shape). The two context terms differ in kind: a
+decode's attention is bound by reading the KV (bytes), a prefill's by computing the pairs (FLOPs),
+so on a GPU their costs per token differ by two orders of magnitude. A profile in `sim/profiles/`
 holds one (model, hardware, dtype, threads) fit, each coefficient with where it came from."""
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 PROFILES = Path(__file__).parent / "profiles"
-TERMS = ("a", "b", "c", "d")  # the coefficients, in the order of the batch features (1, prefill, decode, context)
+TERMS = ("a", "b", "c", "d", "e")  # the coefficients of: 1, prefill, decode tokens, decode, prefill context
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,10 +24,12 @@ class StepCost:
     a: float          # seconds per step, whatever the batch
     b: float = 0.0    # seconds per prefill token
     c: float = 0.0    # seconds per decode token
-    d: float = 0.0    # seconds per context token attention reads
+    d: float = 0.0    # seconds per KV token a decode's attention reads
+    e: float = 0.0    # seconds per (query, key) pair a prefill chunk's attention computes
 
-    def seconds(self, prefill_tokens: int, decode_tokens: int, context_tokens: int) -> float:
-        return self.a + self.b * prefill_tokens + self.c * decode_tokens + self.d * context_tokens
+    def seconds(self, prefill_tokens: int, decode_tokens: int, decode_context: int, prefill_context: int) -> float:
+        return self.a + self.b * prefill_tokens + self.c * decode_tokens + self.d * decode_context + \
+            self.e * prefill_context
 
 
 def profile_path(name: str) -> Path:

@@ -61,7 +61,8 @@ def test_the_step_variation_is_fitted_on_the_lightest_loads_decode():
     found = bench_sim.variations(loads, spec, cost, {})
     assert [v.suffix for v in found] == ["", "_overhead", "_step_overhead"]
     stepped = found[2]
-    assert stepped.cost.a > cost.a and (stepped.cost.b, stepped.cost.c, stepped.cost.d) == (cost.b, cost.c, cost.d)
+    assert stepped.cost.a > cost.a and (stepped.cost.b, stepped.cost.c, stepped.cost.d, stepped.cost.e) == \
+        (cost.b, cost.c, cost.d, cost.e)
     # 4 ms a token measured on the engine side: the simulated decode at 1 req/s now takes as long
     measured = np.mean([r.kvmesh["timings_ms"]["decode"] for r in loads[0].results])
     assert stepped.summaries[0]["stages_ms"]["decode"] == pytest.approx(measured, rel=0.02)

@@ -10,7 +10,7 @@ from kvmesh.sim.simulate import simulate
 from kvmesh.sim.step_cost import StepCost
 from kvmesh.sim.workload import Lengths, poisson
 
-COST = StepCost(a=3e-3, b=1e-4, c=2e-4, d=1e-6)
+COST = StepCost(a=3e-3, b=1e-4, c=2e-4, d=1e-6, e=3e-7)
 
 
 def test_one_request_alone_takes_the_sum_of_its_steps():
@@ -21,8 +21,8 @@ def test_one_request_alone_takes_the_sum_of_its_steps():
     simulate(SimEngine(EngineSpec(token_budget=32), COST), [request])
 
     t, expected = arrival, []
-    for start, n in [(0, 32), (32, 32), (64, 32), (96, 4)]:  # each prompt token reads itself and those before
-        t += COST.a + COST.b * n + COST.d * (n * start + n * (n + 1) // 2)
+    for start, n in [(0, 32), (32, 32), (64, 32), (96, 4)]:  # each prompt token attends to itself and those before
+        t += COST.a + COST.b * n + COST.e * (n * start + n * (n + 1) // 2)
     expected.append(t)
     for position in range(prompt, prompt + output - 1):  # a decode reads its whole context
         t += COST.a + COST.c + COST.d * (position + 1)

@@ -16,7 +16,7 @@ from kvmesh.sim.step_cost import StepCost
 from kvmesh.sim.topology import Topology
 from kvmesh.sim.workload import Lengths, poisson
 
-COST = StepCost(a=3e-3, b=1e-4, c=2e-4, d=1e-6)
+COST = StepCost(a=3e-3, b=1e-4, c=2e-4, d=1e-6, e=3e-7)
 SPEC = EngineSpec(block_size=16, device_blocks=256, token_budget=2048)
 LINK = LinkSpec(gbps=2.0, latency_us=500.0, per_read_us=10.0)
 
@@ -42,12 +42,12 @@ def test_one_request_through_1p1d_takes_its_prefill_the_transfer_and_its_decodes
     request = SimRequest("r0", 0.5, 100, 5)
     cluster.run([request])
 
-    first = 0.5 + COST.seconds(100, 0, 100 * 101 // 2)
+    first = 0.5 + COST.seconds(100, 0, 0, 100 * 101 // 2)
     transfer = pull(LINK, KVGeometry(), 16, 100)
     t = first + transfer.data_s + transfer.latency_s
-    expected = [first, t := t + COST.seconds(1, 0, 101)]
+    expected = [first, t := t + COST.seconds(1, 0, 0, 101)]
     for position in (101, 102, 103):
-        expected.append(t := t + COST.seconds(0, 1, position + 1))
+        expected.append(t := t + COST.seconds(0, 1, position + 1, 0))
     assert request.token_times == pytest.approx(expected, rel=1e-12, abs=0)
     assert request.finished_at == request.token_times[-1]
     assert request.transfer_s == pytest.approx(transfer.seconds, rel=1e-9)
@@ -79,11 +79,12 @@ def test_one_request_through_1p1d_in_push_mode_gets_its_first_token_after_the_la
     request = SimRequest("r0", 0.5, 100, 3)
     cluster.run([request])
 
-    step = COST.seconds(100, 0, 100 * 101 // 2)
+    step = COST.seconds(100, 0, 0, 100 * 101 // 2)
     transfer = push(LINK, KVGeometry(), 16, 0, 100)
     first = 0.5 + step + transfer.data_s / KVGeometry().num_layers + transfer.latency_s
-    second = first + COST.seconds(1, 0, 101)
-    assert request.token_times == pytest.approx([first, second, second + COST.seconds(0, 1, 102)], rel=1e-12, abs=0)
+    second = first + COST.seconds(1, 0, 0, 101)
+    assert request.token_times == pytest.approx([first, second, second + COST.seconds(0, 1, 102, 0)],
+                                                rel=1e-12, abs=0)
     assert request.transfer_s == pytest.approx(first - 0.5 - step, rel=1e-9)
     assert_no_leak(cluster)
 

@@ -11,10 +11,10 @@ from kvmesh.sim.step_cost import TERMS, StepCost, load_profile
 
 
 def test_the_fit_recovers_known_coefficients_from_exact_timings():
-    truth = StepCost(a=1.5e-3, b=8e-5, c=1.4e-4, d=3e-7)
+    truth = StepCost(a=1.5e-3, b=8e-5, c=1.4e-4, d=3e-7, e=2e-8)
     rng = np.random.default_rng(0)
-    shapes = [(int(p), int(d), int(c)) for p, d, c in zip(rng.integers(0, 4096, 40), rng.integers(0, 64, 40),
-                                                           rng.integers(0, 100_000, 40))]
+    shapes = [tuple(int(x) for x in shape) for shape in zip(rng.integers(0, 4096, 40), rng.integers(0, 64, 40),
+                                                            rng.integers(0, 100_000, 40), rng.integers(0, 10**6, 40))]
     cost, fit = fit_step_cost(shapes, [truth.seconds(*s) for s in shapes])
     for term in TERMS:
         assert getattr(cost, term) == pytest.approx(getattr(truth, term), rel=1e-9)
@@ -22,10 +22,11 @@ def test_the_fit_recovers_known_coefficients_from_exact_timings():
 
 
 def test_a_term_that_would_be_negative_is_held_at_zero():
-    shapes = [(p, 0, 0) for p in (10, 20, 40, 80)] + [(0, 1, 50), (0, 2, 400), (0, 4, 100), (0, 8, 1600)]
-    seconds = [1e-3 + 1e-4 * p + 5e-5 * d - 1e-7 * c for p, d, c in shapes]  # the truth has d < 0
+    shapes = [(p, 0, 0, p * p) for p in (10, 20, 40, 80)] + [(0, 1, 50, 0), (0, 2, 400, 0), (0, 4, 100, 0),
+                                                              (0, 8, 1600, 0)]
+    seconds = [1e-3 + 1e-4 * p + 5e-5 * d - 1e-7 * c + 1e-8 * pc for p, d, c, pc in shapes]  # the truth has d < 0
     cost, fit = fit_step_cost(shapes, seconds)
-    assert cost.d == 0 and "d" in fit["held_at_zero"] and min(cost.a, cost.b, cost.c) >= 0
+    assert cost.d == 0 and "d" in fit["held_at_zero"] and min(cost.a, cost.b, cost.c, cost.e) >= 0
 
 
 def test_a_short_calibration_on_tiny_writes_a_profile(tmp_path, monkeypatch):
@@ -41,4 +42,4 @@ def test_a_short_calibration_on_tiny_writes_a_profile(tmp_path, monkeypatch):
     assert all(body["coefficients"][term]["origin"] for term in TERMS)
     assert body["fit"]["samples"] == len(body["fit"]["steps"]) >= len(TERMS)
     cost = load_profile(str(path))
-    assert cost.a >= 0 and cost.seconds(128, 4, 1000) > 0
+    assert cost.a >= 0 and cost.seconds(128, 4, 1000, 8256) > 0

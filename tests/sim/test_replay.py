@@ -26,6 +26,6 @@ def test_a_lone_replayed_request_takes_the_sum_of_its_steps():
     cost = StepCost(a=0.001, b=1e-5, c=2e-5)
     (request,) = replay([0.5], [100], [3])
     simulate(SimEngine(EngineSpec(token_budget=2048), cost), [request])
-    prefill, decode = cost.seconds(100, 0, 0), cost.seconds(0, 1, 0)
+    prefill, decode = cost.seconds(100, 0, 0, 0), cost.seconds(0, 1, 0, 0)
     assert request.token_times[0] == pytest.approx(0.5 + prefill)
     assert request.finished_at == pytest.approx(0.5 + prefill + 2 * decode)
