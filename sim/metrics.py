@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -31,6 +31,23 @@ def summarise(requests: Sequence[SimRequest], sim_seconds: float, wall_seconds: 
             "transfer_mean_s": transfer, "transfer_share": share,
             "preemptions": sum(r.preemptions for r in requests), "sim_seconds": sim_seconds,
             "wall_seconds": wall_seconds, "sim_per_wall": sim_seconds / wall_seconds if wall_seconds > 0 else None}
+
+
+def slo_attainment(requests: Sequence[SimRequest], slos: Mapping[str, float]) -> dict[str, float]:
+    """DistServe's attainment: the fraction of requests meeting each SLO of `slos` (seconds; `ttft`,
+    `tpot`: the request's own mean time per output token after the first, `e2e`), and every one of them
+    (`all`). An unfinished request meets none; a request of one token meets any TPOT."""
+    met = dict.fromkeys((*slos, "all"), 0)
+    for r in requests:
+        if r.finished_at is None:
+            continue
+        figures = {"ttft": r.token_times[0] - r.arrival, "e2e": r.finished_at - r.arrival,
+                   "tpot": (r.finished_at - r.token_times[0]) / max(1, r.num_generated - 1)}
+        ok = {name: figures[name] <= limit for name, limit in slos.items()}
+        for name, good in ok.items():
+            met[name] += good
+        met["all"] += all(ok.values())
+    return {name: count / len(requests) for name, count in met.items()}
 
 
 def _percentile(values: list[float], q: float) -> float | None:

@@ -1,0 +1,194 @@
+"""The planner's search (sim/plan.py): the configurations tried, the SLOs, and each configuration's
+goodput, found by bisection on the simulator.
+
+Goodput is DistServe's (OSDI'24, section 2.2): the highest arrival rate at which at least X% of
+requests meet every SLO. Every run is the same workload: the same seed draws the same lengths and the
+same exponential gaps, scaled by the rate, so two configurations, or two rates, are compared on the
+same requests (paired)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+
+from kvmesh.policies import registry as engine_policies
+from kvmesh.policies.routing import registry as routing_policies
+
+from .cluster import HEARTBEAT_S, TRANSFER_MODES, build
+from .engine import EngineSpec
+from .link import KVGeometry, LinkSpec
+from .metrics import slo_attainment, summarise
+from .step_cost import StepCost
+from .topology import Topology
+from .workload import Lengths, poisson
+
+SLOS = ("ttft", "tpot", "e2e")
+KINDS = ("colocated", "pd")
+DOUBLINGS = 10  # the bracket's search stops 2**10 times above or below the starting rate
+
+
+def parse_slos(texts: Iterable[str]) -> dict[str, float]:
+    """`NAME=LIMIT` each, or several joined by commas: NAME one of SLOS, LIMIT in milliseconds (`250`,
+    `250ms`) or seconds (`0.25s`). Seconds by name."""
+    slos = {}
+    for item in (part.strip() for text in texts for part in text.split(",")):
+        name, _, limit = item.partition("=")
+        seconds = limit.endswith("s") and not limit.endswith("ms")
+        try:
+            value = float(limit.removesuffix("ms").removesuffix("s")) * (1.0 if seconds else 1e-3)
+        except ValueError:
+            value = math.nan
+        if name not in SLOS or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"SLO {item!r}: give NAME=LIMIT, NAME one of {', '.join(SLOS)}, LIMIT above 0 in ms "
+                             f"(250 or 250ms) or seconds (0.25s); e.g. --slo ttft=250 --slo tpot=25")
+        slos[name] = value
+    if not slos:
+        raise ValueError(f"no SLO given: give at least one of {', '.join(SLOS)}, e.g. --slo ttft=250 --slo tpot=25")
+    return slos
+
+
+def parse_counts(text: str) -> list[int]:
+    """Engine counts: `N`, `LOW-HIGH` or a comma-separated list of either."""
+    counts: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.strip().partition("-")
+        high = high or low
+        if not (low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high)):
+            raise ValueError(f"engine counts {text!r}: give N, LOW-HIGH or a comma-separated list, each at least 1")
+        counts.update(range(int(low), int(high) + 1))
+    return sorted(counts)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One configuration: its engines and roles, and the policies it runs."""
+
+    topology: Topology
+    routing: str
+    preemption_order: str
+    transfer_mode: str | None = None  # disaggregated topologies only
+
+    @property
+    def engines(self) -> int:
+        return self.topology.colocated + self.topology.prefill + self.topology.decode
+
+    def __str__(self) -> str:
+        return " ".join(str(part) for part in (self.topology, self.routing, self.transfer_mode, self.preemption_order)
+                        if part is not None)
+
+
+def search_space(engine_counts: Sequence[int], kinds: Sequence[str], routings: Sequence[str],
+                 transfer_modes: Sequence[str], preemption_orders: Sequence[str]) -> list[Candidate]:
+    """Every topology of each engine count (colocated:N; pd:P:D for every P + D = N) with every policy
+    choice; transfer modes only where a KV hand-off happens. In that order, so a tie goes to the
+    configuration listed first."""
+    unknown = [kind for kind in kinds if kind not in KINDS] + [m for m in transfer_modes if m not in TRANSFER_MODES]
+    if unknown:
+        raise ValueError(f"{unknown[0]!r}: topologies are {' and '.join(KINDS)}, transfer modes "
+                         f"{' and '.join(TRANSFER_MODES)}")
+    for name in routings:
+        routing_policies.resolve(name)  # a KeyError naming the known ones
+    for name in preemption_orders:
+        engine_policies.resolve("preemption_order", name)
+    space = []
+    for n in engine_counts:
+        topologies = ([Topology(colocated=n)] if "colocated" in kinds else []) + \
+            ([Topology(prefill=p, decode=n - p) for p in range(1, n)] if "pd" in kinds else [])
+        for topology in topologies:
+            modes = transfer_modes if topology.prefill else [None]
+            space += [Candidate(topology, routing, order, mode)
+                      for routing, mode, order in itertools.product(routings, modes, preemption_orders)]
+    if not space:
+        raise ValueError(f"the search space is empty: engine counts {list(engine_counts)}, topologies {list(kinds)}, "
+                         f"routing {list(routings)}, transfer modes {list(transfer_modes)}, preemption orders "
+                         f"{list(preemption_orders)} (pd needs 2 engines or more)")
+    return space
+
+
+@dataclass(frozen=True, slots=True)
+class Goodput:
+    rate: float                # the highest rate found to meet the target (0: none down to the floor)
+    failed_at: float | None    # the lowest rate found to miss it (None: none up to the ceiling)
+    probes: tuple[tuple[float, float], ...]  # (rate, attainment), in the order they ran
+
+
+def bisect_goodput(attainment: Callable[[float], float], target: float, start: float,
+                   tolerance: float = 0.02) -> Goodput:
+    """The highest rate whose attainment is at least `target`, taking attainment to fall as the rate
+    grows: from `start`, double (or halve) until two rates bracket it, then halve the bracket until
+    its width is at most `tolerance` of its top."""
+    probes: list[tuple[float, float]] = []
+
+    def meets(rate: float) -> bool:
+        probes.append((rate, attainment(rate)))
+        return probes[-1][1] >= target
+
+    if meets(start):
+        low, high = start, None
+        for _ in range(DOUBLINGS):
+            if not meets(2 * low):
+                high = 2 * low
+                break
+            low *= 2
+        else:
+            return Goodput(low, None, tuple(probes))
+    else:
+        low, high = 0.0, start
+        for _ in range(DOUBLINGS):
+            if meets(high / 2):
+                low = high / 2
+                break
+            high /= 2
+        else:
+            return Goodput(0.0, high, tuple(probes))
+    while high - low > tolerance * high:
+        middle = (low + high) / 2
+        low, high = (middle, high) if meets(middle) else (low, middle)
+    return Goodput(low, high, tuple(probes))
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One configuration at one rate: the fraction meeting each SLO (and `all`), and the figures."""
+
+    attainment: dict[str, float]
+    ttft_p90_s: float | None
+    tpot_mean_s: float | None
+    e2e_p90_s: float | None
+    preemptions: int
+    unfinished: int
+
+
+class Simulator:
+    """Runs a configuration at a rate on the planner's one workload, each (configuration, rate) once.
+    A run in which nobody was preempted never called the preemption order, so it stands for every
+    order: the others reuse it (`shared` counts them)."""
+
+    def __init__(self, prompt: Lengths, output: Lengths, requests: int, seed: int, slos: dict[str, float],
+                 spec: EngineSpec, cost: StepCost, link: LinkSpec = LinkSpec(), geometry: KVGeometry = KVGeometry(),
+                 heartbeat_s: float = HEARTBEAT_S):
+        self.prompt, self.output, self.requests, self.seed, self.slos = prompt, output, requests, seed, slos
+        self.spec, self.cost, self.link, self.geometry, self.heartbeat_s = spec, cost, link, geometry, heartbeat_s
+        self.runs: dict[tuple[Candidate, float], Run] = {}
+        self.simulated = self.shared = 0
+
+    def run(self, candidate: Candidate, rate: float) -> Run:
+        key, any_order = (candidate, rate), (replace(candidate, preemption_order=""), rate)
+        if key not in self.runs and any_order in self.runs:
+            self.runs[key] = self.runs[any_order]
+            self.shared += 1
+        if key in self.runs:
+            return self.runs[key]
+        workload = poisson(rate, self.requests, self.prompt, self.output, self.seed)
+        cluster = build(candidate.topology, self.spec, self.cost, {"preemption_order": candidate.preemption_order},
+                        candidate.routing, self.link, self.geometry, candidate.transfer_mode or "pull",
+                        self.heartbeat_s)
+        summary = summarise(workload, cluster.run(workload), 0.0)
+        self.runs[key] = run = Run(slo_attainment(workload, self.slos), summary["ttft_p90_s"], summary["tpot_mean_s"],
+                                   summary["e2e_p90_s"], summary["preemptions"], summary["unfinished"])
+        self.simulated += 1
+        if run.preemptions == 0:
+            self.runs[any_order] = run
+        return run

@@ -1,0 +1,111 @@
+"""`kvmesh plan`: the pick is the configuration of the highest goodput per engine; goodput is found by
+bisection (checked on curves of known answer); bad input is refused before anything runs."""
+
+import json
+
+import pytest
+
+from kvmesh.cli import main
+from kvmesh.sim.engine import EngineSpec
+from kvmesh.sim.metrics import slo_attainment
+from kvmesh.sim.plan_search import Candidate, Simulator, bisect_goodput, parse_counts, parse_slos, search_space
+from kvmesh.sim.request import SimRequest
+from kvmesh.sim.step_cost import StepCost
+from kvmesh.sim.topology import Topology
+from kvmesh.sim.workload import Lengths
+
+TINY_SEARCH = ["--rate", "20", "--requests", "200", "--prompt", "uniform:64-256", "--output", "exp:32",
+               "--slo", "ttft=200", "--slo", "tpot=20", "--engines", "2", "--routing", "least_loaded",
+               "--transfer-modes", "pull,push", "--preemption-orders", "latest_arrival_first"]
+
+
+def test_plan_picks_the_configuration_of_the_highest_goodput_per_engine(tmp_path, capsys):
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    assert main(["plan", *TINY_SEARCH, "--json", str(out), "--plot", str(png)]) == 0
+    printed = capsys.readouterr().out
+    body = json.loads(out.read_text())
+    results = body["results"]
+    assert sorted(r["configuration"] for r in results) == [
+        "colocated:2 least_loaded latest_arrival_first", "pd:1:1 least_loaded pull latest_arrival_first",
+        "pd:1:1 least_loaded push latest_arrival_first"]
+    best = max(results, key=lambda r: r["goodput_per_engine_rps"])
+    pick = body["pick"]
+    assert pick["winner"]["configuration"] == best["configuration"]
+    assert pick["goodput_per_engine_rps"] == best["goodput_per_engine_rps"] == best["goodput_rps"] / 2
+    for r in results:  # the bisection's bracket: met at goodput, missed at the first rate above it
+        probes = {p["rate_rps"]: p["attainment"]["all"] for p in r["probes"]}
+        assert probes[r["goodput_rps"]] >= 0.9 > probes[r["failed_at_rps"]]
+        assert set(r["probes"][0]["attainment"]) == {"ttft", "tpot", "all"}
+    assert pick["runner_up"] is not None and pick["why"]["binding_slo"] in ("ttft", "tpot")
+    assert pick["replicas"] == 1 and body["config"]["slos_ms"] == {"ttft": 200.0, "tpot": 20.0}
+    assert f"pick: {best['configuration']}" in printed and "runner-up:" in printed and "why:" in printed
+    assert png.stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--profile", "no-such-profile"], "no-such-profile"),
+    (["--slo", "ttft:250"], "ttft:250"),
+    (["--slo", "latency=250"], "latency=250"),
+    (["--engines", "1", "--topologies", "pd"], "search space is empty"),
+    (["--routing", ""], "search space is empty"),
+    (["--routing", "nobody"], "nobody"),
+])
+def test_plan_refuses_bad_input_and_writes_nothing(tmp_path, capsys, argv, message):
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    assert main(["plan", *TINY_SEARCH, *argv, "--json", str(out), "--plot", str(png)]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.out == ""
+    assert not out.exists() and not png.exists()
+
+
+def test_bisection_finds_where_a_falling_attainment_crosses_the_target():
+    # attainment 1 - rate / 100 crosses 90% at 10 req/s exactly
+    found = bisect_goodput(lambda rate: 1 - rate / 100, 0.9, start=3.0, tolerance=0.01)
+    assert found.rate <= 10 < found.failed_at and found.failed_at - found.rate <= 0.01 * found.failed_at
+    assert [rate for rate, _ in found.probes[:3]] == [3.0, 6.0, 12.0]  # doubled until it missed
+
+
+def test_bisection_brackets_a_step_from_above_and_stops_at_its_ends():
+    found = bisect_goodput(lambda rate: 1.0 if rate <= 7.3 else 0.0, 0.9, start=64.0, tolerance=0.02)
+    assert [rate for rate, _ in found.probes[:5]] == [64.0, 32.0, 16.0, 8.0, 4.0]  # halved until it met
+    assert found.rate <= 7.3 < found.failed_at <= found.rate / 0.98
+    assert bisect_goodput(lambda rate: 1.0, 0.9, 1.0).failed_at is None       # met up to 2**10 x the start
+    assert bisect_goodput(lambda rate: 0.0, 0.9, 1.0).rate == 0.0             # missed down to 2**-10 x
+
+
+def test_attainment_counts_each_slo_and_all_of_them():
+    def served(ttft, gap, tokens):
+        request = SimRequest("r", 0.0, 10, tokens)
+        request.token_times = [ttft + gap * i for i in range(tokens)]
+        request.finished_at = request.token_times[-1]
+        return request
+
+    requests = [served(0.1, 0.01, 11), served(0.3, 0.01, 11), served(0.1, 0.05, 11), served(0.1, 1.0, 1),
+                SimRequest("unfinished", 0.0, 10, 5)]
+    assert slo_attainment(requests, {"ttft": 0.2, "tpot": 0.02}) == {"ttft": 0.6, "tpot": 0.6, "all": 0.4}
+    assert slo_attainment(requests, {"e2e": 0.25}) == {"e2e": 0.4, "all": 0.4}
+
+
+def test_slos_and_engine_counts_parse():
+    assert parse_slos(["ttft=250", "tpot=25ms,e2e=1.5s"]) == pytest.approx({"ttft": 0.25, "tpot": 0.025, "e2e": 1.5})
+    assert parse_counts("2") == [2] and parse_counts("1-3,6") == [1, 2, 3, 6]
+    for bad in ("ttft", "ttft=", "ttft=-1", "ttft=nan", "tbt=20"):
+        with pytest.raises(ValueError, match="NAME=LIMIT"):
+            parse_slos([bad])
+    with pytest.raises(ValueError, match="engine counts"):
+        parse_counts("0-2")
+
+
+def test_the_search_space_splits_every_engine_count_and_tries_transfer_modes_only_on_pd():
+    space = search_space([1, 3], ["colocated", "pd"], ["least_loaded"], ["pull", "push"], ["srtf"])
+    assert [str(c) for c in space] == ["colocated:1 least_loaded srtf", "colocated:3 least_loaded srtf",
+                                       "pd:1:2 least_loaded pull srtf", "pd:1:2 least_loaded push srtf",
+                                       "pd:2:1 least_loaded pull srtf", "pd:2:1 least_loaded push srtf"]
+
+
+def test_a_run_without_preemption_stands_for_every_preemption_order():
+    simulator = Simulator(Lengths.parse("64"), Lengths.parse("8"), 50, 0, {"ttft": 0.1}, EngineSpec(),
+                          StepCost(a=1e-3, b=1e-5))
+    first = simulator.run(Candidate(Topology(colocated=1), "least_loaded", "latest_arrival_first"), 10.0)
+    again = simulator.run(Candidate(Topology(colocated=1), "least_loaded", "srtf"), 10.0)
+    assert first.preemptions == 0 and again is first and (simulator.simulated, simulator.shared) == (1, 1)
