@@ -7,8 +7,12 @@ import importlib
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvmesh.infra.local.state import DEFAULT_RUN_DIR
+
+if TYPE_CHECKING:
+    from kvmesh.sim.engine import EngineSpec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,22 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     calibrate.add_argument("--out", type=Path, help="the profile to write (default: sim/profiles/MODEL-DEVICE-"
                                                     "DTYPE-THREADSt.json)")
     sim_run = sim_commands.add_parser("run", help="a Poisson workload through a simulated cluster")
-    sim_run.add_argument("--profile", default="tiny-cpu-bfloat16-1t",
-                         help="step-cost profile: a name in sim/profiles or a .json path (%(default)s)")
     sim_run.add_argument("--rate", type=float, default=10.0, help="arrivals per second (%(default)s)")
     sim_run.add_argument("--requests", type=_positive, default=1000, help="how many (%(default)s)")
-    sim_run.add_argument("--prompt", default="uniform:64-512", metavar="LENGTHS",
-                         help="prompt tokens: N, uniform:LOW-HIGH or exp:MEAN (%(default)s)")
-    sim_run.add_argument("--output", default="exp:128", metavar="LENGTHS", help="output tokens, likewise (%(default)s)")
-    sim_run.add_argument("--seed", type=int, default=0, help="arrivals and lengths (%(default)s)")
+    _sim_workload_arguments(sim_run)
     sim_run.add_argument("--policy", action="append", default=[], metavar="HOOK=NAME",
                          help="an engine policy by name, e.g. preemption_order=srtf (repeatable)")
-    sim_run.add_argument("--block-size", type=_positive, default=16, help="tokens per block (%(default)s)")
-    sim_run.add_argument("--device-blocks", type=_positive, default=4096, help="KV blocks, all layers (%(default)s)")
-    sim_run.add_argument("--num-layers", type=_positive, default=1,
-                         help="layers each holding a request's blocks (%(default)s)")
-    sim_run.add_argument("--max-num-seqs", type=_positive, default=64, help="requests per batch (%(default)s)")
-    sim_run.add_argument("--token-budget", type=_positive, default=2048, help="tokens per step (%(default)s)")
     sim_run.add_argument("--topology", default="colocated:1",
                          help="colocated:N engines, or pd:P:D prefill and decode engines (%(default)s)")
     sim_run.add_argument("--routing", default="conditional", help="routing policy by name (%(default)s)")
@@ -129,6 +122,28 @@ def main(argv: list[str] | None = None) -> int:
     sim_run.add_argument("--kv-geometry", default="4:2:64:2", metavar="LAYERS:KV_HEADS:HEAD_DIM:DTYPE_BYTES",
                          help="the model's KV, for the transfer's bytes and reads (%(default)s: tiny, bfloat16)")
     sim_run.add_argument("--json", dest="json_path", type=Path, help="also write the results here")
+
+    plan = commands.add_parser("plan", help="the configuration with the highest SLO goodput per engine for a "
+                                            "workload, searched in the simulator (docs/sim.md)")
+    plan.add_argument("--rate", type=float, default=10.0,
+                      help="arrivals per second to serve: where each bisection starts, what replicas are sized for")
+    _sim_workload_arguments(plan)
+    plan.add_argument("--slo", action="append", default=[], metavar="NAME=MS",
+                      help="ttft, tpot (a request's mean time per output token) or e2e, ms (e.g. ttft=250); repeatable")
+    plan.add_argument("--attainment", type=float, default=90.0,
+                      help="%% of requests that must meet every SLO (%(default)s: DistServe's goodput)")
+    plan.add_argument("--engines", default="2", help="engine counts searched: N, LOW-HIGH or a list (%(default)s)")
+    plan.add_argument("--topologies", type=_names, default="colocated,pd", help="colocated, pd or both (%(default)s)")
+    plan.add_argument("--routing", type=_names, default="conditional,least_loaded,round_robin",
+                      help="routing policies searched (%(default)s)")
+    plan.add_argument("--transfer-modes", type=_names, default="pull,push", help="for pd topologies (%(default)s)")
+    plan.add_argument("--preemption-orders", type=_names, default="latest_arrival_first,srtf,lkvo",
+                      help="engine preemption orders searched (%(default)s)")
+    plan.add_argument("--requests", type=_positive, default=1000, help="requests each simulation runs (%(default)s)")
+    plan.add_argument("--tolerance", type=float, default=0.02,
+                      help="bisection stops when its bracket is this share of its top (%(default)s)")
+    plan.add_argument("--json", dest="json_path", type=Path, help="also write every configuration's results here")
+    plan.add_argument("--plot", dest="plot_path", type=Path, help="a PNG of attainment over rate and goodput")
 
     args = parser.parse_args(argv)
     if args.command == "up":
@@ -168,6 +183,12 @@ def main(argv: list[str] | None = None) -> int:
         return run_train(args.data, args.out, args.epochs, args.validation, args.seed, args.threads)
     if args.command == "sim":
         return _sim(args)
+    if args.command == "plan":
+        from kvmesh.sim.plan import run as run_plan
+        return run_plan(args.profile, args.rate, args.prompt, args.output, args.slo, args.attainment,
+                        _engine_spec(args), args.engines, args.topologies, args.routing, args.transfer_modes,
+                        args.preemption_orders, args.requests, args.seed, args.tolerance, args.json_path,
+                        args.plot_path)
     return 2
 
 
@@ -175,7 +196,6 @@ def _sim(args: argparse.Namespace) -> int:
     if args.sim_command == "calibrate":
         from kvmesh.sim.calibrate import run as run_calibrate
         return run_calibrate(args.model, args.dtype, args.threads, args.out)
-    from kvmesh.sim.engine import EngineSpec
     from kvmesh.sim.link import KVGeometry, LinkSpec
     from kvmesh.sim.run import run as run_sim
     try:
@@ -183,8 +203,7 @@ def _sim(args: argparse.Namespace) -> int:
         if bad:
             raise ValueError(f"--policy {bad[0]!r}: give HOOK=NAME, e.g. preemption_order=srtf")
         policies = dict(value.split("=", 1) for value in args.policy)
-        spec = EngineSpec(block_size=args.block_size, num_layers=args.num_layers, device_blocks=args.device_blocks,
-                          max_num_seqs=args.max_num_seqs, token_budget=args.token_budget)
+        spec = _engine_spec(args)
         link = LinkSpec(gbps=args.link_gbps, latency_us=args.link_latency_us, per_read_us=args.link_read_us,
                         coalescing=not args.no_coalescing, block_runs=args.block_runs)
         return run_sim(args.profile, args.rate, args.requests, args.prompt, args.output, args.seed, spec, policies,
@@ -193,6 +212,33 @@ def _sim(args: argparse.Namespace) -> int:
     except (KeyError, ValueError, FileNotFoundError) as exc:
         print(f"kvmesh sim run: {exc.args[0] if exc.args else exc}", file=sys.stderr)  # a KeyError's str quotes it
         return 2
+
+
+def _sim_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The simulator's workload lengths, seed, step-cost profile and engine spec (sim run, plan)."""
+    parser.add_argument("--profile", default="tiny-cpu-bfloat16-1t",
+                        help="step-cost profile: a name in sim/profiles or a .json path (%(default)s)")
+    parser.add_argument("--prompt", default="uniform:64-512", metavar="LENGTHS",
+                        help="prompt tokens: N, uniform:LOW-HIGH or exp:MEAN (%(default)s)")
+    parser.add_argument("--output", default="exp:128", metavar="LENGTHS", help="output tokens, likewise (%(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="arrivals and lengths (%(default)s)")
+    parser.add_argument("--block-size", type=_positive, default=16, help="tokens per block (%(default)s)")
+    parser.add_argument("--device-blocks", type=_positive, default=4096, help="KV blocks, all layers (%(default)s)")
+    parser.add_argument("--num-layers", type=_positive, default=1,
+                        help="layers each holding a request's blocks (%(default)s)")
+    parser.add_argument("--max-num-seqs", type=_positive, default=64, help="requests per batch (%(default)s)")
+    parser.add_argument("--token-budget", type=_positive, default=2048, help="tokens per step (%(default)s)")
+
+
+def _engine_spec(args: argparse.Namespace) -> EngineSpec:
+    from kvmesh.sim.engine import EngineSpec
+    return EngineSpec(block_size=args.block_size, num_layers=args.num_layers, device_blocks=args.device_blocks,
+                      max_num_seqs=args.max_num_seqs, token_budget=args.token_budget)
+
+
+def _names(text: str) -> list[str]:
+    """A comma-separated list of names (empty: none)."""
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def _count(text: str) -> int:
