@@ -48,6 +48,7 @@ class Member:
     report_at: float = 0.0
     routed: int = 0                   # routes sent here since then
     routed_blocks: int = 0            # device blocks their prompts take
+    view: EngineView | None = None    # as routing last saw it: kept until a report or a route changes it
 
 
 @dataclass
@@ -243,13 +244,16 @@ class Cluster:
         since counted as waiting and their prompts' blocks as taken."""
         views = []
         for engine_id, member in self.members.items():
-            engine, report = member.engine, self._report(member, now)
-            load = EngineLoad(free_device_blocks=max(0, report.free_device_blocks - member.routed_blocks),
-                              total_device_blocks=report.total_device_blocks,
-                              waiting=report.waiting + member.routed, running=report.running)
-            views.append(EngineView(id=engine_id, role=member.role, model=MODEL, load=load,
-                                    block_size=engine.spec.block_size,
-                                    kv_layout=(engine.spec.block_size, engine.spec.num_layers)))
+            report = self._report(member, now)
+            if member.view is None:
+                engine = member.engine
+                load = EngineLoad(free_device_blocks=max(0, report.free_device_blocks - member.routed_blocks),
+                                  total_device_blocks=report.total_device_blocks,
+                                  waiting=report.waiting + member.routed, running=report.running)
+                member.view = EngineView(id=engine_id, role=member.role, model=MODEL, load=load,
+                                         block_size=engine.spec.block_size,
+                                         kv_layout=(engine.spec.block_size, engine.spec.num_layers))
+            views.append(member.view)
         return views
 
     def _report(self, member: Member, now: float) -> EngineLoad:
@@ -260,6 +264,7 @@ class Cluster:
             member.report = EngineLoad(engine.free, engine.spec.device_blocks, len(engine.waiting), len(engine.running))
             member.report_at = now - (now % self.heartbeat_s if self.heartbeat_s > 0 else 0.0)
             member.routed = member.routed_blocks = 0
+            member.view = None
         return member.report
 
     @staticmethod
@@ -267,6 +272,7 @@ class Cluster:
         spec = member.engine.spec
         member.routed += 1
         member.routed_blocks += blocks_for(prompt_tokens, spec.block_size) * spec.num_layers
+        member.view = None
 
 
 def build(topology: Topology, spec: EngineSpec, cost: StepCost, policies: Mapping[str, str] | None = None,

@@ -4,16 +4,17 @@ come out in the order they were scheduled, so a run is the same for the same inp
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 
-@dataclass(order=True, frozen=True, slots=True)
-class Event:
+class Event(NamedTuple):
+    """A tuple, so the heap compares events in C: by time, then by `seq`, which is unique, so the
+    kind and payload are never compared."""
+
     time: float
     seq: int                          # scheduling order: breaks ties between events at the same time
-    kind: str = field(compare=False)
-    payload: Any = field(compare=False, default=None)
+    kind: str
+    payload: Any = None
 
 
 class EventQueue:
