@@ -122,6 +122,16 @@ def main(argv: list[str] | None = None) -> int:
     sim_run.add_argument("--kv-geometry", default="4:2:64:2", metavar="LAYERS:KV_HEADS:HEAD_DIM:DTYPE_BYTES",
                          help="the model's KV, for the transfer's bytes and reads (%(default)s: tiny, bfloat16)")
     sim_run.add_argument("--json", dest="json_path", type=Path, help="also write the results here")
+    paper = sim_commands.add_parser("paper", help="a paper's main experiment at its own scale, its headlines beside "
+                                                  "the simulated ones (docs/sim.md)")
+    paper.add_argument("name", help="the paper: kvdirect")
+    paper.add_argument("--quick", action="store_true", help="few requests, two rates, no variations")
+    paper.add_argument("--rates", help="rates per engine, req/s, comma-separated (default: the paper's)")
+    paper.add_argument("--requests", type=_positive, help="requests a simulation (default: the paper's)")
+    paper.add_argument("--seed", type=int, default=0, help="arrivals and lengths (%(default)s)")
+    paper.add_argument("--profile", help="the deployment profile in sim/profiles (default: the paper's)")
+    paper.add_argument("--json", dest="json_path", type=Path, help="write the benchmark contract's JSON here")
+    paper.add_argument("--plot", dest="plot_path", type=Path, help="the PNG (default: the JSON's path, .png)")
 
     plan = commands.add_parser("plan", help="the configuration with the highest SLO goodput per engine for a "
                                             "workload, searched in the simulator (docs/sim.md)")
@@ -196,6 +206,14 @@ def _sim(args: argparse.Namespace) -> int:
     if args.sim_command == "calibrate":
         from kvmesh.sim.calibrate import run as run_calibrate
         return run_calibrate(args.model, args.dtype, args.threads, args.out)
+    if args.sim_command == "paper":
+        from kvmesh.sim.papers.run import run as run_paper
+        try:
+            return run_paper(args.name, args.quick, args.rates, args.requests, args.seed, args.profile, args.json_path,
+                             args.plot_path)
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"kvmesh sim paper: {exc}", file=sys.stderr)
+            return 2
     from kvmesh.sim.link import KVGeometry, LinkSpec
     from kvmesh.sim.run import run as run_sim
     try:
