@@ -1,7 +1,7 @@
 """The engine service, on either backend (backend.py): `POST /v1/generate` (and its two phases,
-`/v1/prefill` and `/v1/decode`) streams frames, `POST /v1/abort`, `GET /v1/state`, `PUT /v1/policy`,
-`POST /v1/kv/reserve`, `GET /v1/cache`, `GET /v1/tokenizer`; registers with kvmeta and heartbeats
-its load when configured."""
+`/v1/prefill` and `/v1/decode`) streams frames, `POST /v1/abort`, `GET /v1/state`, `GET /v1/steps`,
+`PUT /v1/policy`, `POST /v1/kv/reserve`, `GET /v1/cache`, `GET /v1/tokenizer`; registers with kvmeta
+and heartbeats its load when configured."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from .defaults import decided
 from .frame_stream import write_frames
 from .phases import trace_phases
 from .state import EngineState
+from .steps import EngineSteps, StepQuery
 
 Config = EngineConfig
 
@@ -125,6 +126,11 @@ class EngineRoutes:
         between tokens."""
         return self.backend.state()
 
+    async def steps(self, request: web.Request, query: StepQuery) -> EngineSteps:
+        """The latest steps (a bounded ring), each with its shape and the wall time of the engine loop's
+        turn around it: what the simulator's step cost is fitted to (kvmesh sim calibrate --from-engine)."""
+        return self.backend.steps(query.since)
+
     async def cache(self, request: web.Request, query: CacheQuery) -> CacheTable:
         """CaR's cache table: the prefix cache's nodes with their tier, blocks, size and score."""
         return await self.backend.cache_table(query)
@@ -164,6 +170,7 @@ def build_service(config: EngineConfig) -> Service:
         service.route("POST", path, body=body_type, summary=summary)(engine.generate)
     service.route("POST", "/v1/abort", body=AbortRequest, response=Aborted)(engine.abort)
     service.route("GET", "/v1/state", response=EngineState)(engine.state)
+    service.route("GET", "/v1/steps", query=StepQuery, response=EngineSteps)(engine.steps)
     service.route("GET", "/v1/cache", query=CacheQuery, response=CacheTable)(engine.cache)
     service.route("POST", "/v1/kv/reserve", body=KVReserve, response=KVHandle)(engine.reserve)
     service.route("GET", "/v1/tokenizer", response=TokenizerSpec)(engine.tokenizer)

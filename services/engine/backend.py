@@ -20,6 +20,7 @@ from kvmesh.libs.messages.engine import (CacheQuery, CacheTable, Frame, Generate
 from .cache_publisher import CacheJournal
 from .metrics import EngineCollector
 from .state import EngineState
+from .steps import EngineSteps
 
 
 class EngineBackend(abc.ABC):
@@ -48,6 +49,11 @@ class EngineBackend(abc.ABC):
     @abc.abstractmethod
     def state(self) -> EngineState:
         """The latest snapshot, replaced whole by the engine's thread (never changed in place)."""
+
+    def steps(self, since: int) -> EngineSteps:
+        """The recent steps after step `since`, as the loop stepping the engine timed them."""
+        raise BadRequest(f"steps: the {self.name} backend does not record its steps (vLLM steps in its engine "
+                         "core's own process and loop)")
 
     def clock(self) -> float:
         """Now, on the clock a request's `arrival` is kept in."""

@@ -19,6 +19,7 @@ from ..cache_publisher import CacheJournal
 from ..config import EngineConfig
 from ..metrics import NativeEngineCollector
 from ..state import EngineState
+from ..steps import EngineSteps
 from .cache_journal import native_journal
 from .engine_loop import EngineLoop
 from .events import EngineEvents
@@ -76,6 +77,9 @@ class NativeBackend(EngineBackend):
 
     def state(self) -> EngineState:
         return self.loop.state
+
+    def steps(self, since: int) -> EngineSteps:
+        return self.loop.steps.read(since)
 
     def clock(self) -> float:
         return self.engine.clock()

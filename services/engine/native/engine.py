@@ -18,6 +18,7 @@ import msgspec
 import torch
 
 from kvmesh.libs.messages.engine import Frame, KVHandle, SamplingParams, Targets, Timings, Usage
+from kvmesh.policies.step_shape import Shape, step_shape
 
 from ..state import EngineState, LayerProfile, SparsityProfile, SwapProfile, TransferTotals
 from .block_manager import BlockManager
@@ -41,6 +42,7 @@ class Engine(EngineHandoff):
     eos_token_ids: tuple[int, ...]
     clock: Callable[[], float] = time.time
     steps: int = 0
+    last_shape: Shape | None = None  # the last step's (policies.step_shape), before its chunks were computed
     preemptions: dict[str, int] = field(default_factory=lambda: {"recompute": 0, "swap": 0})
     generated_tokens: int = 0
     computed_prompt_tokens: int = 0
@@ -93,6 +95,8 @@ class Engine(EngineHandoff):
     def step(self) -> EngineEvents:
         now = self.clock()
         plan = self.scheduler.schedule(now)
+        self.last_shape = step_shape((len(c.request.prompt_ids), c.request.num_computed, c.num_tokens)
+                                     for c in plan.chunks)
         for _victim, strategy in plan.preempted:
             self.preemptions[strategy] += 1
         events = EngineEvents(pulls=[self._pull_order(request, now) for request in plan.pulls])

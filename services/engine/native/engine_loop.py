@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 from ..state import EngineState
+from ..steps import StepLog
 from .engine import Engine
 from .events import EngineEvents
 
@@ -37,6 +38,7 @@ class EngineLoop:
         self.deliver = deliver
         self.engine: Engine | None = None
         self.state: EngineState | None = None
+        self.steps = StepLog()  # each step's shape and the wall time of its turn of the loop
         self._build = build
         self._built: Future[Engine] = Future()
         self._commands: queue.SimpleQueue[Callable[[], EngineEvents | None]] = queue.SimpleQueue()
@@ -85,6 +87,7 @@ class EngineLoop:
         self._built.set_result(self.engine)
         published = 0.0
         while not self._stop.is_set():
+            turn, stepped = time.perf_counter(), self.engine.steps
             events = self._drain()
             if self.engine.scheduler.has_work():
                 try:
@@ -99,6 +102,9 @@ class EngineLoop:
                 self.state, published = self.engine.state(), time.monotonic()
             if events:
                 self.deliver(events)
+            if self.engine.steps != stepped:  # a step computed something: its turn, as the simulator's step
+                self.steps.record(self.engine.steps, self.engine.clock(), time.perf_counter() - turn,
+                                  self.engine.last_shape)
             if idle:
                 # A command submitted meanwhile has set it: the next drain takes it. Held KV is
                 # checked again when its lease runs out.
