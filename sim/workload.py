@@ -10,16 +10,18 @@ import numpy as np
 
 from .request import SimRequest
 
-KINDS = ("fixed", "uniform", "exp")
+KINDS = ("fixed", "uniform", "exp", "lognormal")
 
 
 @dataclass(frozen=True, slots=True)
 class Lengths:
-    """`N` (fixed), `uniform:LOW-HIGH` (inclusive) or `exp:MEAN` (exponential, at least 1)."""
+    """`N` (fixed), `uniform:LOW-HIGH` (inclusive), `exp:MEAN` (exponential, at least 1) or
+    `lognormal:MEAN:SIGMA` (of mean MEAN, its log's standard deviation SIGMA; at least 1)."""
 
     kind: str
     low: int
     high: int = 0
+    sigma: float = 0.0
 
     @classmethod
     def parse(cls, text: str) -> Lengths:
@@ -32,12 +34,16 @@ class Lengths:
                 lengths = cls("uniform", int(low), int(high))
             elif kind == "exp":
                 lengths = cls("exp", int(rest))
+            elif kind == "lognormal":
+                mean, _, sigma = rest.partition(":")
+                lengths = cls("lognormal", int(mean), sigma=float(sigma))
             else:
                 raise ValueError(f"unknown kind {kind!r}")
         except ValueError as exc:
-            raise ValueError(f"lengths {text!r}: N, uniform:LOW-HIGH or exp:MEAN ({exc})") from None
-        if lengths.low < 1 or (kind == "uniform" and lengths.high < lengths.low):
-            raise ValueError(f"lengths {text!r}: must be at least 1, and LOW <= HIGH")
+            raise ValueError(f"lengths {text!r}: N, uniform:LOW-HIGH, exp:MEAN or lognormal:MEAN:SIGMA "
+                             f"({exc})") from None
+        if lengths.low < 1 or (kind == "uniform" and lengths.high < lengths.low) or lengths.sigma < 0:
+            raise ValueError(f"lengths {text!r}: must be at least 1, LOW <= HIGH and SIGMA >= 0")
         return lengths
 
     def draw(self, rng: np.random.Generator, n: int) -> list[int]:
@@ -45,6 +51,9 @@ class Lengths:
             return [self.low] * n
         if self.kind == "uniform":
             return rng.integers(self.low, self.high + 1, n).tolist()
+        if self.kind == "lognormal":  # mu puts the mean at low: E = exp(mu + sigma^2 / 2)
+            drawn = rng.lognormal(np.log(self.low) - self.sigma ** 2 / 2, self.sigma, n)
+            return np.maximum(1, np.rint(drawn)).astype(int).tolist()
         return np.maximum(1, np.rint(rng.exponential(self.low, n))).astype(int).tolist()
 
 
