@@ -1,0 +1,107 @@
+"""`kvmesh sim paper kvdirect`: the paper's experiment end to end through the CLI (the benchmark
+contract's JSON and the plot), bad input refused before anything runs, and the headlines computed from
+the points by the rules stated before the run (exact values on made-up figures)."""
+
+import json
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvmesh.bench.report import BenchResult
+from kvmesh.cli import main
+from kvmesh.sim.engine import EngineSpec
+from kvmesh.sim.link import LinkSpec
+from kvmesh.sim.papers import kvdirect
+from kvmesh.sim.papers.contract import Headline, result
+from kvmesh.sim.papers.sweep import Outcome
+from kvmesh.sim.workload import Lengths
+
+CONTRACT = {"bench", "quick", "ratios", "targets", "directions", "meets", "ceilings", "config", "rows", "headline",
+            "plots"}
+HEADLINES = ("latency_reduction_arxiv", "latency_reduction_sharegpt", "vllm_tbt_growth", "vllm_ttft_growth",
+             "transfer_share_arxiv", "transfer_share_sharegpt", "pull_speedup_over_push", "coalescing_speedup_arxiv",
+             "coalescing_speedup_sharegpt")
+
+
+def test_paper_kvdirect_quick_writes_the_contract_and_the_plot(tmp_path, capsys):
+    out = tmp_path / "kvdirect.json"
+    assert main(["sim", "paper", "kvdirect", "--quick", "--requests", "6", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    body = json.loads(out.read_text())
+    assert set(body) == CONTRACT and body["bench"] == "sim paper kvdirect" and body["quick"] is True
+    assert set(body["targets"]) == {f"{key}_factor" for key in HEADLINES}
+    assert set(body["ratios"]) == set(body["targets"]) | {f"sim_{key}" for key in HEADLINES}
+    assert set(body["directions"].values()) == {"<="} and set(body["targets"].values()) == {1.5}
+    # Two rates, two workloads, four series: vLLM, KVDirect pulling, pushing, and without coalescing.
+    assert len(body["rows"]) == 2 * 2 * 4
+    assert {row["compared"] for row in body["rows"]} == {f"{w} {s}" for w in kvdirect.WORKLOADS for s in (
+        kvdirect.VLLM, kvdirect.KVDIRECT, kvdirect.PUSH, kvdirect.UNCOALESCED)}
+    assert all(row["cells"]["unfinished"] == 0 for row in body["rows"])
+    assert body["config"]["profile"] == kvdirect.PROFILE and body["config"]["rates_per_engine"] == list(
+        kvdirect.QUICK_RATES)
+    # bench/report.py's BenchResult takes the body and judges the targets as the body does.
+    ratios = {key: math.nan if value is None else value for key, value in body["ratios"].items()}
+    judged = BenchResult(**{**{key: body[key] for key in CONTRACT - {"meets", "ratios"}}, "ratios": ratios})
+    assert judged.meets == body["meets"]
+    assert body["plots"] == [str(out.with_suffix(".png"))] and out.with_suffix(".png").stat().st_size > 0
+    assert "P90 latency, KVDirect vs vLLM, arxiv" in printed and "simulated s per wall s" in printed
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["nobody"], "unknown paper 'nobody'; papers: kvdirect"),
+    (["kvdirect", "--rates", "0.1,x"], "rates '0.1,x'"),
+    (["kvdirect", "--rates", "0.1,-0.2"], "rates '0.1,-0.2'"),
+    (["kvdirect", "--rates", ""], "rates ''"),
+    (["kvdirect", "--profile", "tiny-cpu-bfloat16-1t"], "not a GPU deployment"),
+])
+def test_paper_refuses_bad_input_and_writes_nothing(tmp_path, capsys, argv, message):
+    out = tmp_path / "paper.json"
+    assert main(["sim", "paper", *argv, "--quick", "--json", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.out == ""
+    assert not out.exists() and not out.with_suffix(".png").exists()
+
+
+def test_a_headline_is_within_the_factor_only_on_the_published_side():
+    assert Headline("k", "", 0.55, 0.44, "%").factor == pytest.approx(1.25)
+    assert Headline("k", "", 2.2, 3.3, "x").factor == pytest.approx(1.5)
+    assert math.isnan(Headline("k", "", 0.24, -0.01, "%").factor)
+    assert math.isnan(Headline("k", "", 2.2, 0.9, "x").factor)
+    assert math.isnan(Headline("k", "", 0.55, None, "%").factor)
+    body = result("p", True, [Headline("a", "", 0.55, 0.44, "%"), Headline("b", "", 2.2, 1.2, "x")], [], {}, [])
+    assert body["meets"] == {"a_factor": True, "b_factor": False}
+    assert body["ratios"]["sim_a"] == 0.44
+    assert body["headline"] == "p: 1 of 2 headlines within a factor of 1.5 of the paper's"
+
+
+def test_the_headlines_follow_the_stated_rules():
+    deployment = SimpleNamespace(engine_spec=lambda **overrides: EngineSpec(**overrides), link=LinkSpec())
+    points = kvdirect.points(deployment, (0.1, 0.5), 10, 0, quick=True)
+    # Made-up figures: vLLM's P90 latency 10 s at 0.1 and 20 s at 0.5, KVDirect's half of it (arxiv) or
+    # 0.8 of it (sharegpt); pushing 1.2 times pulling; uncoalesced 1.1 times; transfer 1% and 3%.
+    share = {"arxiv": 0.01, "sharegpt": 0.03}
+    factor = {kvdirect.VLLM: 1.0, kvdirect.PUSH: 1.2, kvdirect.UNCOALESCED: 1.1, kvdirect.KVDIRECT: 1.0}
+
+    def figures(point):
+        vllm = 10.0 if point.rate == 0.1 else 20.0
+        own = vllm if point.series == kvdirect.VLLM else vllm * (0.5 if point.workload == "arxiv" else 0.8)
+        return {"e2e_p90_s": own * factor[point.series], "tbt_p90_s": 0.05 * (1 if point.rate == 0.1 else 3),
+                "ttft_p90_s": 1.0 * (1 if point.rate == 0.1 else 4), "transfer_share": share[point.workload]}
+
+    found = {h.key: h.simulated for h in kvdirect.headlines([Outcome(p, figures(p)) for p in points])}
+    assert found == pytest.approx({"latency_reduction_arxiv": 0.5, "latency_reduction_sharegpt": 0.2,
+                                   "vllm_tbt_growth": 3.0, "vllm_ttft_growth": 4.0, "transfer_share_arxiv": 0.01,
+                                   "transfer_share_sharegpt": 0.03, "pull_speedup_over_push": 0.2,
+                                   "coalescing_speedup_arxiv": 0.1, "coalescing_speedup_sharegpt": 0.1})
+
+
+def test_lognormal_lengths_have_the_mean_asked():
+    lengths = Lengths.parse("lognormal:1000:0.5")
+    assert lengths == Lengths("lognormal", 1000, sigma=0.5)
+    assert np.mean(lengths.draw(np.random.default_rng(0), 200_000)) == pytest.approx(1000, rel=0.01)
+    assert Lengths.parse("lognormal:7:0").draw(np.random.default_rng(0), 3) == [7, 7, 7]
+    for bad in ("lognormal:1000", "lognormal:1000:-1", "lognormal:0:0.5"):
+        with pytest.raises(ValueError, match="lognormal:MEAN:SIGMA|SIGMA >= 0"):
+            Lengths.parse(bad)
