@@ -7,13 +7,18 @@ context) and prefill_context the (query, key) pairs the chunks' attention comput
 with itself and the tokens before it: engine.chunk_shape). The two context terms differ in kind: a
 decode's attention is bound by reading the KV (bytes), a prefill's by computing the pairs (FLOPs),
 so on a GPU their costs per token differ by two orders of magnitude. A profile in `sim/profiles/`
-holds one (model, hardware, dtype, threads) fit, each coefficient with where it came from."""
+holds one (model, hardware, dtype, threads) fit, each coefficient with where it came from.
+
+A profile of kind "roofline" (a GPU deployment: sim/roofline.py, sim/hardware.py) is built from
+published hardware numbers instead; `load_profile` returns either, both with the same `seconds`."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from .roofline import Roofline, from_profile
 
 PROFILES = Path(__file__).parent / "profiles"
 TERMS = ("a", "b", "c", "d", "e")  # the coefficients of: 1, prefill, decode tokens, decode, prefill context
@@ -42,11 +47,19 @@ def profile_names() -> list[str]:
     return sorted(p.stem for p in PROFILES.glob("*.json"))
 
 
-def load_profile(name: str) -> StepCost:
+def read_profile(name: str) -> dict:
     path = profile_path(name)
     if not path.exists():
         raise FileNotFoundError(f"no step-cost profile {name!r}; profiles: {', '.join(profile_names()) or 'none'}")
-    coefficients = json.loads(path.read_text())["coefficients"]
+    return json.loads(path.read_text())
+
+
+def load_profile(name: str) -> StepCost | Roofline:
+    """A fitted profile's StepCost (kind "linear", the default) or a GPU profile's Roofline."""
+    body = read_profile(name)
+    if body.get("kind", "linear") == "roofline":
+        return from_profile(body)
+    coefficients = body["coefficients"]
     return StepCost(**{term: float(coefficients[term]["value"]) for term in TERMS})
 
 

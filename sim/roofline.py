@@ -1,0 +1,95 @@
+"""A GPU engine step's cost from published hardware numbers: a roofline with efficiency factors.
+
+For a step of P prefill tokens, D decode tokens, C_d decode context (KV tokens the decodes read) and
+C_p prefill context ((query, key) pairs the prompt chunks compute), as engine.chunk_shape counts them,
+on TP GPUs:
+
+    seconds   = overhead + max(compute, memory) + allreduce
+    compute   = (2 N (P + D) + 4 L A (C_p + C_d)) / TP / (peak_flops x mfu)
+    memory    = (W + k (C_d + P + D)) / (hbm_bandwidth x hbm_efficiency)
+    allreduce = 2 L x (latency + (P + D) h b x 2 (TP - 1) / TP / busbw)       (0 when TP = 1)
+
+- N: the blocks' matrix parameters (model_shapes.linear_params), 2 FLOPs each per token; the LM head's
+  FLOPs (once per sampled sequence, not per token) are left out;
+- L layers, A = heads x head_dim: QK^T and AV are 2 A FLOPs each per (query, key) pair and layer;
+- W: the bytes of weights one GPU reads once a step (blocks and LM head, split TP ways);
+- k: one token's KV bytes on one GPU (L x 2 x its KV heads x head_dim x b): the decodes' KV read, and
+  the step's new KV written;
+- h hidden size, b the dtype's bytes: two all-reduces a layer (after attention and after the MLP) of
+  the step's activations, each a ring: NCCL's bus bandwidth (busbw = algbw x 2 (n - 1) / n) and a
+  fixed latency.
+
+Every constant comes from a profile in sim/profiles with its source (sim/hardware.py loads the rest
+of the deployment)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model_shapes import MODELS, ModelShape
+
+
+@dataclass(frozen=True, slots=True)
+class GPU:
+    """One GPU's published numbers and the efficiencies software reaches on it."""
+
+    peak_flops: float           # dense, in the model's dtype, FLOP/s
+    hbm_bytes_s: float          # memory bandwidth, bytes/s
+    mfu: float                  # share of peak_flops a compute-bound step reaches
+    hbm_efficiency: float       # share of hbm_bytes_s a memory-bound step reaches
+    allreduce_busbw: float      # NCCL bus bandwidth of an all-reduce over the TP group, bytes/s
+    allreduce_latency_s: float  # each all-reduce's fixed cost
+    overhead_s: float           # each step's launch and scheduling cost
+
+
+@dataclass(frozen=True, slots=True)
+class Roofline:
+    model: ModelShape
+    gpu: GPU
+    tp: int = 1
+    dtype_bytes: int = 2
+
+    def seconds(self, prefill_tokens: int, decode_tokens: int, decode_context: int, prefill_context: int) -> float:
+        tokens = prefill_tokens + decode_tokens
+        return self.gpu.overhead_s + max(self.compute_s(tokens, decode_context + prefill_context),
+                                         self.memory_s(tokens, decode_context)) + self.allreduce_s(tokens)
+
+    def compute_s(self, tokens: int, pairs: int) -> float:
+        m = self.model
+        flops = 2 * m.linear_params * tokens + 4 * m.layers * m.heads * m.head_dim * pairs
+        return flops / self.tp / (self.gpu.peak_flops * self.gpu.mfu)
+
+    def memory_s(self, tokens: int, kv_read: int) -> float:
+        moved = self.weight_bytes_per_gpu + self.kv_bytes_per_token_per_gpu * (kv_read + tokens)
+        return moved / (self.gpu.hbm_bytes_s * self.gpu.hbm_efficiency)
+
+    def allreduce_s(self, tokens: int) -> float:
+        if self.tp == 1:
+            return 0.0
+        ring = tokens * self.model.hidden * self.dtype_bytes * 2 * (self.tp - 1) / self.tp / self.gpu.allreduce_busbw
+        return 2 * self.model.layers * (self.gpu.allreduce_latency_s + ring)
+
+    @property
+    def weight_bytes_per_gpu(self) -> float:
+        return self.model.step_params * self.dtype_bytes / self.tp
+
+    @property
+    def kv_bytes_per_token_per_gpu(self) -> int:
+        m = self.model
+        return m.layers * 2 * m.kv_heads_per_gpu(self.tp) * m.head_dim * self.dtype_bytes
+
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2}
+
+
+def gpu(constants: dict) -> GPU:
+    """A profile's GPU from its `constants` (each {"value", "source"}; units in the names)."""
+    value = {name: float(entry["value"]) for name, entry in constants.items()}
+    return GPU(peak_flops=value["peak_tflops"] * 1e12, hbm_bytes_s=value["hbm_gbs"] * 1e9, mfu=value["mfu"],
+               hbm_efficiency=value["hbm_efficiency"], allreduce_busbw=value["allreduce_busbw_gbs"] * 1e9,
+               allreduce_latency_s=value["allreduce_latency_us"] * 1e-6, overhead_s=value["overhead_us"] * 1e-6)
+
+
+def from_profile(body: dict) -> Roofline:
+    """The roofline a profile (kind "roofline") describes."""
+    return Roofline(MODELS[body["model"]], gpu(body["constants"]), int(body["tp"]), DTYPE_BYTES[body["dtype"]])

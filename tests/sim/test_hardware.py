@@ -1,0 +1,54 @@
+"""The GPU deployment profiles: each loads, each constant and check cites its source, the checks
+recompute, and the KV capacity and link follow from the constants."""
+
+import json
+
+import pytest
+
+from kvmesh.sim.hardware import GIB, check_value, load_deployment
+from kvmesh.sim.step_cost import PROFILES, load_profile
+
+GPU_PROFILES = sorted(p.stem for p in PROFILES.glob("*.json") if json.loads(p.read_text()).get("kind") == "roofline")
+
+
+def test_kvdirects_deployment_is_committed():
+    assert "mistral-large-2407-h100-bf16-tp8" in GPU_PROFILES
+
+
+@pytest.mark.parametrize("name", GPU_PROFILES)
+def test_every_gpu_profile_loads_and_cites_every_constant(name):
+    body = json.loads((PROFILES / f"{name}.json").read_text())
+    deployment = load_deployment(name)
+    assert deployment.name == name and deployment.cost == load_profile(name)
+    assert deployment.kv_capacity_tokens > 0 and deployment.link.gbps > 0
+    assert all(entry["source"].strip() for entry in body["constants"].values())
+    assert set(deployment.sources) == set(body["constants"])
+
+
+@pytest.mark.parametrize("name", GPU_PROFILES)
+def test_every_check_cites_its_publication_and_recomputes_to_what_the_profile_says(name):
+    body = json.loads((PROFILES / f"{name}.json").read_text())
+    assert body["checks"]
+    for check in body["checks"]:
+        assert check["source"].strip() and check["published"] > 0
+        model = check_value(body, check)
+        assert check["model_value"] == pytest.approx(model, rel=1e-5, abs=1e-6)
+        assert check["ratio"] == pytest.approx(model / check["published"], abs=1e-3)
+
+
+def test_kvdirects_engine_holds_what_eight_h100s_leave_after_the_weights():
+    deployment = load_deployment("mistral-large-2407-h100-bf16-tp8")
+    params = 122_607_894_528                                 # Mistral-Large-Instruct-2407's config, counted
+    free = 79.65 * GIB * 0.9 - params * 2 / 8 - 6.0 * GIB    # one GPU
+    per_token = 88 * 2 * 1 * 128 * 2                         # its one KV head of 8, K and V, bf16
+    assert deployment.kv_capacity_tokens == int(free // per_token)
+    assert deployment.geometry.block_bytes(16) * 88 / 16 == 360_448  # KVDirect Sec. 5.1: 352 KB a token
+    assert deployment.link.gbps == pytest.approx(8 * 22.23)        # one 400 Gbps NIC per GPU
+    spec = deployment.engine_spec(block_size=16, max_num_seqs=256)
+    assert spec.num_layers == 88 and spec.max_num_seqs == 256
+    assert spec.device_blocks == deployment.kv_capacity_tokens // 16 * 88
+
+
+def test_a_cpu_profile_is_not_a_deployment():
+    with pytest.raises(ValueError, match="not a GPU deployment"):
+        load_deployment("tiny-cpu-bfloat16-1t")
