@@ -96,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
                            help="the engine's dtype (%(default)s: bfloat16 where it is native)")
     calibrate.add_argument("--threads", type=_positive, default=1, help="torch threads (%(default)s)")
     calibrate.add_argument("--out", type=Path, help="the profile to write (default: sim/profiles/MODEL-DEVICE-"
-                                                    "DTYPE-THREADSt.json)")
+                                                    "DTYPE-THREADSt.json; needed with --from-engine)")
+    calibrate.add_argument("--from-engine", metavar="URL", help="fit to the steps a running engine service recorded "
+                           "(its GET /v1/steps, token from $KVMESH_TOKEN) instead of timing an engine in process")
+    calibrate.add_argument("--since", type=int, default=0, metavar="STEP",
+                           help="with --from-engine: only the steps after this one (%(default)s)")
     sim_run = sim_commands.add_parser("run", help="a Poisson workload through a simulated cluster")
     sim_run.add_argument("--rate", type=float, default=10.0, help="arrivals per second (%(default)s)")
     sim_run.add_argument("--requests", type=_positive, default=1000, help="how many (%(default)s)")
@@ -204,8 +208,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _sim(args: argparse.Namespace) -> int:
     if args.sim_command == "calibrate":
-        from kvmesh.sim.calibrate import run as run_calibrate
-        return run_calibrate(args.model, args.dtype, args.threads, args.out)
+        from kvmesh.sim import calibrate
+        if args.from_engine:
+            if args.out is None:
+                print("kvmesh sim calibrate --from-engine: give --out, the profile to write", file=sys.stderr)
+                return 2
+            return calibrate.from_engine(args.from_engine, args.out, args.since)
+        return calibrate.run(args.model, args.dtype, args.threads, args.out)
     if args.sim_command == "paper":
         from kvmesh.sim.papers.run import run as run_paper
         try:

@@ -1,4 +1,5 @@
-"""Least-squares fit of the step-cost coefficients to timed steps, none of them negative."""
+"""Least-squares fit of the step-cost coefficients to timed steps, none of them negative: steps timed
+in process (sim/calibrate.py) or as the engine service ran them (its `GET /v1/steps`)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,11 @@ def fit_step_cost(shapes: Sequence[Shape], seconds: Sequence[float]) -> tuple[St
            "steps": [{"prefill_tokens": p, "decode_tokens": d, "decode_context": dc, "prefill_context": pc,
                       "measured_s": float(m), "fitted_s": float(f)} for (p, d, dc, pc), m, f in zip(shapes, y, fitted)]}
     return StepCost(*coefficients.tolist()), fit
+
+
+def fit_engine_steps(steps: Sequence[dict]) -> tuple[StepCost, dict]:
+    """The fit to steps as the engine service records them (`GET /v1/steps`: each its shape and the
+    wall time of the loop's turn around it); the fit's summary, without its thousands of residuals."""
+    shapes = [(s["prefill_tokens"], s["decode_tokens"], s["decode_context"], s["prefill_context"]) for s in steps]
+    cost, fit = fit_step_cost(shapes, [s["seconds"] for s in steps])
+    return cost, {k: v for k, v in fit.items() if k != "steps"}
