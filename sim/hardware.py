@@ -7,7 +7,8 @@ per GPU, k one token's KV bytes on one GPU (its share of the KV heads): each GPU
 every token, so that is the engine's capacity in tokens. The KV-transfer link is the engine's GPU-NIC
 pairs together (KVDirect pairs GPU i with NIC i, and under TP each GPU moves its own heads), so its
 bandwidth is TP times one NIC's. The tier is the `cxl` tier of kvmesh's KV model: host memory over
-PCIe, or a CXL device; its copy bandwidth is per GPU, each direction."""
+PCIe, or a CXL device; each GPU copies its own KV heads over its own link, so the engine's copy
+bandwidth, each direction, is TP times one GPU's (a profile's constants are per GPU)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ GIB = 2**30
 
 @dataclass(frozen=True, slots=True)
 class TierLink:
-    """Copies between the device and the `cxl` tier, GB/s each way."""
+    """Copies between the engine's GPUs and its `cxl` tier, GB/s each way, all GPUs together."""
 
     name: str                 # what the tier is: host DRAM over PCIe, a CXL device
     to_device_gbs: float      # a load or swap-in
@@ -60,7 +61,7 @@ def load_deployment(name: str) -> Deployment:
     model = cost.model
     link = LinkSpec(gbps=value["nic_gbs"] * cost.tp, latency_us=value["nic_latency_us"],
                     per_read_us=value["nic_per_read_us"])
-    tier = TierLink(body["tier"], value["tier_to_device_gbs"], value["tier_from_device_gbs"])
+    tier = TierLink(body["tier"], value["tier_to_device_gbs"] * cost.tp, value["tier_from_device_gbs"] * cost.tp)
     return Deployment(body["name"], cost, KVGeometry(model.layers, model.kv_heads, model.head_dim, cost.dtype_bytes),
                       kv_capacity_tokens(cost, value), link, tier, cost.tp,
                       {key: entry["source"] for key, entry in constants.items()})

@@ -11,8 +11,9 @@ from kvmesh.sim.step_cost import PROFILES, load_profile
 GPU_PROFILES = sorted(p.stem for p in PROFILES.glob("*.json") if json.loads(p.read_text()).get("kind") == "roofline")
 
 
-def test_kvdirects_deployment_is_committed():
-    assert "mistral-large-2407-h100-bf16-tp8" in GPU_PROFILES
+def test_the_papers_deployments_are_committed():
+    assert {"mistral-large-2407-h100-bf16-tp8", "opt-13b-a100-fp16-tp1", "opt-175b-a100-fp16-tp8",
+            "llama-2-7b-l20-fp16-tp1", "yi-34b-200k-l20-bf16-tp2", "llama-3.1-70b-l20-bf16-tp4"} <= set(GPU_PROFILES)
 
 
 @pytest.mark.parametrize("name", GPU_PROFILES)
@@ -44,9 +45,15 @@ def test_kvdirects_engine_holds_what_eight_h100s_leave_after_the_weights():
     assert deployment.kv_capacity_tokens == int(free // per_token)
     assert deployment.geometry.block_bytes(16) * 88 / 16 == 360_448  # KVDirect Sec. 5.1: 352 KB a token
     assert deployment.link.gbps == pytest.approx(8 * 22.23)        # one 400 Gbps NIC per GPU
+    assert deployment.tier.to_device_gbs == deployment.tier.from_device_gbs == 8 * 50.0  # each GPU its own PCIe Gen5
     spec = deployment.engine_spec(block_size=16, max_num_seqs=256)
     assert spec.num_layers == 88 and spec.max_num_seqs == 256
     assert spec.device_blocks == deployment.kv_capacity_tokens // 16 * 88
+
+
+def test_layerkvs_paired_gpus_share_their_pcie_link_under_tensor_parallelism():
+    alone, paired = load_deployment("llama-2-7b-l20-fp16-tp1"), load_deployment("yi-34b-200k-l20-bf16-tp2")
+    assert alone.tier.to_device_gbs == 25.0 and paired.tier.to_device_gbs == 2 * 12.5
 
 
 def test_a_cpu_profile_is_not_a_deployment():
