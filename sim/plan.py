@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -22,6 +22,8 @@ from .engine import EngineSpec
 from .plan_search import Candidate, Goodput, Run, Simulator, bisect_goodput, parse_counts, parse_slos, search_space
 from .step_cost import load_profile
 from .workload import Lengths
+
+HORIZON = 10  # a run's arrivals last at least this many times the loosest TTFT or end-to-end SLO
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,40 +91,94 @@ def _search(space: list[Candidate], simulator: Simulator, rate: float, target: f
     return results
 
 
+def _same_runs(ranked: list[Result], simulator: Simulator) -> list[list[Result]]:
+    """Neighbours in the ranking that differ only in preemption order and ran the same runs (nobody
+    was preempted), as one group."""
+    groups: list[list[Result]] = []
+    for result in ranked:
+        last = groups[-1][0] if groups else None
+        if last is not None and replace(last.candidate, preemption_order="") == \
+                replace(result.candidate, preemption_order="") and last.goodput.probes == result.goodput.probes and \
+                all(simulator.run(last.candidate, at) is simulator.run(result.candidate, at)
+                    for at, _ in last.goodput.probes):
+            groups[-1].append(result)
+        else:
+            groups.append([result])
+    return groups
+
+
+def _label(group: list[Result]) -> str:
+    """A group's configuration, its preemption orders joined by `|`."""
+    return str(replace(group[0].candidate, preemption_order="|".join(r.candidate.preemption_order for r in group)))
+
+
 def _pick(ranked: list[Result], simulator: Simulator, rate: float, target: float) -> dict:
-    """The winner, the configurations tied with it, the runner-up (the best with a lower goodput per
-    engine), which SLO binds the runner-up at the first rate it misses and how the winner does there,
-    and the replicas of the winner the rate asked needs."""
-    winner = ranked[0]
-    ties = [r for r in ranked[1:] if r.per_engine == winner.per_engine]
-    runner = next((r for r in ranked if r.per_engine < winner.per_engine), None)
-    lines = [f"pick: {winner.candidate}: goodput {_rate(winner.goodput)}, {winner.per_engine:.2f} req/s per engine"
+    """The winner; the configurations tied with it; the runner-up (the best with a lower goodput per
+    engine) and the best of each other topology, with the SLO that binds each at the first rate it
+    misses and how the winner does there; and the replicas of the winner the rate asked needs."""
+    groups = _same_runs(ranked, simulator)
+    winner = groups[0][0]
+    ties = [_label(g) for g in groups[1:] if g[0].per_engine == winner.per_engine]
+    runner = next((g for g in groups if g[0].per_engine < winner.per_engine), None)
+    best: dict[str, list[Result]] = {}  # each topology's best, best first
+    for group in groups:
+        best.setdefault(str(group[0].candidate.topology), group)
+    others = [g for name, g in best.items() if name != str(winner.candidate.topology) and g is not runner]
+    lines = [f"pick: {_label(groups[0])}: goodput {_rate(winner.goodput)}, {winner.per_engine:.2f} req/s per engine"
              f"{_limit(winner, simulator)}"]
     if ties:
-        lines.append(f"tied with it: {'; '.join(str(r.candidate) for r in ties)}")
-    why = None
+        lines.append(f"tied with it: {'; '.join(ties)}")
+    short = _short_horizon(winner, simulator)
+    lines += [short] if short else []
     if runner is None:
         lines.append("runner-up: none (every configuration reached the same goodput per engine)")
-    else:
-        lines.append(f"runner-up: {runner.candidate}: goodput {_rate(runner.goodput)}, {runner.per_engine:.2f} req/s "
-                     f"per engine{_limit(runner, simulator)}")
-        if runner.goodput.failed_at is not None:
-            at = runner.goodput.failed_at
-            missed, held = simulator.run(runner.candidate, at), simulator.run(winner.candidate, at)
-            binding = _binding(missed, simulator.slos)
-            why = {"rate_rps": at, "binding_slo": binding, "runner_up": _run(missed), "pick": _run(held)}
-            lines.append(f"why: at {at:.2f} req/s the runner-up meets every SLO for {missed.attainment['all']:.1%} "
-                         f"of requests (target {target:.0%}); {binding} binds it ({_attained(missed, simulator.slos)});"
-                         f" the pick meets every SLO there for {held.attainment['all']:.1%}")
+    compared = []
+    for title, group in ([("runner-up", runner)] if runner else []) + [(f"best {g[0].candidate.topology}", g)
+                                                                        for g in others]:
+        lines.append(f"{title}: {_label(group)}: goodput {_rate(group[0].goodput)}, {group[0].per_engine:.2f} "
+                     f"req/s per engine")
+        why, line = _why(winner, group[0], simulator, target)
+        compared.append({"role": title, "configuration": _label(group), "goodput_rps": group[0].goodput.rate,
+                         "goodput_per_engine_rps": group[0].per_engine, "why": why})
+        lines += [line] if line else []
     replicas = math.ceil(rate / winner.goodput.rate - 1e-9) if winner.goodput.rate > 0 else None
     lines.append(f"replicas: {replicas} of the pick ({replicas * winner.candidate.engines} engines) serve {rate:g} "
                  f"req/s, {rate / replicas:.2f} each" if replicas else
                  f"replicas: none serve {rate:g} req/s: the pick met the SLOs at no rate tried")
-    return {"winner": _candidate(winner.candidate), "goodput_rps": winner.goodput.rate,
-            "goodput_per_engine_rps": winner.per_engine, "ties": [str(r.candidate) for r in ties],
-            "runner_up": None if runner is None else _candidate(runner.candidate),
-            "runner_up_goodput_per_engine_rps": None if runner is None else runner.per_engine, "why": why,
-            "replicas": replicas, "engines_total": replicas and replicas * winner.candidate.engines, "lines": lines}
+    return {"winner": {**_candidate(winner.candidate), "same_runs": _label(groups[0])},
+            "goodput_rps": winner.goodput.rate, "goodput_per_engine_rps": winner.per_engine, "ties": ties,
+            "runner_up": None if runner is None else compared[0], "other_topologies": compared[1 if runner else 0:],
+            "replicas": replicas, "engines_total": replicas and replicas * winner.candidate.engines,
+            "short_horizon": short, "lines": lines}
+
+
+def _short_horizon(winner: Result, simulator: Simulator) -> str | None:
+    """A run's arrivals at the winner's goodput must last well beyond the SLOs a queue adds to (TTFT,
+    end to end): in a run of T seconds, a rate above capacity leaves its late requests queued for a
+    share of T, so against a limit of T / HORIZON or less the overload shows, and a goodput found on a
+    shorter run can be past what the configuration sustains."""
+    queued = {name: limit for name, limit in simulator.slos.items() if name in ("ttft", "e2e")}
+    if not queued or winner.goodput.rate <= 0:
+        return None
+    horizon, (name, limit) = simulator.requests / winner.goodput.rate, max(queued.items(), key=lambda kv: kv[1])
+    if horizon >= HORIZON * limit:
+        return None
+    enough = math.ceil(HORIZON * limit * winner.goodput.rate)
+    return (f"note: at the pick's goodput a run's arrivals last {horizon:.1f} s, under {HORIZON}x the {name} SLO "
+            f"({limit:g} s): an overload that short can pass; give --requests {enough} or more to be sure")
+
+
+def _why(winner: Result, other: Result, simulator: Simulator, target: float) -> tuple[dict | None, str]:
+    """At the first rate `other` misses: the SLO that binds it, and how many meet every SLO on the winner."""
+    at = other.goodput.failed_at
+    if at is None:
+        return None, ""
+    missed, held = simulator.run(other.candidate, at), simulator.run(winner.candidate, at)
+    binding = _binding(missed, simulator.slos)
+    return ({"rate_rps": at, "binding_slo": binding, "it": _run(missed), "pick": _run(held)},
+            f"  why: at {at:.2f} req/s it meets every SLO for {missed.attainment['all']:.1%} of requests (target "
+            f"{target:.0%}); {binding} binds it ({_attained(missed, simulator.slos)}); the pick meets every SLO "
+            f"there for {held.attainment['all']:.1%}")
 
 
 def _binding(run: Run, slos: dict[str, float]) -> str:
@@ -150,9 +206,9 @@ def _rate(goodput: Goodput) -> str:
 def _table(ranked: list[Result], simulator: Simulator) -> str:
     header = ("configuration", "engines", "goodput req/s", "per engine", "first rate missed", "binding SLO")
     rows = [header]
-    for r in ranked:
-        at = r.goodput.failed_at
-        rows.append((str(r.candidate), str(r.candidate.engines), _rate(r.goodput).removesuffix(" req/s"),
+    for group in _same_runs(ranked, simulator):
+        r, at = group[0], group[0].goodput.failed_at
+        rows.append((_label(group), str(r.candidate.engines), _rate(r.goodput).removesuffix(" req/s"),
                      f"{r.per_engine:.2f}", "-" if at is None else f"{at:.2f}",
                      "-" if at is None else _binding(simulator.run(r.candidate, at), simulator.slos)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

@@ -36,7 +36,10 @@ def test_plan_picks_the_configuration_of_the_highest_goodput_per_engine(tmp_path
         probes = {p["rate_rps"]: p["attainment"]["all"] for p in r["probes"]}
         assert probes[r["goodput_rps"]] >= 0.9 > probes[r["failed_at_rps"]]
         assert set(r["probes"][0]["attainment"]) == {"ttft", "tpot", "all"}
-    assert pick["runner_up"] is not None and pick["why"]["binding_slo"] in ("ttft", "tpot")
+    runner = pick["runner_up"]
+    assert runner["goodput_per_engine_rps"] < best["goodput_per_engine_rps"]
+    assert runner["why"]["binding_slo"] in ("ttft", "tpot") and runner["why"]["it"]["attainment"]["all"] < 0.9
+    assert "--requests" in pick["short_horizon"]  # 200 requests at the goodput: under 10 x the TTFT SLO
     assert pick["replicas"] == 1 and body["config"]["slos_ms"] == {"ttft": 200.0, "tpot": 20.0}
     assert f"pick: {best['configuration']}" in printed and "runner-up:" in printed and "why:" in printed
     assert png.stat().st_size > 0
