@@ -77,12 +77,17 @@ def kv_capacity_tokens(cost: Roofline, value: dict[str, float]) -> int:
 def check_value(body: dict, check: dict) -> float:
     """What the model gives for one of a profile's checks against a publication: the profile's
     constants (with the check's overrides, for a GPU variant or a dtype) on the check's model and TP;
-    seconds for a step, tokens for a KV capacity."""
+    seconds for a step, tokens for a KV capacity, and for a reuse the share of the TTFT saved by
+    loading a prompt's KV from the tier (then computing its last token) instead of prefilling it."""
     constants = body["constants"] | check.get("overrides", {})
     cost = Roofline(MODELS[check["model"]], gpu(constants), int(check["tp"]),
                     int(check.get("dtype_bytes", DTYPE_BYTES[body["dtype"]])))
     if check["kind"] == "capacity":
         return float(kv_capacity_tokens(cost, _values(constants)))
+    if check["kind"] == "reuse":
+        n = int(check["tokens"])
+        load = n * cost.kv_bytes_per_token_per_gpu / (_values(constants)["tier_to_device_gbs"] * 1e9)
+        return 1 - (load + cost.seconds(1, 0, 0, n)) / cost.seconds(n, 0, 0, n * (n + 1) // 2)
     return cost.seconds(*check["step"])
 
 

@@ -53,6 +53,7 @@ MODELS = {
                                      _hf("mistralai/Mistral-Large-Instruct-2407")),
     # CacheOpt Sec. 2 and 5, CaR Sec. IV
     "opt-13b": ModelShape(40, 5120, 40, 40, 128, 20480, 50272, False, True, _hf("facebook/opt-13b")),
+    "opt-30b": ModelShape(48, 7168, 56, 56, 128, 28672, 50272, False, True, _hf("facebook/opt-30b")),
     "opt-175b": ModelShape(96, 12288, 96, 96, 128, 49152, 50272, False, True,
                            "OPT paper (Zhang et al. 2022, arXiv:2205.01068) Table 1: 96 layers, 96 heads, "
                            "d_model 12288; the ffn is 4 d_model and the vocabulary OPT's 50272 as in opt-66b's "
