@@ -67,4 +67,5 @@ MODELS = {
     "llama-2-13b": ModelShape(40, 5120, 40, 40, 128, 13824, 32000, True, False, _hf("meta-llama/Llama-2-13b-hf")),
     "llama-2-70b": ModelShape(80, 8192, 64, 8, 128, 28672, 32000, True, False, _hf("meta-llama/Llama-2-70b-hf")),
     "qwen1.5-72b": ModelShape(80, 8192, 64, 64, 128, 24576, 152064, True, False, _hf("Qwen/Qwen1.5-72B")),
+    "qwen2.5-72b": ModelShape(80, 8192, 64, 8, 128, 29568, 152064, True, False, _hf("Qwen/Qwen2.5-72B-Instruct")),
 }
