@@ -12,26 +12,29 @@ from .step_cost import TERMS, StepCost
 Shape = tuple[int, int, int, int]  # a step's prefill tokens, decode tokens, decode context, prefill context
 
 
-def fit_step_cost(shapes: Sequence[Shape], seconds: Sequence[float]) -> tuple[StepCost, dict]:
+def fit_step_cost(shapes: Sequence[Shape], seconds: Sequence[float],
+                  relative: bool = True) -> tuple[StepCost, dict]:
     """The coefficients minimising the squared relative error (steps range from a millisecond to
-    a second: each counts alike), with a term whose best value is negative held at 0 (and the others
-    refitted); the cost, and the residuals of each timed step."""
+    a second: each counts alike), or with `relative` False the squared error in seconds, with a term
+    whose best value is negative held at 0 (and the others refitted); the cost, and the residuals of
+    each timed step."""
     if len(shapes) != len(seconds) or len(shapes) < len(TERMS):
         raise ValueError(f"need as many timings as shapes, at least {len(TERMS)}; got {len(shapes)} and {len(seconds)}")
     x = np.array([[1.0, *shape] for shape in shapes])
     y = np.asarray(seconds, dtype=float)
+    scale = y if relative else np.ones_like(y)
     free = list(range(len(TERMS)))
     while True:
-        solved = np.linalg.lstsq(x[:, free] / y[:, None], np.ones_like(y), rcond=None)[0]
+        solved = np.linalg.lstsq(x[:, free] / scale[:, None], y / scale, rcond=None)[0]
         if (solved >= 0).all():
             break
         free.pop(int(np.argmin(solved)))
     coefficients = np.zeros(len(TERMS))
     coefficients[free] = solved
     fitted = x @ coefficients
-    relative = np.abs(y - fitted) / y
+    errors = np.abs(y - fitted) / y
     fit = {"samples": len(y), "rms_residual_s": float(np.sqrt(np.mean((y - fitted) ** 2))),
-           "mean_relative_error": float(relative.mean()), "max_relative_error": float(relative.max()),
+           "mean_relative_error": float(errors.mean()), "max_relative_error": float(errors.max()),
            "held_at_zero": [TERMS[i] for i in range(len(TERMS)) if i not in free],
            "steps": [{"prefill_tokens": p, "decode_tokens": d, "decode_context": dc, "prefill_context": pc,
                       "measured_s": float(m), "fitted_s": float(f)} for (p, d, dc, pc), m, f in zip(shapes, y, fitted)]}
@@ -40,7 +43,12 @@ def fit_step_cost(shapes: Sequence[Shape], seconds: Sequence[float]) -> tuple[St
 
 def fit_engine_steps(steps: Sequence[dict]) -> tuple[StepCost, dict]:
     """The fit to steps as the engine service records them (`GET /v1/steps`: each its shape and the
-    wall time of the loop's turn around it); the fit's summary, without its thousands of residuals."""
+    wall time of the loop's turn around it); the fit's summary, without its thousands of residuals.
+    In seconds, not relative: in service one shape's time scatters (the CPU is shared), and a relative
+    fit sits low in that scatter, under the steps' mean. The simulator adds steps up, so the fit must
+    get their sum right: least squares with a constant term does, its residuals summing to zero."""
     shapes = [(s["prefill_tokens"], s["decode_tokens"], s["decode_context"], s["prefill_context"]) for s in steps]
-    cost, fit = fit_step_cost(shapes, [s["seconds"] for s in steps])
-    return cost, {k: v for k, v in fit.items() if k != "steps"}
+    seconds = [s["seconds"] for s in steps]
+    cost, fit = fit_step_cost(shapes, seconds, relative=False)
+    summary = {k: v for k, v in fit.items() if k != "steps"}
+    return cost, {**summary, "measured_s": float(sum(seconds)), "fitted_s": sum(r["fitted_s"] for r in fit["steps"])}

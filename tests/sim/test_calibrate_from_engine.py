@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
+from kvmesh.sim.fit import fit_engine_steps
 from kvmesh.sim.request import SimRequest
 from kvmesh.sim.request_path import RequestPath, delivered, load_request_path, measure, profile_entry
 from kvmesh.sim.step_cost import TERMS, StepCost, load_profile, write_profile
@@ -76,6 +77,17 @@ def test_calibrate_from_engine_needs_a_profile_to_write(engine_url):
     done = subprocess.run([sys.executable, "-m", "kvmesh", "sim", "calibrate", "--from-engine", engine_url[0]],
                           capture_output=True, text=True)
     assert done.returncode == 2 and "give --out" in done.stderr
+
+
+def test_the_fit_to_scattered_steps_gets_their_total_time_right():
+    """A shared CPU holds one step in four up by 5 ms: the fit's steps add up to the measured ones."""
+    steps = recorded_steps(200)
+    for step, held in zip(steps, np.random.default_rng(2).choice([0.0, 0.0, 0.0, 5e-3], len(steps))):
+        step["seconds"] += held
+    cost, fit = fit_engine_steps(steps)
+    assert fit["fitted_s"] == pytest.approx(fit["measured_s"], rel=1e-9)
+    assert fit["measured_s"] == pytest.approx(sum(s["seconds"] for s in steps))
+    assert fit["held_at_zero"] == [] and cost.a > TRUTH.a
 
 
 def test_the_path_is_the_client_s_figures_minus_the_engine_s():
