@@ -24,7 +24,7 @@ of the deployment)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .model_shapes import MODELS, ModelShape
 
@@ -48,6 +48,30 @@ class Roofline:
     gpu: GPU
     tp: int = 1
     dtype_bytes: int = 2
+    # The formula's coefficients, worked out once: a step's cost is then a few multiplications (the
+    # simulator asks for one every step of every engine).
+    kv_bytes_per_token_per_gpu: int = field(init=False)
+    weight_bytes_per_gpu: float = field(init=False)
+    _token_compute_s: float = field(init=False, repr=False)
+    _pair_compute_s: float = field(init=False, repr=False)
+    _weights_s: float = field(init=False, repr=False)
+    _kv_token_s: float = field(init=False, repr=False)
+    _allreduce_s: float = field(init=False, repr=False)
+    _allreduce_token_s: float = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        m, g, tp = self.model, self.gpu, self.tp
+        flops_s, bytes_s = tp * g.peak_flops * g.mfu, g.hbm_bytes_s * g.hbm_efficiency
+        kv = m.layers * 2 * m.kv_heads_per_gpu(tp) * m.head_dim * self.dtype_bytes
+        weights = m.step_params * self.dtype_bytes / tp
+        ring = 0.0 if tp == 1 else m.hidden * self.dtype_bytes * 2 * (tp - 1) / tp / g.allreduce_busbw
+        for name, value in (("kv_bytes_per_token_per_gpu", kv), ("weight_bytes_per_gpu", weights),
+                            ("_token_compute_s", 2 * m.linear_params / flops_s),
+                            ("_pair_compute_s", 4 * m.layers * m.heads * m.head_dim / flops_s),
+                            ("_weights_s", weights / bytes_s), ("_kv_token_s", kv / bytes_s),
+                            ("_allreduce_s", 0.0 if tp == 1 else 2 * m.layers * g.allreduce_latency_s),
+                            ("_allreduce_token_s", 2 * m.layers * ring)):
+            object.__setattr__(self, name, value)
 
     def seconds(self, prefill_tokens: int, decode_tokens: int, decode_context: int, prefill_context: int) -> float:
         tokens = prefill_tokens + decode_tokens
@@ -55,28 +79,13 @@ class Roofline:
                                          self.memory_s(tokens, decode_context)) + self.allreduce_s(tokens)
 
     def compute_s(self, tokens: int, pairs: int) -> float:
-        m = self.model
-        flops = 2 * m.linear_params * tokens + 4 * m.layers * m.heads * m.head_dim * pairs
-        return flops / self.tp / (self.gpu.peak_flops * self.gpu.mfu)
+        return self._token_compute_s * tokens + self._pair_compute_s * pairs
 
     def memory_s(self, tokens: int, kv_read: int) -> float:
-        moved = self.weight_bytes_per_gpu + self.kv_bytes_per_token_per_gpu * (kv_read + tokens)
-        return moved / (self.gpu.hbm_bytes_s * self.gpu.hbm_efficiency)
+        return self._weights_s + self._kv_token_s * (kv_read + tokens)
 
     def allreduce_s(self, tokens: int) -> float:
-        if self.tp == 1:
-            return 0.0
-        ring = tokens * self.model.hidden * self.dtype_bytes * 2 * (self.tp - 1) / self.tp / self.gpu.allreduce_busbw
-        return 2 * self.model.layers * (self.gpu.allreduce_latency_s + ring)
-
-    @property
-    def weight_bytes_per_gpu(self) -> float:
-        return self.model.step_params * self.dtype_bytes / self.tp
-
-    @property
-    def kv_bytes_per_token_per_gpu(self) -> int:
-        m = self.model
-        return m.layers * 2 * m.kv_heads_per_gpu(self.tp) * m.head_dim * self.dtype_bytes
+        return self._allreduce_s + self._allreduce_token_s * tokens
 
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2}

@@ -51,3 +51,10 @@ def test_load_profile_gives_a_roofline_for_a_gpu_profile_and_a_step_cost_for_the
     cost = load_profile("mistral-large-2407-h100-bf16-tp8")
     assert isinstance(cost, Roofline) and cost.tp == 8 and cost.model == MODELS["mistral-large-2407"]
     assert cost.seconds(0, 1, 1000, 0) < cost.seconds(0, 64, 64_000, 0) < cost.seconds(8192, 0, 0, 8192 * 8193 // 2)
+
+
+def test_cacheopts_opt_13b_decode_at_batch_1_is_its_weights_over_the_a100s_bandwidth_plus_the_overhead():
+    cost = load_profile("opt-13b-a100-fp16-tp1")
+    weights = 12_840_304_640 * 2                        # OPT-13B's matrices and tied embedding, fp16
+    kv = 40 * 2 * 40 * 128 * 2 * 2                      # a 1-token context read and its new token written
+    assert cost.seconds(0, 1, 1, 0) == pytest.approx(527e-6 + (weights + kv) / (2039e9 * 0.767), rel=1e-12)
