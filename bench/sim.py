@@ -24,7 +24,8 @@ completed requests' figures:
 Information, no target, the same keys with a suffix: the assumptions varied one at a time (VARIED):
 `_in_process`, the in-process profile (PROFILE, Engine.step timed alone) and no path, the simulator
 as it was; `_no_path`, the in-service step cost without the path; `_own_steps`, each load's step
-cost fitted to that load's own steps; `_own_path`, each load's own measured path. Also the engine
+cost fitted to that load's own steps; `_own_path`, each load's own measured path; `_own`, both (the
+best the model's form reaches: a mean cost per step shape, a constant path). Also the engine
 side (timings_ms against the simulated queue, prefill and decode), the steps each load ran against the
 simulated steps, and how long each load's real steps took against what the calibrated cost says of
 their shapes (`step_time_ratio`).
@@ -174,7 +175,7 @@ def variations(calibration: Calibration, loads: list[LoadResult], load_steps: li
     """The replay with the calibrated profile, then with one assumption varied at a time: the step
     cost timed in process and no path (the simulator before), no path, and each load's own step
     cost or own path measured on that load instead of the calibration's (how far the calibration
-    load's figures carry to other rates)."""
+    load's figures carry to other rates), and both: the best the model's form reaches."""
     n, none = len(loads), RequestPath()
     own_costs = [fit_engine_steps(steps)[0] for steps in load_steps]
     own_paths = [measured_path(load) for load in loads]
@@ -182,7 +183,8 @@ def variations(calibration: Calibration, loads: list[LoadResult], load_steps: li
              ("_in_process", "in-process steps, no path", [in_process] * n, [none] * n),
              ("_no_path", "no path", [calibration.cost] * n, [none] * n),
              ("_own_steps", "each load's own steps", own_costs, [calibration.path] * n),
-             ("_own_path", "each load's own path", [calibration.cost] * n, own_paths)]
+             ("_own_path", "each load's own path", [calibration.cost] * n, own_paths),
+             ("_own", "each load's own steps and path", own_costs, own_paths)]
     return [Variation(suffix, label, costs, paths,
                       [simulated(load, spec, cost, policies, path) for load, cost, path in zip(loads, costs, paths)])
             for suffix, label, costs, paths in plans]
@@ -393,7 +395,7 @@ def _result(quick: bool, plan: serve.Plan, calibration: Calibration, loads: list
 
 def _plot(rates: list[float], table: dict[str, dict[str, list[float]]]) -> str:
     fig, axes = plt.subplots(1, len(FIGURES), figsize=(4.2 * len(FIGURES), 3.8))
-    markers = ("o", "s", "^", "v", "D", "x")
+    markers = ("o", "s", "^", "v", "D", "x", "P")
     for ax, name in zip(axes, FIGURES):
         for (label, figures), marker in zip(table.items(), markers):
             ax.plot(rates, np.asarray(figures[name]) * 1e3, label=label, marker=marker,

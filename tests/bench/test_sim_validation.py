@@ -93,7 +93,8 @@ def test_each_variation_changes_one_assumption():
     calibration = bench_sim.calibrate(fake_load(6, 16, timed=True), recorded_steps(80))
     in_process = load_profile(bench_sim.PROFILE)
     found = {v.suffix: v for v in bench_sim.variations(calibration, loads, steps, SPEC, in_process, {})}
-    assert list(found) == ["", "_in_process", "_no_path", "_own_steps", "_own_path"]
+    assert list(found) == ["", "_in_process", "_no_path", "_own_steps", "_own_path", "_own"]
+    assert found["_own"].costs == found["_own_steps"].costs and found["_own"].paths == found["_own_path"].paths
     assert found[""].costs == [calibration.cost] * 4 and found[""].paths == [calibration.path] * 4
     assert found["_in_process"].costs == [in_process] * 4 and found["_in_process"].paths == [RequestPath()] * 4
     assert found["_no_path"].paths == [RequestPath()] * 4
