@@ -2,15 +2,22 @@
 colocated, Mistral-Large-Instruct-2407 on a worker of 8 H100-80G (one machine of the paper's 4, TP 8),
 a 400 Gbps NIC per GPU, on arXiv-like and ShareGPT-like workloads with Poisson arrivals.
 
-Fairness (section 2.2 and 5.2.1, "the actual QPS of vLLM is divided by 2"): rates are per engine, so
-at a rate r one colocated engine gets r and the 1P1D pair 2r; the same rule as 2 colocated engines at 2r
-without their routing, which the variation `2 vllm engines` runs.
+Fairness (section 2.2 and 5.2.1, "the actual QPS of vLLM is divided by 2 for fair comparison"): at a
+rate of r per engine one colocated engine gets r and the 1P1D pair 2r (the figures' QPS read as the
+pair's, vLLM's halved). Two vLLM engines behind least-loaded routing at 2r, the other reading of the
+same rule, is a variation.
 
-Assumptions (the paper gives neither): lengths are log-normal of the paper's means, their log's
-standard deviation SPREAD (varied), cut to the model's context window; rates 0.1 to 0.5 per engine
-(Figures 14 and 17 speak of QPS rising to 0.5). Both systems run vLLM v0.5.3's scheduler as configured
-by default without chunked prefill (the paper: "the vLLM scheduler prioritizes prefill computation"):
-whole prompts a step, 256 sequences, blocks of 16, recompute on preemption, latest arrival first."""
+Assumptions (the paper gives none of them): lengths are log-normal of the paper's means, their log's
+standard deviation SPREAD, cut to the model's context window; rates of 0.05 to 0.25 per engine, the
+pair at 0.1 to 0.5 (Figures 14 and 17 speak of QPS rising to 0.5). Both systems run vLLM v0.5.3's
+scheduler without chunked prefill (the paper: "the vLLM scheduler prioritizes prefill computation"):
+whole prompts a step, 256 sequences, blocks of 16, recompute on preemption, latest arrival first.
+Without coalescing a read costs UNCOALESCED_READ_US (the profile's per-read cost is 0: Figure 15's
+22.23 GB/s already pays it, for coalesced reads). Varied: SPREAD, the fairness reading, a fixed
+time added to every step (STEP_OVERHEAD_S: the paper's TBT of 45-67 ms in Figure 12 is about twice the
+roofline's decode step), the link (one NIC's 22.23 GB/s rather than the profile's eight: one a GPU,
+each moving its own KV heads), and pull against push at PUSH_RATES on ShareGPT, where the decode
+engine's memory is full (on arXiv the prefill engine saturates first, and pushing changes nothing)."""
 
 from __future__ import annotations
 
@@ -19,7 +26,6 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..link import LinkSpec
 from ..topology import Topology
 from ..workload import Lengths
 from .contract import Headline
@@ -30,8 +36,11 @@ TITLE = "KVDirect at its scale: 1P1D (pull) against vLLM colocated, per-engine r
 MAX_CONTEXT = 131_072                                    # Mistral-Large-Instruct-2407's context window
 WORKLOADS = {"arxiv": (40_642, 241), "sharegpt": (20_471, 2_328)}  # mean prompt, mean response (5.1)
 SPREAD, SPREADS = 0.5, (0.25, 1.0)                       # the lengths' log-normal sigma, and its variations
-RATES, QUICK_RATES = (0.1, 0.2, 0.3, 0.4, 0.5), (0.1, 0.4)
+RATES, QUICK_RATES = (0.05, 0.1, 0.15, 0.2, 0.25), (0.05, 0.2)  # per engine
 REQUESTS, QUICK_REQUESTS = 200, 12
+UNCOALESCED_READ_US = 1.0                                # a read's cost without coalescing (assumption)
+STEP_OVERHEAD_S = 0.025                                  # the step-cost variation
+PUSH_RATES = (0.35, 0.4)  # per engine: pull against push where ShareGPT fills the decode engine's memory
 PANELS = (("e2e_p90_s", "P90 latency (s)", 1.0), ("ttft_p90_s", "P90 TTFT (s)", 1.0),
           ("tbt_p90_s", "P90 TBT (ms)", 1e3))
 VLLM, KVDIRECT, PUSH, UNCOALESCED, TWO_VLLM = "vllm", "kvdirect", "kvdirect push", "kvdirect uncoalesced", \
@@ -40,42 +49,49 @@ VLLM, KVDIRECT, PUSH, UNCOALESCED, TWO_VLLM = "vllm", "kvdirect", "kvdirect push
 
 def points(deployment, rates: Sequence[float], requests: int, seed: int, quick: bool) -> list[Point]:
     """The sweep: per workload and rate, vLLM, KVDirect, KVDirect pushing and KVDirect without
-    coalescing; unless quick, the variations: the lengths' spread, and 2 vLLM engines behind routing."""
+    coalescing; unless quick, vLLM and KVDirect under each variation."""
     spec = deployment.engine_spec(block_size=16, max_num_seqs=256, token_budget=MAX_CONTEXT)
     link = deployment.link
+    series = {VLLM: ("colocated:1", "pull", link), KVDIRECT: ("pd:1:1", "pull", link),
+              PUSH: ("pd:1:1", "push", link), TWO_VLLM: ("colocated:2", "pull", link),
+              UNCOALESCED: ("pd:1:1", "pull", replace(link, coalescing=False, per_read_us=UNCOALESCED_READ_US))}
 
-    def point(series: str, workload: str, rate: float, spread: float = SPREAD, variant: str = "") -> Point:
-        prompt, output = WORKLOADS[workload]
-        pd = series != VLLM
-        return Point(series, workload, rate, Topology.parse("pd:1:1" if pd else "colocated:2" if series == TWO_VLLM
-                                                              else "colocated:1"),
-                     Lengths("lognormal", prompt, sigma=spread), Lengths("lognormal", output, sigma=spread), spec,
-                     requests, seed, MAX_CONTEXT, replace(link, coalescing=False) if series == UNCOALESCED else link,
-                     "push" if series == PUSH else "pull", "least_loaded" if series == TWO_VLLM else "round_robin",
-                     variant)
+    def point(name: str, workload: str, rate: float, variant: str = "", spread: float = SPREAD,
+              overhead_s: float = 0.0, nics: int | None = None) -> Point:
+        (prompt, output), (topology, mode, its_link) = WORKLOADS[workload], series[name]
+        if nics is not None:
+            its_link = replace(its_link, gbps=its_link.gbps * nics / deployment.tp)
+        return Point(name, workload, rate, Topology.parse(topology), Lengths("lognormal", prompt, sigma=spread),
+                     Lengths("lognormal", output, sigma=spread), spec, requests, seed, MAX_CONTEXT, its_link, mode,
+                     "least_loaded" if name == TWO_VLLM else "round_robin", overhead_s, variant)
 
-    own = [point(series, workload, rate) for workload in WORKLOADS for rate in rates
-           for series in (VLLM, KVDIRECT, PUSH, UNCOALESCED)]
+    each = [(workload, rate) for workload in WORKLOADS for rate in rates]
+    own = [point(name, *at) for at in each for name in (VLLM, KVDIRECT, PUSH, UNCOALESCED)]
     if quick:
         return own
-    return own + [point(series, workload, rate, spread, f"spread {spread}") for spread in SPREADS
-                  for workload in WORKLOADS for rate in rates for series in (VLLM, KVDIRECT)] + \
-        [point(TWO_VLLM, workload, rate, variant="2 vllm engines") for workload in WORKLOADS for rate in rates]
+    return own + [point(name, *at, f"spread {spread}", spread=spread) for spread in SPREADS for at in each
+                  for name in (VLLM, KVDIRECT)] + \
+        [point(name, *at, f"steps +{STEP_OVERHEAD_S * 1e3:g} ms", overhead_s=STEP_OVERHEAD_S) for at in each
+         for name in (VLLM, KVDIRECT)] + [point(TWO_VLLM, *at, TWO_VLLM) for at in each] + \
+        [point(KVDIRECT, *at, "the link of one NIC", nics=1) for at in each] + \
+        [point(name, "sharegpt", rate, f"sharegpt at {', '.join(map(str, PUSH_RATES))} per engine")
+         for rate in PUSH_RATES for name in (KVDIRECT, PUSH)]
 
 
-def headlines(outcomes: Sequence[Outcome], variant: str = "") -> list[Headline]:
-    """The paper's headlines from the experiment's own points (a variation's: the latency reductions).
+def headlines(outcomes: Sequence[Outcome]) -> list[Headline]:
+    return headlines_at(_index(outcomes, ""))
+
+
+def headlines_at(at: dict[tuple[str, str, float], dict]) -> list[Headline]:
+    """The paper's headlines from the figures of (workload, series, rate), None where a point is missing.
     Rules, fixed before the run: a reduction or a speedup is the mean over the rates of its value at
     each (P90 latency, as Figure 13 plots); vLLM's growth is its P90 at the highest rate over the
     lowest, the larger of the two workloads'; pull against push is at the highest rate, the mean of
     the two workloads'; the transfer's share is the mean over the rates (Figure 14)."""
-    at = _index(outcomes, variant)
     rates = sorted({rate for (_, _, rate) in at})
     found = [Headline(f"latency_reduction_{workload}", f"P90 latency, KVDirect vs vLLM, {workload} (Fig. 13)",
                       published, _mean([_less(_ratio(at, workload, KVDIRECT, VLLM, rate)) for rate in rates]), "%")
              for workload, published in (("arxiv", 0.55), ("sharegpt", 0.24))]
-    if variant:
-        return found
     for name, figure, published in (("TBT", "tbt_p90_s", 2.2), ("TTFT", "ttft_p90_s", 12.3)):
         growth = [_ratio(at, workload, VLLM, VLLM, rates[-1], figure, rates[0]) for workload in WORKLOADS]
         found.append(Headline(f"vllm_{name.lower()}_growth", f"vLLM's P90 {name}, highest rate over lowest (Fig. 13)",
@@ -84,7 +100,8 @@ def headlines(outcomes: Sequence[Outcome], variant: str = "") -> list[Headline]:
     found += [Headline(f"transfer_share_{workload}", f"KV transfer's share of latency, {workload} (Fig. 14)", published,
                        _mean([at.get((workload, KVDIRECT, rate), {}).get("transfer_share") for rate in rates]), "%")
               for workload, published in (("arxiv", 0.011), ("sharegpt", 0.005))]
-    push = _mean([_ratio(at, workload, PUSH, KVDIRECT, rates[-1]) for workload in WORKLOADS])
+    push = _mean([ratio for ratio in (_ratio(at, workload, PUSH, KVDIRECT, rates[-1]) for workload in WORKLOADS)
+                  if ratio is not None])
     found.append(Headline("pull_speedup_over_push", "P90 latency, push over pull - 1, at the highest rate (Fig. 16)",
                           0.255, _gain(push), "%"))
     # Figure 17's speedups of 1.13x and 1.03x as what they add (13%, 3%): held against the ratio itself, a
@@ -96,18 +113,17 @@ def headlines(outcomes: Sequence[Outcome], variant: str = "") -> list[Headline]:
     return found
 
 
-def variations(outcomes: Sequence[Outcome]) -> dict[str, dict[str, float | None]]:
-    """The latency reductions under each varied assumption, beside the experiment's own."""
-    varied = {f"spread {SPREAD} (the experiment's)": headlines(outcomes)[:2]}
-    varied |= {variant: headlines(outcomes, variant) for variant in dict.fromkeys(o.point.variant for o in outcomes)
-              if variant.startswith("spread")}
-    reductions = {name: {h.key: h.simulated for h in found} for name, found in varied.items()}
-    both = _index(outcomes, "") | _index(outcomes, TWO_VLLM)
-    rates = sorted({rate for (_, series, rate) in both if series == TWO_VLLM})
-    if rates:
-        reductions[TWO_VLLM] = {f"latency_reduction_{workload}": _mean(
-            [_less(_ratio(both, workload, KVDIRECT, TWO_VLLM, rate)) for rate in rates]) for workload in WORKLOADS}
-    return reductions
+def variations(outcomes: Sequence[Outcome]) -> dict[str, list[Headline]]:
+    """The headlines each variation has points for, beside the experiment's own. Two vLLM engines stand
+    in for vLLM against the experiment's own KVDirect."""
+    own = _index(outcomes, "")
+    varied = {"the experiment's": own} | {variant: _index(outcomes, variant) for variant in
+                                          dict.fromkeys(o.point.variant for o in outcomes) if variant}
+    if TWO_VLLM in varied:
+        varied[TWO_VLLM] = own | {(workload, VLLM, rate): figures for (workload, _, rate), figures in
+                                  varied[TWO_VLLM].items()}
+    return {name: [h for h in headlines_at(at) if h.simulated is not None] if name != TWO_VLLM
+            else headlines_at(at)[:2] for name, at in varied.items()}
 
 
 def _index(outcomes: Sequence[Outcome], variant: str) -> dict[tuple[str, str, float], dict]:

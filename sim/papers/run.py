@@ -31,8 +31,8 @@ def run(name: str, quick: bool, rates: str | None, requests: int | None, seed: i
     headlines, speed = paper.headlines(outcomes), sweep.speed(outcomes)
     varied = {} if quick else paper.variations(outcomes)
     print(contract.table(headlines))
-    for variation, values in varied.items():
-        print(f"{variation}: " + ", ".join(f"{key} {'-' if v is None else f'{v:.1%}'}" for key, v in values.items()))
+    for variation, found in varied.items():
+        print(f"{variation}: " + ", ".join(f"{h.key} {h.shown(h.simulated)}" for h in found))
     print(f"{len(outcomes)} simulations: {speed['sim_seconds']:.0f} simulated s in {speed['wall_seconds']:.1f} wall s "
           f"({speed['sim_per_wall']:.0f} simulated s per wall s)")
     if plot_path is None and json_path is not None:
@@ -40,7 +40,8 @@ def run(name: str, quick: bool, rates: str | None, requests: int | None, seed: i
     plots = [plot(outcomes, paper.PANELS, paper.TITLE, plot_path)] if plot_path is not None else []
     if json_path is not None:
         config = {"paper": name, "profile": deployment.name, "rates_per_engine": list(chosen),
-                  "requests_per_point": per_point, "seed": seed, "speed": speed, "variations": varied,
+                  "requests_per_point": per_point, "seed": seed, "speed": speed,
+                  "variations": {variation: {h.key: h.simulated for h in found} for variation, found in varied.items()},
                   "about": paper.__doc__}
         contract.write(contract.result(name, quick, headlines, outcomes, config, plots), json_path)
     return 0

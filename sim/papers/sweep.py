@@ -39,11 +39,23 @@ class Point:
     link: LinkSpec = field(default_factory=LinkSpec)
     transfer_mode: str = "pull"
     routing: str = "round_robin"  # with pd:1:1 every request is split, as KVDirect's 1P1D
+    step_overhead_s: float = 0.0  # added to every step (a variation of the step cost)
     variant: str = ""            # the assumption this point varies ("": the experiment's own)
 
     @property
     def engines(self) -> int:
         return len(self.topology.roles())
+
+
+@dataclass(frozen=True, slots=True)
+class Overhead:
+    """A step cost with a fixed time added to every step."""
+
+    cost: StepCost
+    added_s: float
+
+    def seconds(self, prefill_tokens: int, decode_tokens: int, decode_context: int, prefill_context: int) -> float:
+        return self.cost.seconds(prefill_tokens, decode_tokens, decode_context, prefill_context) + self.added_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +75,8 @@ def requests(point: Point) -> list[SimRequest]:
 
 def simulate(point: Point, cost: StepCost, geometry: KVGeometry) -> Outcome:
     workload = requests(point)
+    if point.step_overhead_s:
+        cost = Overhead(cost, point.step_overhead_s)
     engines = cluster.build(point.topology, point.spec, cost, None, point.routing, point.link, geometry,
                             point.transfer_mode)
     start = time.perf_counter()
