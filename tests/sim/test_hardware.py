@@ -29,7 +29,7 @@ def test_every_gpu_profile_loads_and_cites_every_constant(name):
 @pytest.mark.parametrize("name", GPU_PROFILES)
 def test_every_check_cites_its_publication_and_recomputes_to_what_the_profile_says(name):
     body = json.loads((PROFILES / f"{name}.json").read_text())
-    assert body["checks"]
+    assert any(not check.get("sets") for check in body["checks"])  # a factor set from a point is checked on others
     for check in body["checks"]:
         assert check["source"].strip() and check["published"] > 0
         model = check_value(body, check)
