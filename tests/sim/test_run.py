@@ -1,15 +1,18 @@
-"""`kvmesh sim run` end to end on the committed profile, and the workload it draws."""
+"""`kvmesh sim run` end to end on every committed profile, and the workload it draws."""
 
 import json
+
+import pytest
 
 from kvmesh.cli import main
 from kvmesh.sim.step_cost import profile_names
 from kvmesh.sim.workload import Lengths, poisson
 
 
-def test_sim_run_prints_and_writes_the_figures(tmp_path, capsys):
+@pytest.mark.parametrize("profile", profile_names())
+def test_sim_run_prints_and_writes_the_figures(tmp_path, capsys, profile):
     out = tmp_path / "run.json"
-    assert main(["sim", "run", "--profile", profile_names()[0], "--rate", "20", "--requests", "200",
+    assert main(["sim", "run", "--profile", profile, "--rate", "20", "--requests", "200",
                  "--policy", "preemption_order=srtf", "--device-blocks", "256", "--json", str(out)]) == 0
     assert "TTFT P50 / P90" in capsys.readouterr().out
     body = json.loads(out.read_text())
