@@ -16,21 +16,21 @@ if TYPE_CHECKING:
     from .plan import Result
 
 
-def plot(ranked: Sequence[Result], target: float, path: Path) -> None:
-    """`ranked`: best first, the pick drawn bold."""
+def plot(ranked: Sequence[tuple[str, Result]], target: float, path: Path) -> None:
+    """`ranked`: (label, result), best first; the pick drawn bold."""
     fig, (curves, bars) = plt.subplots(1, 2, figsize=(14, 1.5 + max(4.0, 0.3 * len(ranked))))
-    for index, result in enumerate(ranked):
+    colours = plt.get_cmap("tab20").colors
+    for index, (label, result) in enumerate(ranked):
         probes = sorted(result.goodput.probes)
         curves.plot([rate for rate, _ in probes], [100 * attained for _, attained in probes], marker="o",
-                    markersize=3, linewidth=2.5 if index == 0 else 1, label=str(result.candidate))
+                    markersize=3, linewidth=2.5 if index == 0 else 1, color=colours[index % len(colours)], label=label)
     curves.axhline(100 * target, linestyle="--", color="grey", label=f"target {target:.0%}")
     curves.set_xlabel("arrival rate (req/s)")
     curves.set_ylabel("requests meeting every SLO (%)")
     curves.set_title("SLO attainment over rate (the rates each bisection ran)")
     curves.legend(fontsize=7)
-    labels = [str(r.candidate) for r in ranked]
-    colours = ["tab:green" if index == 0 else "tab:blue" for index in range(len(ranked))]
-    bars.barh(labels, [r.per_engine for r in ranked], color=colours)
+    bars.barh([label for label, _ in ranked], [r.per_engine for _, r in ranked],
+              color=["tab:green"] + ["tab:blue"] * (len(ranked) - 1))
     bars.invert_yaxis()
     bars.tick_params(axis="y", labelsize=7)
     bars.set_xlabel("goodput per engine (req/s)")
