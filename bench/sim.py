@@ -1,34 +1,36 @@
-"""`kvmesh bench sim`: the simulator (sim/) against `bench serve`'s colocated engine, issue 31 item 2.
+"""`kvmesh bench sim`: the simulator (sim/) against `bench serve`'s configurations, issue 31 item 2.
 
-One run calibrates, measures and then simulates, on one engine:
-  0. calibration: `bench serve`'s configuration (3), one colocated engine (`kvmesh up --colocated`, the
-     `tiny` preset, one torch thread), first serves a load of its own (`arxiv` at CALIBRATION_RATE,
-     requests and arrivals of CALIBRATION_SEED, none of the validated loads'; serve's window). The
-     profile is fitted to it (`calibrate()`): the step cost to the steps the engine recorded while it
-     ran (`GET /v1/steps`, each the wall time of its loop's turn: sim.fit.fit_engine_steps), and the
-     request's path outside the engine to the client's timings against the engine's own
+Two of serve's configurations, each its own `kvmesh up` (the `tiny` preset, one torch thread an
+engine): (3) one colocated engine (`colocated`, the simulator's `colocated:1`) and (1) 1P1D pull, a
+prefill and a decode engine (`1p1d`, the simulator's `pd:1:1` with sim.link's loopback defaults).
+On each, one run calibrates, measures and then simulates:
+  0. calibration: the cluster first serves a load of its own (`arxiv` at CALIBRATION_RATE, requests
+     and arrivals of CALIBRATION_SEED, none of the validated loads'; serve's window). The profile is
+     fitted to it (`calibrate()`): each engine's step cost to the steps it recorded while serving it
+     (`GET /v1/steps`, each the wall time of its loop's turn: sim.fit.fit_engine_steps), and the
+     request's path outside the engines to the client's timings against the engines' own
      (sim.request_path.measure over the admission's per-request `timings_ms`);
-  1. measured: the same engine driven by bench/serve.py's own `measured_load` on `arxiv` at each of
-     the rates of serve's sweep up to 12 req/s (1, 4, 8, 12: the same in `--quick` and the full run;
+  1. measured: the same cluster driven by bench/serve.py's own `measured_load` on `arxiv` at 1, 4, 8
+     and 12 req/s (serve's colocated sweep up to 12 req/s, the same in `--quick` and the full run;
      `--quick` has serve's quick windows, 8 s of arrivals, the full run serve's 20 s);
   2. simulated: every request each load sent, with its prompt and output length and its scheduled
-     arrival (`RequestResult`), replayed through `sim.engine.SimEngine` with that profile, the engine
-     configured as the real one (its device blocks and policies from its `GET /v1/state`, its layers
-     from the preset, block size, sequence limit and token budget the EngineConfig defaults `kvmesh up`
-     leaves), and its tokens delivered through the measured path (sim.request_path.delivered).
-Keys, at every rate r of (1, 4, 8, 12), each a relative error |simulated - measured| / measured of the
-completed requests' figures:
-  sim_error_p90_ttft_colocated_<r>, sim_error_mean_tpot_colocated_<r>, sim_error_p90_e2e_colocated_<r>:
-    target <= 0.15 each (issue 31's validation target names these three);
-  sim_error_p50_ttft_colocated_<r>: reported, no target (the issue measures it but sets none).
-Information, no target, the same keys with a suffix: the assumptions varied one at a time (VARIED):
+     arrival (`RequestResult`), replayed through a `sim.cluster.Cluster` of the same engines with the
+     calibrated profile, each engine configured as the real one (device blocks and policies from its
+     `GET /v1/state`, layers from the preset, block size, sequence limit and its role's token budget
+     as EngineConfig and its defaults leave them), the tokens delivered through the measured path.
+Keys, for each configuration c and rate r, each a relative error |simulated - measured| / measured of
+the completed requests' figures:
+  sim_error_p90_ttft_<c>_<r>, sim_error_mean_tpot_<c>_<r>, sim_error_p90_e2e_<c>_<r>: target <= 0.15
+    each (issue 31's validation target names these three);
+  sim_error_p50_ttft_<c>_<r>: reported, no target (the issue measures it but sets none).
+Information, no target, the same keys with a suffix: the assumptions varied one at a time:
 `_in_process`, the in-process profile (PROFILE, Engine.step timed alone) and no path, the simulator
-as it was; `_no_path`, the in-service step cost without the path; `_own_steps`, each load's step
-cost fitted to that load's own steps; `_own_path`, each load's own measured path; `_own`, both (the
-best the model's form reaches: a mean cost per step shape, a constant path). Also the engine
-side (timings_ms against the simulated queue, prefill and decode), the steps each load ran against the
-simulated steps, and how long each load's real steps took against what the calibrated cost says of
-their shapes (`step_time_ratio`).
+as it was; `_no_path`, the calibrated step costs without the path; `_own_steps`, each load's step
+costs fitted to that load's own steps; `_own_path`, each load's own measured path; `_own`, both (the
+best the model's form reaches: a mean cost per step shape, a constant path). Also the engine side
+(timings_ms against the simulated queue, prefill and decode), each engine's steps over each load
+against the simulated ones, and how long each load's real steps took against what the calibrated
+cost says of their shapes (`step_time_ratio`).
 """
 
 from __future__ import annotations
@@ -50,23 +52,34 @@ from rich.progress import Progress
 
 from kvmesh.infra.local.state import read_state
 from kvmesh.sim.calibrate import engine_steps
+from kvmesh.sim.cluster import Cluster
 from kvmesh.sim.engine import EngineSpec, SimEngine
 from kvmesh.sim.fit import fit_engine_steps
 from kvmesh.sim.metrics import summarise
 from kvmesh.sim.request import SimRequest
 from kvmesh.sim.request_path import RequestPath, delivered, measure, profile_entry
-from kvmesh.sim.simulate import simulate
 from kvmesh.sim.step_cost import TERMS, StepCost, load_profile, profile_path, write_profile
+from kvmesh.sim.topology import Topology
 from kvmesh.sim.workload import replay
 
 from . import serve
-from .loadgen import LoadResult, breakdown, run_load, served_model, summarize
+from .loadgen import STAGES, LoadResult, breakdown, run_load, served_model, summarize
 from .report import BenchResult, Row, save_figure
 from .workloads import WORKLOADS
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+
+@dataclasses.dataclass(frozen=True)
+class Configuration:
+    key: str            # in its keys: sim_error_<figure>_<key>_<rate>
+    setup: serve.Setup  # bench serve's, as it starts it
+    topology: str       # the simulator's: its engine ids are kvmesh up's (engine-c0, engine-p0, engine-d0)
+
+
+CONFIGURATIONS = (Configuration("colocated", serve.COLOCATED, "colocated:1"),
+                  Configuration("1p1d", serve.PULL, "pd:1:1"))
 WORKLOAD = "arxiv"
 RATES = (1, 4, 8, 12)            # serve's arxiv sweep up to 12 req/s, about 3/4 of one engine's capacity
 CALIBRATION_RATE = 6             # req/s: between the validated rates, so its steps range from one request to batches
@@ -78,30 +91,54 @@ FIGURES = {  # key part: (sim.metrics.summarise's key in s, loadgen.summarize's 
     "p50_ttft": ("ttft_p50_s", "ttft_p50_ms"), "p90_ttft": ("ttft_p90_s", "ttft_p90_ms"),
     "mean_tpot": ("tpot_mean_s", None), "p90_e2e": ("e2e_p90_s", "e2e_p90_ms")}
 PLOT = Path("bench-results/sim_validation.png")
-SERVED_PROFILE = Path("bench-results/sim_profile_in_service.json")  # the profile the run calibrated
-STAGES = ("prefill_queue", "prefill", "decode")  # a colocated engine's timings_ms (no transfer, no decode queue)
+SERVED_PROFILES = Path("bench-results")  # sim_profile_<configuration>_<engine>.json: the profiles the run calibrated
+Steps = dict[str, list[dict]]  # engine id -> the steps it recorded (GET /v1/steps)
 
 
 def run(quick: bool) -> BenchResult:
     plan = serve.QUICK if quick else serve.FULL
-    loads: list[LoadResult] = []
-    load_steps: list[list[dict]] = []
     with (asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner, Progress(transient=True) as progress,
           tempfile.TemporaryDirectory(prefix="kvmesh-bench-sim-") as tmp,
-          serve.started_together((serve.COLOCATED,), Path(tmp), progress) as clusters):
-        cluster = clusters[serve.COLOCATED.key]
-        engine = ServingEngine(*engine_endpoint(cluster.run_dir))
-        state = engine.get("/v1/state")
-        first = runner.run(calibration_load(cluster.url, cluster.api_key, plan, progress, warmed=engine.take))
-        calibration = calibrate(first, engine.take())
-        for rate in RATES:
-            loads.append(runner.run(serve.measured_load(cluster.url, cluster.api_key, WORKLOAD, rate, plan,
-                                                        progress, serve.COLOCATED.label)))
-            load_steps.append(engine.take())
-    spec, policies = engine_spec(state), sim_policies(state)
-    write_served_profile(calibration, SERVED_PROFILE)
-    found = variations(calibration, loads, load_steps, spec, load_profile(PROFILE), policies)
-    return _result(quick, plan, calibration, loads, load_steps, found, spec, policies, state)
+          serve.started_together(tuple(c.setup for c in CONFIGURATIONS), Path(tmp), progress) as clusters):
+        measured = [measure_configuration(c, clusters[c.setup.key], runner, plan, progress) for c in CONFIGURATIONS]
+    in_process = load_profile(PROFILE)
+    replayed = []
+    for m in measured:
+        calibration = calibrate(m.calibration_load, m.calibration_steps)
+        write_served_profiles(m.configuration, calibration)
+        replayed.append((m, calibration, variations(calibration, m, in_process)))
+    return _result(quick, plan, replayed, in_process)
+
+
+@dataclasses.dataclass
+class Measured:
+    """One configuration's run: its engines' state, the calibration load and each validated load,
+    with the steps each engine recorded over each."""
+
+    configuration: Configuration
+    states: dict[str, dict]       # engine id -> its GET /v1/state before the loads
+    calibration_load: LoadResult
+    calibration_steps: Steps
+    loads: list[LoadResult]
+    load_steps: list[Steps]
+
+
+def measure_configuration(configuration: Configuration, cluster: serve.LocalCluster, runner: asyncio.Runner,
+                          plan: serve.Plan, progress: Progress) -> Measured:
+    engines = serving_engines(cluster.run_dir)
+    states = {engine_id: engine.get("/v1/state") for engine_id, engine in engines.items()}
+
+    def taken() -> Steps:
+        return {engine_id: engine.take() for engine_id, engine in engines.items()}
+
+    first = runner.run(calibration_load(cluster.url, cluster.api_key, plan, progress, configuration.setup.label,
+                                        warmed=taken))
+    calibration_steps, loads, load_steps = taken(), [], []
+    for rate in RATES:
+        loads.append(runner.run(serve.measured_load(cluster.url, cluster.api_key, WORKLOAD, rate, plan, progress,
+                                                    configuration.setup.label)))
+        load_steps.append(taken())
+    return Measured(configuration, states, first, calibration_steps, loads, load_steps)
 
 
 # -- the calibration ------------------------------------------------------------------------------
@@ -111,28 +148,33 @@ def run(quick: bool) -> BenchResult:
 class Calibration:
     """The profile this run fits, before it validates: to the calibration load's steps and path."""
 
-    cost: StepCost
-    fit: dict             # sim.fit's summary of the fit to the steps
+    costs: dict[str, StepCost]   # engine id -> its step cost
+    fits: dict[str, dict]        # engine id -> sim.fit's summary of the fit to its steps
     path: RequestPath
     load: LoadResult
-    steps: list[dict]     # as GET /v1/steps listed them
+    steps: Steps
 
 
-def calibrate(load: LoadResult, steps: list[dict]) -> Calibration:
-    cost, fit = fit_engine_steps(steps)
-    return Calibration(cost, fit, measured_path(load), load, steps)
+def calibrate(load: LoadResult, steps: Steps) -> Calibration:
+    fitted = {engine_id: fit_engine_steps(engine_steps) for engine_id, engine_steps in steps.items()}
+    return Calibration({e: cost for e, (cost, _) in fitted.items()}, {e: fit for e, (_, fit) in fitted.items()},
+                       measured_path(load), load, steps)
 
 
 def measured_path(load: LoadResult) -> RequestPath:
-    """The path outside the engine over a load's completed requests: the client's TTFT and end to
-    end against the engine's own arrival-to-first-token and decode (the admission's timings_ms)."""
+    """The path outside the engines over a load's completed requests: the client's TTFT and end to
+    end against the engines' arrival-to-first-token and their transfer and decode (the admission's
+    timings_ms). For a split request the hop through the admission to the decode engine, and its
+    wait there (decode_queue), fall to the path: the simulator has no hop, and its decode engine's
+    wait for a step (part of decode_queue) is counted twice."""
     timed = [r for r in load.results if r.ok and r.kvmesh and r.kvmesh.get("timings_ms")]
     engine = [r.kvmesh["timings_ms"] for r in timed]
     return measure([r.ttft for r in timed], [r.e2e for r in timed],
-                   [(t["prefill_queue"] + t["prefill"]) / 1e3 for t in engine], [t["decode"] / 1e3 for t in engine])
+                   [(t["prefill_queue"] + t["prefill"]) / 1e3 for t in engine],
+                   [(t.get("transfer", 0.0) + t["decode"]) / 1e3 for t in engine])
 
 
-async def calibration_load(url: str, api_key: str, plan: serve.Plan, progress: Progress,
+async def calibration_load(url: str, api_key: str, plan: serve.Plan, progress: Progress, label: str,
                            warmed: Callable[[], object]) -> LoadResult:
     """The calibration load: serve's four unmeasured warm-up requests (then `warmed()`), and
     CALIBRATION_RATE's Poisson load of its own requests, as serve.measured_load sends its loads."""
@@ -143,19 +185,26 @@ async def calibration_load(url: str, api_key: str, plan: serve.Plan, progress: P
     return await run_load(url, spec.requests(count, CALIBRATION_SEED), CALIBRATION_RATE, model=model, api_key=api_key,
                           seed=CALIBRATION_SEED, concurrency=serve.CONCURRENCY,
                           time_limit_s=count / CALIBRATION_RATE + plan.drain_s, progress=progress,
-                          label=f"calibration · {WORKLOAD} @ {CALIBRATION_RATE} req/s")
+                          label=f"{label} · calibration · {WORKLOAD} @ {CALIBRATION_RATE} req/s")
 
 
-def write_served_profile(calibration: Calibration, path: Path) -> None:
-    """The calibrated profile as a file sim/ loads (step cost and request path), for `kvmesh sim run`."""
+def served_profile_path(configuration: Configuration, engine_id: str) -> Path:
+    return SERVED_PROFILES / f"sim_profile_{configuration.key}_{engine_id}.json"
+
+
+def write_served_profiles(configuration: Configuration, calibration: Calibration) -> None:
+    """Each engine's calibrated profile as a file sim/ loads (step cost and the request path), for
+    `kvmesh sim run`."""
     load = calibration.load
-    origin = f"least-squares fit to the {len(calibration.steps)} steps the engine recorded (GET /v1/steps) while " \
-             f"serving bench sim's calibration load ({WORKLOAD} at {load.rate:g} req/s, seed {CALIBRATION_SEED})"
     path_origin = f"mean over the calibration load's {sum(r.ok for r in load.results)} completed requests of " \
-                  f"the client's timings minus the engine's own (timings_ms), kvmesh bench sim"
-    write_profile(path, calibration.cost, dict.fromkeys(TERMS, origin),
-                  {"model": serve.MODEL, "threads": 1, "source": "engine service (kvmesh bench sim)",
-                   "request_path": profile_entry(calibration.path, path_origin)}, calibration.fit)
+                  f"the client's timings minus the engines' own (timings_ms), kvmesh bench sim"
+    for engine_id, cost in calibration.costs.items():
+        origin = f"least-squares fit to the {len(calibration.steps[engine_id])} steps {engine_id} recorded " \
+                 f"(GET /v1/steps) while serving bench sim's calibration load ({WORKLOAD} at {load.rate:g} req/s, " \
+                 f"seed {CALIBRATION_SEED}) in bench serve's {configuration.setup.label}"
+        write_profile(served_profile_path(configuration, engine_id), cost, dict.fromkeys(TERMS, origin),
+                      {"model": serve.MODEL, "threads": 1, "source": "engine service (kvmesh bench sim)",
+                       "request_path": profile_entry(calibration.path, path_origin)}, calibration.fits[engine_id])
 
 
 # -- the variations -------------------------------------------------------------------------------
@@ -163,30 +212,32 @@ def write_served_profile(calibration: Calibration, path: Path) -> None:
 
 @dataclasses.dataclass
 class Variation:
-    suffix: str                 # of its keys: sim_error_<figure>_colocated_<rate><suffix>
+    suffix: str                        # of its keys: sim_error_<figure>_<configuration>_<rate><suffix>
     label: str
-    costs: list[StepCost]       # one per load
-    paths: list[RequestPath]    # one per load
-    summaries: list[dict]       # simulated(), one per load
+    costs: list[dict[str, StepCost]]   # one per load: engine id -> step cost
+    paths: list[RequestPath]           # one per load
+    summaries: list[dict]              # simulated(), one per load
 
 
-def variations(calibration: Calibration, loads: list[LoadResult], load_steps: list[list[dict]], spec: EngineSpec,
-               in_process: StepCost, policies: dict[str, str]) -> list[Variation]:
+def variations(calibration: Calibration, measured: Measured, in_process: StepCost) -> list[Variation]:
     """The replay with the calibrated profile, then with one assumption varied at a time: the step
     cost timed in process and no path (the simulator before), no path, and each load's own step
     cost or own path measured on that load instead of the calibration's (how far the calibration
     load's figures carry to other rates), and both: the best the model's form reaches."""
-    n, none = len(loads), RequestPath()
-    own_costs = [fit_engine_steps(steps)[0] for steps in load_steps]
+    loads, n, none = measured.loads, len(measured.loads), RequestPath()
+    engines = sim_engines(measured)
+    own_costs = [{e: fit_engine_steps(s)[0] for e, s in steps.items()} for steps in measured.load_steps]
     own_paths = [measured_path(load) for load in loads]
-    plans = [("", "simulated", [calibration.cost] * n, [calibration.path] * n),
-             ("_in_process", "in-process steps, no path", [in_process] * n, [none] * n),
-             ("_no_path", "no path", [calibration.cost] * n, [none] * n),
+    plans = [("", "simulated", [calibration.costs] * n, [calibration.path] * n),
+             ("_in_process", "in-process steps, no path", [dict.fromkeys(calibration.costs, in_process)] * n,
+              [none] * n),
+             ("_no_path", "no path", [calibration.costs] * n, [none] * n),
              ("_own_steps", "each load's own steps", own_costs, [calibration.path] * n),
-             ("_own_path", "each load's own path", [calibration.cost] * n, own_paths),
+             ("_own_path", "each load's own path", [calibration.costs] * n, own_paths),
              ("_own", "each load's own steps and path", own_costs, own_paths)]
     return [Variation(suffix, label, costs, paths,
-                      [simulated(load, spec, cost, policies, path) for load, cost, path in zip(loads, costs, paths)])
+                      [simulated(load, engines, cost, path)
+                       for load, cost, path in zip(loads, costs, paths)])
             for suffix, label, costs, paths in plans]
 
 
@@ -197,14 +248,7 @@ def step_time_ratio(cost: StepCost, steps: list[dict]) -> float:
     return sum(s["seconds"] for s in steps) / predicted if predicted > 0 else math.nan
 
 
-# -- the real engine ------------------------------------------------------------------------------
-
-
-def engine_endpoint(run_dir: Path) -> tuple[str, str]:
-    """The colocated engine's URL and the cluster's service token."""
-    cluster = read_state(run_dir)
-    engine = next(c for c in cluster.children if c.name.startswith("engine"))
-    return engine.url.rstrip("/"), Path(cluster.token_file).read_text().strip()
+# -- the real engines -----------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -227,10 +271,24 @@ class ServingEngine:
         return steps
 
 
-def engine_spec(state: dict) -> EngineSpec:
+def serving_engines(run_dir: Path) -> dict[str, ServingEngine]:
+    """A cluster's engines by id, with its service token."""
+    cluster = read_state(run_dir)
+    token = Path(cluster.token_file).read_text().strip()
+    return {c.name: ServingEngine(c.url.rstrip("/"), token) for c in cluster.children if c.name.startswith("engine-")}
+
+
+def sim_engines(measured: Measured) -> dict[str, tuple[str, EngineSpec, dict[str, str]]]:
+    """The simulated engines as the real ones: engine id -> (role, spec, policies)."""
+    roles = Topology.parse(measured.configuration.topology).roles()
+    return {engine_id: (role, engine_spec(measured.states[engine_id], role), sim_policies(measured.states[engine_id]))
+            for engine_id, role in roles.items()}
+
+
+def engine_spec(state: dict, role: str = "both") -> EngineSpec:
     """The simulated engine as the real one: device blocks from its state, layers from the preset it
-    runs, block size, sequence limit and token budget as EngineConfig and its defaults leave them
-    (`kvmesh up` sets none of them)."""
+    runs, block size, sequence limit and its role's token budget as EngineConfig and its defaults
+    leave them (`kvmesh up` sets none of them)."""
     from kvmesh.services.engine.config import EngineConfig
     from kvmesh.services.engine.defaults import token_budget
     from kvmesh.services.engine.native.models.presets import PRESETS
@@ -238,7 +296,7 @@ def engine_spec(state: dict) -> EngineSpec:
     config = EngineConfig(model=serve.MODEL)
     return EngineSpec(block_size=config.block_size, num_layers=PRESETS[serve.MODEL].num_layers,
                       device_blocks=int(state["total_blocks"]["device"]), max_num_seqs=config.max_num_seqs,
-                      token_budget=config.token_budget or token_budget(config.role))
+                      token_budget=config.token_budget or token_budget(role))
 
 
 def sim_policies(state: dict) -> dict[str, str]:
@@ -269,24 +327,26 @@ class CountingEngine(SimEngine):
         super().complete(step, done)
 
 
-def simulated(load: LoadResult, spec: EngineSpec, cost: StepCost, policies: dict[str, str],
-              path: RequestPath = RequestPath()) -> dict:
-    """The load replayed through a simulated engine, its tokens delivered through `path`:
-    sim.metrics.summarise's figures, plus its steps and the engine-side breakdown (`stages_ms`, as
-    the admission's timings_ms of a colocated engine, before the path)."""
+def simulated(load: LoadResult, engines: dict[str, tuple[str, EngineSpec, dict[str, str]]],
+              costs: dict[str, StepCost], path: RequestPath = RequestPath()) -> dict:
+    """The load replayed through a simulated cluster of `engines` (id -> role, spec, policies; the
+    link sim.link's defaults, pull mode), each with its cost, the tokens delivered through `path`:
+    sim.metrics.summarise's figures, plus each engine's steps and the engine-side breakdown
+    (`stages_ms`, before the path)."""
     requests = sim_requests(load)
-    engine = CountingEngine(spec, cost, policies)
+    members = {e: (role, CountingEngine(spec, costs[e], policies)) for e, (role, spec, policies) in engines.items()}
     start = time.perf_counter()
-    sim_seconds = simulate(engine, requests)
+    sim_seconds = Cluster(members).run(requests)
     wall = time.perf_counter() - start
     stages = sim_stages(requests)
     delivered(requests, path)
-    return {**summarise(requests, sim_seconds, wall), "steps": engine.steps, "stages_ms": stages}
+    return {**summarise(requests, sim_seconds, wall), "steps": {e: engine.steps for e, (_, engine) in members.items()},
+            "stages_ms": stages}
 
 
 def sim_stages(requests: list[SimRequest]) -> dict[str, float]:
     """Mean ms from reaching the engine to first blocks (prefill_queue), to the first token (prefill),
-    to the last (decode), over the finished requests: the engine's Timings, as simulated."""
+    to the last (decode: a split request's hand-off included), over the finished requests."""
     done = [r for r in requests if r.finished_at is not None]
     if not done:
         return {}
@@ -317,94 +377,127 @@ def relative_error(simulated_value: float, measured_value: float) -> float:
 # -- the result -----------------------------------------------------------------------------------
 
 
-def _result(quick: bool, plan: serve.Plan, calibration: Calibration, loads: list[LoadResult],
-            load_steps: list[list[dict]], found: list[Variation], spec: EngineSpec, policies: dict[str, str],
-            state: dict) -> BenchResult:
-    rows, ratios, targets, stages = [], {}, {}, {}
-    table = {label: {n: [] for n in FIGURES} for label in ["measured", *(v.label for v in found)]}
-    for i, load in enumerate(loads):
-        rate = f"{load.rate:g}"
-        real = measured_figures(load)
-        for label, figures, failed in (("measured", real, summarize(load)["failed"]),
-                                       *((v.label, sim_figures(v.summaries[i]), v.summaries[i]["unfinished"])
-                                         for v in found)):
-            rows.append(Row(compared=label, path=f"{WORKLOAD} @ {rate} req/s ({len(load.results)} requests)",
-                            cells={**{f"{n.replace('_', ' ')} ms": figures[n] * 1e3 for n in FIGURES},
-                                   "failed": float(failed)}))
+Replayed = tuple[Measured, Calibration, list[Variation]]
+
+
+def _result(quick: bool, plan: serve.Plan, replayed: list[Replayed], in_process: StepCost) -> BenchResult:
+    rows, ratios, targets, tables, configs = [], {}, {}, {}, {}
+    for measured, calibration, found in replayed:
+        c = measured.configuration
+        table = {label: {n: [] for n in FIGURES} for label in ["measured", *(v.label for v in found)]}
+        stages = {}
+        for i, load in enumerate(measured.loads):
+            rate, where = f"{load.rate:g}", f"{c.setup.label}, {WORKLOAD} @ {load.rate:g} req/s"
+            real = measured_figures(load)
+            for label, figures, failed in (("measured", real, summarize(load)["failed"]),
+                                           *((v.label, sim_figures(v.summaries[i]), v.summaries[i]["unfinished"])
+                                             for v in found)):
+                rows.append(Row(compared=label, path=f"{where} ({len(load.results)} requests)",
+                                cells={**{f"{n.replace('_', ' ')} ms": figures[n] * 1e3 for n in FIGURES},
+                                       "failed": float(failed)}))
+                for n in FIGURES:
+                    table[label][n].append(figures[n])
             for n in FIGURES:
-                table[label][n].append(figures[n])
-        for n in FIGURES:
-            key = f"sim_error_{n}_colocated_{rate}"
-            for v in found:
-                ratios[f"{key}{v.suffix}"] = relative_error(sim_figures(v.summaries[i])[n], real[n])
-            if n in TARGETED:
-                targets[key] = TARGET
-        stages[rate] = {"measured": {k: v for k, v in (breakdown(load) or {}).items() if k in STAGES},
-                        **{v.label: v.summaries[i]["stages_ms"] for v in found}}
-        for label in ("measured", found[0].label):
-            rows.append(Row(compared=f"{label}, engine side", path=f"{WORKLOAD} @ {rate} req/s, mean per request",
-                            cells={f"{k.replace('_', ' ')} ms": v for k, v in stages[rate][label].items()}))
-        rows.append(Row(compared="relative error", path=f"{WORKLOAD} @ {rate} req/s",
-                        cells={f"{n.replace('_', ' ')} ms": ratios[f"sim_error_{n}_colocated_{rate}"]
-                               for n in FIGURES}))
-    plot = _plot([load.rate for load in loads], table)
+                key = f"sim_error_{n}_{c.key}_{rate}"
+                for v in found:
+                    ratios[f"{key}{v.suffix}"] = relative_error(sim_figures(v.summaries[i])[n], real[n])
+                if n in TARGETED:
+                    targets[key] = TARGET
+            stages[rate] = {"measured": {k: v for k, v in (breakdown(load) or {}).items() if k in STAGES},
+                            **{v.label: v.summaries[i]["stages_ms"] for v in found}}
+            for label in ("measured", found[0].label):
+                rows.append(Row(compared=f"{label}, engine side", path=f"{where}, mean per request",
+                                cells={f"{k.replace('_', ' ')} ms": v for k, v in stages[rate][label].items()}))
+            rows.append(Row(compared="relative error", path=where,
+                            cells={f"{n.replace('_', ' ')} ms": ratios[f"sim_error_{n}_{c.key}_{rate}"]
+                                   for n in FIGURES}))
+        tables[c.setup.label] = table
+        configs[c.key] = _configuration_config(measured, calibration, found, stages, in_process)
+    plot = _plot([float(r) for r in RATES], tables)
     worst = max(targets, key=lambda k: ratios[k] if not math.isnan(ratios[k]) else math.inf)
     met = sum(1 for k in targets if not math.isnan(ratios[k]) and ratios[k] <= TARGET)
-    in_process = load_profile(PROFILE)
-    config = {
-        "workload": WORKLOAD, "rates_rps": list(RATES), "window_s": plan.window_s, "drain_s": plan.drain_s,
-        "min_requests": plan.min_requests, "seed": serve.SEED, "model": serve.MODEL, "torch_threads": 1,
-        "calibration": {
-            "rate_rps": CALIBRATION_RATE, "seed": CALIBRATION_SEED, "requests": len(calibration.load.results),
-            "failed": summarize(calibration.load)["failed"], "steps": len(calibration.steps),
-            "step_cost": dataclasses.asdict(calibration.cost), "fit": calibration.fit,
-            "request_path": dataclasses.asdict(calibration.path), "profile_path": str(SERVED_PROFILE)},
-        "in_process_profile": PROFILE, "in_process_profile_path": str(profile_path(PROFILE)),
-        "in_process_step_cost": dataclasses.asdict(in_process),
-        "engine": {**dataclasses.asdict(spec), "from": {
-            "device_blocks": "GET /v1/state total_blocks.device", "num_layers": f"the {serve.MODEL} preset",
-            "block_size": "EngineConfig default", "max_num_seqs": "EngineConfig default",
-            "token_budget": "EngineConfig default (0), decided for role both"}},
-        "policies": policies, "engine_policies": state.get("policies", {}),
-        "variations": {v.suffix or "calibrated": {"label": v.label,
-                                                  "step_costs": [dataclasses.asdict(c) for c in v.costs],
-                                                  "request_paths": [dataclasses.asdict(p) for p in v.paths]}
-                       for v in found},
-        "sim_per_wall": [s["sim_per_wall"] for s in found[0].summaries],
-        "preemptions_simulated": [s["preemptions"] for s in found[0].summaries],
-        "preemptions_measured": state.get("preemptions", {}),
-        "engine_side_ms": stages,  # mean per request: the admission's timings_ms (measured) and the simulator's
-        "engine_steps": {"measured": [len(steps) for steps in load_steps],
-                         **{v.label: [s["steps"] for s in v.summaries] for v in found},
-                         "note": "measured: the steps GET /v1/steps recorded over each load, its 4 warm-up "
-                                 "requests included"},
-        "step_ms_mean_measured": [float(np.mean([s["seconds"] for s in steps])) * 1e3 if steps else math.nan
-                                  for steps in load_steps],
-        "step_time_ratio": {"calibrated": [step_time_ratio(calibration.cost, steps) for steps in load_steps],
-                            "in_process": [step_time_ratio(in_process, steps) for steps in load_steps],
-                            "note": "each load's recorded step seconds, summed, over what the cost says of "
-                                    "their shapes"},
-    }
+    config = {"workload": WORKLOAD, "rates_rps": list(RATES), "window_s": plan.window_s, "drain_s": plan.drain_s,
+              "min_requests": plan.min_requests, "seed": serve.SEED, "model": serve.MODEL, "torch_threads": 1,
+              "calibration_rate_rps": CALIBRATION_RATE, "calibration_seed": CALIBRATION_SEED,
+              "in_process_profile": PROFILE, "in_process_profile_path": str(profile_path(PROFILE)),
+              "in_process_step_cost": dataclasses.asdict(in_process), "configurations": configs}
     return BenchResult(
         bench="sim", quick=quick, ratios=ratios, targets=targets, ceilings={},
         directions=dict.fromkeys(targets, "<="), config=config, rows=rows, plots=[plot],
-        headline=f"the simulator, calibrated on the engine in service ({WORKLOAD} at {CALIBRATION_RATE} req/s), "
-                 f"against one colocated engine at {', '.join(map(str, RATES))} req/s: {met} of {len(targets)} "
-                 f"errors within {TARGET:.0%}; the largest {worst} = {ratios[worst]:.2f}")
+        headline=f"the simulator, calibrated on the engines in service ({WORKLOAD} at {CALIBRATION_RATE} req/s), "
+                 f"against {' and '.join(c.key for c in CONFIGURATIONS)} at {', '.join(map(str, RATES))} req/s: "
+                 f"{met} of {len(targets)} errors within {TARGET:.0%}; the largest {worst} = {ratios[worst]:.2f}")
 
 
-def _plot(rates: list[float], table: dict[str, dict[str, list[float]]]) -> str:
-    fig, axes = plt.subplots(1, len(FIGURES), figsize=(4.2 * len(FIGURES), 3.8))
+def _configuration_config(measured: Measured, calibration: Calibration, found: list[Variation], stages: dict,
+                          in_process: StepCost) -> dict:
+    engines = sim_engines(measured)
+    plain = found[0].summaries
+    return {
+        "topology": measured.configuration.topology, "up_args": list(measured.configuration.setup.up_args),
+        "calibration": {
+            "requests": len(calibration.load.results), "failed": summarize(calibration.load)["failed"],
+            "steps": {e: len(s) for e, s in calibration.steps.items()},
+            "step_costs": {e: dataclasses.asdict(cost) for e, cost in calibration.costs.items()},
+            "fits": calibration.fits, "request_path": dataclasses.asdict(calibration.path),
+            "profile_paths": [str(served_profile_path(measured.configuration, e)) for e in calibration.costs]},
+        "engines": {e: {"role": role, **dataclasses.asdict(spec), "policies": policies}
+                    for e, (role, spec, policies) in engines.items()},
+        "engines_from": {"device_blocks": "GET /v1/state total_blocks.device",
+                         "num_layers": f"the {serve.MODEL} preset",
+                         "block_size": "EngineConfig default", "max_num_seqs": "EngineConfig default",
+                         "token_budget": "EngineConfig default (0), decided for the engine's role",
+                         "policies": "GET /v1/state, the hooks the simulator runs"},
+        "variations": {v.suffix or "calibrated": {"label": v.label,
+                                                  "step_costs": [{e: dataclasses.asdict(c) for e, c in costs.items()}
+                                                                 for costs in v.costs],
+                                                  "request_paths": [dataclasses.asdict(p) for p in v.paths]}
+                       for v in found},
+        "sim_per_wall": [s["sim_per_wall"] for s in plain],
+        "preemptions_simulated": [s["preemptions"] for s in plain],
+        "preemptions_measured": {e: state.get("preemptions", {}) for e, state in measured.states.items()},
+        "engine_side_ms": stages,  # mean per request: the admission's timings_ms (measured) and the simulator's
+        "engine_steps": {"measured": [{e: len(s) for e, s in steps.items()} for steps in measured.load_steps],
+                         **{v.label: [s["steps"] for s in v.summaries] for v in found},
+                         "note": "measured: the steps GET /v1/steps recorded over each load, its 4 warm-up "
+                                 "requests included"},
+        "step_ms_mean_measured": [{e: float(np.mean([x["seconds"] for x in s])) * 1e3 if s else math.nan
+                                   for e, s in steps.items()} for steps in measured.load_steps],
+        # how far each load's batches reach past the calibration's: the fit is linear beyond them
+        "decode_tokens_per_step": {"calibration": {e: _spread(s) for e, s in calibration.steps.items()},
+                                   "loads": [{e: _spread(s) for e, s in steps.items()}
+                                             for steps in measured.load_steps]},
+        "step_time_ratio": {"calibrated": [{e: step_time_ratio(calibration.costs[e], s) for e, s in steps.items()}
+                                           for steps in measured.load_steps],
+                            "in_process": [{e: step_time_ratio(in_process, s) for e, s in steps.items()}
+                                           for steps in measured.load_steps],
+                            "note": "each load's recorded step seconds, summed, over what the cost says of "
+                                    "their shapes"},
+    }
+
+
+def _spread(steps: list[dict]) -> dict[str, float]:
+    """The decode tokens of the steps that decoded: their mean, 90th percentile and largest."""
+    tokens = [s["decode_tokens"] for s in steps if s["decode_tokens"]]
+    if not tokens:
+        return {}
+    return {"mean": float(np.mean(tokens)), "p90": float(np.percentile(tokens, 90)), "max": float(max(tokens))}
+
+
+def _plot(rates: list[float], tables: dict[str, dict[str, dict[str, list[float]]]]) -> str:
+    fig, axes = plt.subplots(len(tables), len(FIGURES), figsize=(4.2 * len(FIGURES), 3.8 * len(tables)),
+                             squeeze=False)
     markers = ("o", "s", "^", "v", "D", "x", "P")
-    for ax, name in zip(axes, FIGURES):
-        for (label, figures), marker in zip(table.items(), markers):
-            ax.plot(rates, np.asarray(figures[name]) * 1e3, label=label, marker=marker,
-                    linestyle="-" if label in ("measured", "simulated") else ":")
-        ax.set_title(name.replace("_", " "))
-        ax.set_xlabel("offered requests/s")
-        ax.set_ylabel("ms")
-        ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"one colocated engine (tiny, 1 thread), {WORKLOAD}: measured vs simulated "
+    for row, (configuration, table) in zip(axes, tables.items()):
+        for ax, name in zip(row, FIGURES):
+            for (label, figures), marker in zip(table.items(), markers):
+                ax.plot(rates, np.asarray(figures[name]) * 1e3, label=label, marker=marker,
+                        linestyle="-" if label in ("measured", "simulated") else ":")
+            ax.set_title(f"{configuration}: {name.replace('_', ' ')}", fontsize=9)
+            ax.set_xlabel("offered requests/s")
+            ax.set_ylabel("ms")
+            ax.grid(True, alpha=0.3)
+        row[0].legend(fontsize=7)
+    fig.suptitle(f"tiny, 1 thread an engine, {WORKLOAD}: measured vs simulated "
                  f"(calibrated in service at {CALIBRATION_RATE} req/s)")
     return save_figure(fig, PLOT)

@@ -1,7 +1,8 @@
 """`kvmesh bench sim`: the replay of a measured load is that load's requests and arrivals, exactly;
-the profile is calibrated on a load of its own (the engine's recorded steps, the client's timings
-against the engine's); each variation changes one assumption; the result keeps the contract; and, end
-to end, `--quick --json` calibrates on and measures a real colocated engine."""
+the profile is calibrated on a load of its own (each engine's recorded steps, the client's timings
+against the engines'); each variation changes one assumption; 1P1D is a prefill and a decode engine;
+the result keeps the contract; and, end to end, `--quick --json` calibrates on and measures a real
+colocated engine and a real 1P1D pair."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from kvmesh.bench.workloads import WORKLOADS
 from kvmesh.sim.engine import EngineSpec
 from kvmesh.sim.request_path import RequestPath
 from kvmesh.sim.step_cost import StepCost, load_profile
+from kvmesh.sim.topology import Topology
 
 from .quick import BENCH_TIMEOUT, quick_bench
 
@@ -69,10 +71,24 @@ def test_the_replay_is_the_measured_loads_requests_and_arrivals():
     assert [r.arrival for r in replayed] == poisson_arrivals(64, 8, serve.SEED).tolist()
 
 
+COLOCATED = {"engine-c0": ("both", SPEC, {})}
+STATE = {"total_blocks": {"device": 4096}, "policies": {}}
+
+
+def measured(configuration: bench_sim.Configuration, rates=bench_sim.RATES) -> bench_sim.Measured:
+    """A made-up run of a configuration: timed loads, and each engine's steps taken as TRUTH says."""
+    engines = list(Topology.parse(configuration.topology).roles())
+    return bench_sim.Measured(configuration, dict.fromkeys(engines, STATE), fake_load(6, 16, timed=True),
+                              {e: recorded_steps(80, seed=k) for k, e in enumerate(engines)},
+                              [fake_load(rate, 16, engine_ttft=0.03 + 0.001 * rate, timed=True) for rate in rates],
+                              [{e: recorded_steps(40, scaled(TRUTH, 1 + 0.1 * i), seed=i) for e in engines}
+                               for i in range(len(rates))])
+
+
 def test_the_path_counts_in_the_simulated_latencies():
-    load, cost = fake_load(1, 8), load_profile(bench_sim.PROFILE)
-    plain = bench_sim.simulated(load, SPEC, cost, {})
-    late = bench_sim.simulated(load, SPEC, cost, {}, RequestPath(first_token_s=0.2, last_token_lag_s=0.01))
+    load, cost = fake_load(1, 8), {"engine-c0": load_profile(bench_sim.PROFILE)}
+    plain = bench_sim.simulated(load, COLOCATED, cost)
+    late = bench_sim.simulated(load, COLOCATED, cost, RequestPath(first_token_s=0.2, last_token_lag_s=0.01))
     assert late["ttft_p50_s"] == pytest.approx(plain["ttft_p50_s"] + 0.2)  # one request at a time at 1 req/s
     assert late["e2e_p90_s"] == pytest.approx(plain["e2e_p90_s"] + 0.21)
     assert late["tpot_mean_s"] > plain["tpot_mean_s"]
@@ -80,59 +96,79 @@ def test_the_path_counts_in_the_simulated_latencies():
 
 
 def test_the_calibration_is_its_own_loads_steps_and_path():
-    calibration = bench_sim.calibrate(fake_load(6, 16, ttft=0.05, engine_ttft=0.041, timed=True), recorded_steps(80))
-    for term in ("a", "b", "c", "d", "e"):
-        assert getattr(calibration.cost, term) == pytest.approx(getattr(TRUTH, term), rel=1e-6)
+    calibration = bench_sim.calibrate(fake_load(6, 16, ttft=0.05, engine_ttft=0.041, timed=True),
+                                      {"engine-p0": recorded_steps(80), "engine-d0": recorded_steps(60, seed=1)})
+    for cost in calibration.costs.values():
+        for term in ("a", "b", "c", "d", "e"):
+            assert getattr(cost, term) == pytest.approx(getattr(TRUTH, term), rel=1e-6)
     assert calibration.path.first_token_s == pytest.approx(0.009)
     assert calibration.path.last_token_lag_s == pytest.approx(0.0, abs=1e-12)
 
 
 def test_each_variation_changes_one_assumption():
-    loads = [fake_load(rate, 16, engine_ttft=0.03 + 0.001 * rate, timed=True) for rate in bench_sim.RATES]
-    steps = [recorded_steps(40, scaled(TRUTH, 1 + 0.1 * i), seed=i) for i in range(len(loads))]
-    calibration = bench_sim.calibrate(fake_load(6, 16, timed=True), recorded_steps(80))
+    run = measured(bench_sim.CONFIGURATIONS[0])
+    calibration = bench_sim.calibrate(run.calibration_load, run.calibration_steps)
     in_process = load_profile(bench_sim.PROFILE)
-    found = {v.suffix: v for v in bench_sim.variations(calibration, loads, steps, SPEC, in_process, {})}
+    found = {v.suffix: v for v in bench_sim.variations(calibration, run, in_process)}
     assert list(found) == ["", "_in_process", "_no_path", "_own_steps", "_own_path", "_own"]
-    assert found["_own"].costs == found["_own_steps"].costs and found["_own"].paths == found["_own_path"].paths
-    assert found[""].costs == [calibration.cost] * 4 and found[""].paths == [calibration.path] * 4
-    assert found["_in_process"].costs == [in_process] * 4 and found["_in_process"].paths == [RequestPath()] * 4
-    assert found["_no_path"].paths == [RequestPath()] * 4
-    assert [c.a for c in found["_own_steps"].costs] == pytest.approx([TRUTH.a * (1 + 0.1 * i) for i in range(4)])
+    assert found[""].costs == [calibration.costs] * 4 and found[""].paths == [calibration.path] * 4
+    assert found["_in_process"].costs == [{"engine-c0": in_process}] * 4
+    assert found["_in_process"].paths == found["_no_path"].paths == [RequestPath()] * 4
+    assert [c["engine-c0"].a for c in found["_own_steps"].costs] == \
+        pytest.approx([TRUTH.a * (1 + 0.1 * i) for i in range(4)])
     assert [p.first_token_s for p in found["_own_path"].paths] == \
         pytest.approx([0.05 - 0.03 - 0.001 * rate for rate in bench_sim.RATES])
-    assert bench_sim.step_time_ratio(TRUTH, steps[2]) == pytest.approx(1.2)
+    assert found["_own"].costs == found["_own_steps"].costs and found["_own"].paths == found["_own_path"].paths
+    assert bench_sim.step_time_ratio(TRUTH, run.load_steps[2]["engine-c0"]) == pytest.approx(1.2)
 
 
-def test_the_result_has_every_rates_keys_and_keeps_the_contract(tmp_path, monkeypatch):
+def test_1p1d_is_a_prefill_and_a_decode_engine_each_with_its_roles_budget():
+    engines = bench_sim.sim_engines(measured(bench_sim.CONFIGURATIONS[1]))
+    assert {e: (role, spec.token_budget) for e, (role, spec, _) in engines.items()} == \
+        {"engine-p0": ("prefill", 512), "engine-d0": ("decode", 2048)}
+    load = fake_load(4, 16)
+    split = bench_sim.simulated(load, engines, dict.fromkeys(engines, TRUTH))
+    assert split["unfinished"] == 0 and split["steps"]["engine-p0"] > 0 and split["steps"]["engine-d0"] > 0
+    assert split["transfer_mean_s"] > 0
+
+
+def test_the_result_has_every_configurations_and_rates_keys_and_keeps_the_contract(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    loads = [fake_load(rate, 16, timed=True) for rate in bench_sim.RATES]
-    steps = [recorded_steps(40, seed=i) for i in range(len(loads))]
-    calibration = bench_sim.calibrate(fake_load(6, 16, timed=True), recorded_steps(80))
-    found = bench_sim.variations(calibration, loads, steps, SPEC, load_profile(bench_sim.PROFILE), {})
-    result = bench_sim._result(True, serve.QUICK, calibration, loads, steps, found, SPEC, {}, {"policies": {}})
+    in_process = load_profile(bench_sim.PROFILE)
+    replayed = []
+    for configuration in bench_sim.CONFIGURATIONS:
+        run = measured(configuration)
+        calibration = bench_sim.calibrate(run.calibration_load, run.calibration_steps)
+        replayed.append((run, calibration, bench_sim.variations(calibration, run, in_process)))
+        bench_sim.write_served_profiles(configuration, calibration)
+        for engine_id, cost in calibration.costs.items():
+            assert load_profile(str(bench_sim.served_profile_path(configuration, engine_id))) == cost
+    result = bench_sim._result(True, serve.QUICK, replayed, in_process)
     assert isinstance(result, BenchResult)
-    for rate in bench_sim.RATES:
-        for name in bench_sim.FIGURES:
-            key = f"sim_error_{name}_colocated_{rate}"
-            assert {key, *(f"{key}{v.suffix}" for v in found)} <= result.ratios.keys()
-            assert (key in result.targets) is (name in bench_sim.TARGETED)
+    suffixes = [v.suffix for v in replayed[0][2]]
+    for configuration in ("colocated", "1p1d"):
+        for rate in bench_sim.RATES:
+            for name in bench_sim.FIGURES:
+                key = f"sim_error_{name}_{configuration}_{rate}"
+                assert {key, *(f"{key}{suffix}" for suffix in suffixes)} <= result.ratios.keys()
+                assert (key in result.targets) is (name in bench_sim.TARGETED)
     assert set(result.directions.values()) == {"<="}
     assert all(not math.isnan(v) for v in result.ratios.values())
-    assert result.config["engine"]["device_blocks"] == 4096
-    assert result.config["calibration"]["rate_rps"] == bench_sim.CALIBRATION_RATE
-    assert result.config["step_time_ratio"]["calibrated"] == pytest.approx([1.0] * 4)
+    colocated = result.config["configurations"]["colocated"]
+    assert colocated["engines"]["engine-c0"]["device_blocks"] == 4096
+    assert [r["engine-c0"] for r in colocated["step_time_ratio"]["calibrated"]] == \
+        pytest.approx([1.0, 1.1, 1.2, 1.3])
     assert Path(result.plots[0]).stat().st_size > 0
     save(result, tmp_path / "sim.json")  # JSON all the way down (no numpy scalars)
-    bench_sim.write_served_profile(calibration, tmp_path / "served.json")
-    assert load_profile(str(tmp_path / "served.json")) == calibration.cost
 
 
 @BENCH_TIMEOUT
 def test_sim_bench_measures_a_real_engine_and_writes_the_contract(tmp_path: Path):
     result, _ = quick_bench(tmp_path, "sim", timeout=600)
-    assert {f"sim_error_p90_e2e_colocated_{rate}" for rate in bench_sim.RATES} <= result["targets"].keys()
-    assert result["config"]["engine"]["device_blocks"] > 0
-    assert result["config"]["calibration"]["steps"] > 0
+    assert {f"sim_error_p90_e2e_{c}_{rate}" for rate in bench_sim.RATES for c in ("colocated", "1p1d")} <= \
+        result["targets"].keys()
+    for configuration in result["config"]["configurations"].values():
+        assert all(engine["device_blocks"] > 0 for engine in configuration["engines"].values())
+        assert all(steps > 0 for steps in configuration["calibration"]["steps"].values())
     assert {row["compared"] for row in result["rows"]} >= {"measured", "simulated", "relative error"}
     assert Path(tmp_path / result["plots"][0]).stat().st_size > 0
