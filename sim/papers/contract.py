@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,11 +43,13 @@ class Headline:
 
 
 def result(name: str, quick: bool, headlines: Sequence[Headline], outcomes: Sequence[Outcome], config: dict,
-           plots: Sequence[str]) -> dict:
-    """The contract's body: ratios (each headline's simulated value and factor), targets, directions,
-    meets, ceilings (none), config, rows (one a simulated point), headline, plots."""
+           plots: Sequence[str], also: Mapping[str, float | None] | None = None) -> dict:
+    """The contract's body: ratios (each headline's simulated value and factor, and `also`: figures
+    without a target), targets, directions, meets, ceilings (none), config, rows (one a simulated
+    point), headline, plots."""
     ratios = {f"sim_{h.key}": math.nan if h.simulated is None else h.simulated for h in headlines} | \
-        {f"{h.key}_factor": h.factor for h in headlines}
+        {f"{h.key}_factor": h.factor for h in headlines} | \
+        {key: math.nan if value is None else value for key, value in (also or {}).items()}
     targets = {f"{h.key}_factor": FACTOR for h in headlines}
     meets = {key: not math.isnan(ratios[key]) and ratios[key] <= FACTOR for key in targets}
     met = sum(meets.values())

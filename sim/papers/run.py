@@ -3,7 +3,8 @@ under a progress bar, its headlines beside the simulated ones, the JSON contract
 
 A paper is a module with: PROFILE (its deployment), TITLE, RATES and QUICK_RATES (per engine),
 REQUESTS and QUICK_REQUESTS (a point), PANELS (the plot's), `points(deployment, rates, requests, seed,
-quick)`, `headlines(outcomes)` and `variations(outcomes)` (the headlines under each varied assumption)."""
+quick)`, `headlines(outcomes)`, `also(outcomes)` (figures without a target) and `variations(outcomes)`
+(the headlines under each varied assumption)."""
 
 from __future__ import annotations
 
@@ -28,9 +29,10 @@ def run(name: str, quick: bool, rates: str | None, requests: int | None, seed: i
     per_point = requests or (paper.QUICK_REQUESTS if quick else paper.REQUESTS)
     outcomes = sweep.run(paper.points(deployment, chosen, per_point, seed, quick), deployment.cost,
                          deployment.geometry, f"sim paper {name}")
-    headlines, speed = paper.headlines(outcomes), sweep.speed(outcomes)
+    headlines, extra, speed = paper.headlines(outcomes), paper.also(outcomes), sweep.speed(outcomes)
     varied = {} if quick else paper.variations(outcomes)
     print(contract.table(headlines))
+    print(", ".join(f"{key} {'-' if value is None else f'{value:.3g}'}" for key, value in extra.items()))
     for variation, found in varied.items():
         print(f"{variation}: " + ", ".join(f"{h.key} {h.shown(h.simulated)}" for h in found))
     print(f"{len(outcomes)} simulations: {speed['sim_seconds']:.0f} simulated s in {speed['wall_seconds']:.1f} wall s "
@@ -43,7 +45,7 @@ def run(name: str, quick: bool, rates: str | None, requests: int | None, seed: i
                   "requests_per_point": per_point, "seed": seed, "speed": speed,
                   "variations": {variation: {h.key: h.simulated for h in found} for variation, found in varied.items()},
                   "about": paper.__doc__}
-        contract.write(contract.result(name, quick, headlines, outcomes, config, plots), json_path)
+        contract.write(contract.result(name, quick, headlines, outcomes, config, plots, extra), json_path)
     return 0
 
 

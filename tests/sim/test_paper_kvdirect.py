@@ -32,7 +32,8 @@ def test_paper_kvdirect_quick_writes_the_contract_and_the_plot(tmp_path, capsys)
     body = json.loads(out.read_text())
     assert set(body) == CONTRACT and body["bench"] == "sim paper kvdirect" and body["quick"] is True
     assert set(body["targets"]) == {f"{key}_factor" for key in HEADLINES}
-    assert set(body["ratios"]) == set(body["targets"]) | {f"sim_{key}" for key in HEADLINES}
+    assert set(body["ratios"]) == set(body["targets"]) | {f"sim_{key}" for key in HEADLINES} | {
+        f"sim_mean_latency_reduction_{workload}" for workload in kvdirect.WORKLOADS}
     assert set(body["directions"].values()) == {"<="} and set(body["targets"].values()) == {1.5}
     # Two rates, two workloads, four series: vLLM, KVDirect pulling, pushing, and without coalescing.
     assert len(body["rows"]) == 2 * 2 * 4
@@ -87,10 +88,14 @@ def test_the_headlines_follow_the_stated_rules():
     def figures(point):
         vllm = 10.0 if point.rate == 0.1 else 20.0
         own = vllm if point.series == kvdirect.VLLM else vllm * (0.5 if point.workload == "arxiv" else 0.8)
-        return {"e2e_p90_s": own * factor[point.series], "tbt_p90_s": 0.05 * (1 if point.rate == 0.1 else 3),
+        return {"e2e_p90_s": own * factor[point.series], "e2e_mean_s": 0.6 * own * factor[point.series],
+                "tbt_p90_s": 0.05 * (1 if point.rate == 0.1 else 3),
                 "ttft_p90_s": 1.0 * (1 if point.rate == 0.1 else 4), "transfer_share": share[point.workload]}
 
-    found = {h.key: h.simulated for h in kvdirect.headlines([Outcome(p, figures(p)) for p in points])}
+    outcomes = [Outcome(p, figures(p)) for p in points]
+    assert kvdirect.also(outcomes) == pytest.approx({"sim_mean_latency_reduction_arxiv": 0.5,
+                                                     "sim_mean_latency_reduction_sharegpt": 0.2})
+    found = {h.key: h.simulated for h in kvdirect.headlines(outcomes)}
     assert found == pytest.approx({"latency_reduction_arxiv": 0.5, "latency_reduction_sharegpt": 0.2,
                                    "vllm_tbt_growth": 3.0, "vllm_ttft_growth": 4.0, "transfer_share_arxiv": 0.01,
                                    "transfer_share_sharegpt": 0.03, "pull_speedup_over_push": 0.2,
