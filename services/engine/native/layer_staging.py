@@ -31,11 +31,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from kvmesh.policies.iteration import ScheduledChunk
 from kvmesh.policies.views import blocks_for
 
 from .pool_copy import copy_blocks
 from .kv_pool import KVPool
-from .scheduler import ScheduledChunk
 
 Copy = tuple[KVPool, list[int], KVPool, list[int]]  # source pool and blocks, target pool and blocks
 

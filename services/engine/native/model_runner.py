@@ -15,12 +15,13 @@ from itertools import accumulate
 import numpy as np
 import torch
 
+from kvmesh.policies.iteration import ScheduledChunk
+
 from .attention import StepAttention
 from .attention.fused import padded_rows
 from .kv_pool import KVPool
 from .layer_staging import Copy, LayerLoads, LayerStaging, SideCopies
 from .request import Request
-from .scheduler import ScheduledChunk
 from .token_scores import ScoreProbe
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from kvmesh.libs.messages.engine import KVHandle, SamplingParams, Targets, TransferStats
+from kvmesh.policies.iteration.status import Status
 from kvmesh.policies.views import RequestView
 
 
@@ -18,14 +18,6 @@ class KVPushTarget(Protocol):
     def layer_done(self, layer: int, blocks: list[int]) -> None: ...
 
     def wait(self) -> str | None: ...
-
-
-class Status(enum.Enum):
-    WAITING = "waiting"      # queued, or preempted by recompute
-    RUNNING = "running"
-    SWAPPED = "swapped"      # preempted, KV in the cxl tier
-    PULLING = "pulling"      # decode role: blocks given, the prompt's KV on its way from a prefill engine
-    FINISHED = "finished"
 
 
 @dataclass
@@ -112,6 +104,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def awaits_kv(self) -> bool:
+        """Decode role: its prompt's KV comes from a prefill engine (pulled, or pushed into a reservation)."""
+        return self.kv_source is not None or self.reservation
 
     def view(self) -> RequestView:
         """What the policies see of the request."""

@@ -17,6 +17,7 @@ import numpy as np
 
 from kvmesh.libs.messages.engine import SamplingParams
 from kvmesh.policies.costs import SwapCurves
+from kvmesh.policies.iteration import ScheduledChunk
 from kvmesh.policies.swap_recompute import fit_curves
 from kvmesh.policies.views import blocks_for
 
@@ -25,7 +26,6 @@ from ..timing import median_seconds
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .request import Request
-from .scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
 
