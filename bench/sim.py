@@ -51,7 +51,7 @@ import uvloop
 from rich.progress import Progress
 
 from kvmesh.infra.local.state import read_state
-from kvmesh.sim.calibrate import engine_steps
+from kvmesh.sim.served_steps import engine_steps
 from kvmesh.sim.cluster import Cluster
 from kvmesh.sim.engine import EngineSpec, SimEngine
 from kvmesh.sim.fit import fit_engine_steps

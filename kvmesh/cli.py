@@ -208,12 +208,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _sim(args: argparse.Namespace) -> int:
     if args.sim_command == "calibrate":
-        from kvmesh.sim import calibrate
         if args.from_engine:
             if args.out is None:
                 print("kvmesh sim calibrate --from-engine: give --out, the profile to write", file=sys.stderr)
                 return 2
-            return calibrate.from_engine(args.from_engine, args.out, args.since)
+            from kvmesh.sim.served_steps import from_engine
+            return from_engine(args.from_engine, args.out, args.since)
+        from kvmesh.sim import calibrate
         return calibrate.run(args.model, args.dtype, args.threads, args.out)
     if args.sim_command == "paper":
         from kvmesh.sim.papers.run import run as run_paper

@@ -1,17 +1,13 @@
 """`kvmesh sim calibrate`: time the native engine's steps at a handful of batch shapes, in process,
 fit the step cost to them, and write the profile. The one part of sim/ that imports the engine.
-With `--from-engine URL` (`from_engine`), fit it instead to the steps a running engine service has
-recorded (`GET /v1/steps`): its steps as they ran in service, each the wall time of its loop's turn."""
+(`--from-engine URL` fits the steps a running engine service recorded instead: served_steps.py.)"""
 
 from __future__ import annotations
 
-import json
-import os
 import platform
 import re
 import statistics
 import time
-import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
@@ -19,13 +15,13 @@ import torch
 from tqdm import tqdm
 
 from kvmesh.libs.messages.engine import SamplingParams
+from kvmesh.policies.step_shape import Shape, chunk_shape
 from kvmesh.services.engine.config import EngineConfig
 from kvmesh.services.engine.native.engine import Engine
 from kvmesh.services.engine.native.factory import build_engine
 
-from .engine import chunk_shape
-from .fit import Shape, fit_engine_steps, fit_step_cost
-from .step_cost import TERMS, StepCost, profile_path, write_profile
+from .fit import describe, fit_step_cost
+from .step_cost import TERMS, profile_path, write_profile
 
 BATCHES = (1, 4, 16)          # requests prefilled together, then decoding together
 PROMPTS = (32, 128, 384)      # their prompt length: the decodes' context
@@ -56,38 +52,8 @@ def run(model: str, dtype: str, threads: int, out: Path | None, seed: int = 0) -
                    "torch": torch.__version__, "shapes": {"batches": BATCHES, "prompts": PROMPTS,
                                                           "decode_steps": DECODE_STEPS, "repeats": REPEATS}},
                   fit)
-    _print(cost, fit, "shapes", path)
+    print(f"{describe(cost, fit, 'shapes')}; wrote {path}")
     return 0
-
-
-def from_engine(url: str, out: Path, since: int = 0, token: str | None = None) -> int:
-    """Fit the step cost to the steps after step `since` that the engine service at `url` recorded,
-    and write the profile (step cost only: the request's path outside the engine needs the client's
-    timings too, bench/sim.py measures it)."""
-    steps = engine_steps(url, since, token)
-    cost, fit = fit_engine_steps(steps)
-    origin = f"least-squares fit to {len(steps)} steps of the engine service at {url} as its loop timed them " \
-             f"(GET /v1/steps, kvmesh sim calibrate --from-engine)"
-    write_profile(out, cost, {term: origin for term in TERMS}, {"source": url, "steps_after": since}, fit)
-    _print(cost, fit, "steps", out)
-    return 0
-
-
-def engine_steps(url: str, since: int = 0, token: str | None = None) -> list[dict]:
-    """`GET /v1/steps?since=` of the engine service at `url` (its token, default $KVMESH_TOKEN)."""
-    token = token or os.environ.get("KVMESH_TOKEN", "")
-    request = urllib.request.Request(f"{url.rstrip('/')}/v1/steps?since={since}",
-                                     headers={"Authorization": f"Bearer {token}"} if token else {})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.loads(response.read())["steps"]
-
-
-def _print(cost: StepCost, fit: dict, what: str, path: Path) -> None:
-    print(f"a = {cost.a * 1e3:.3f} ms/step, b = {cost.b * 1e6:.3f} us/prefill token, "
-          f"c = {cost.c * 1e6:.3f} us/decode token, d = {cost.d * 1e9:.3f} ns/decode context token, "
-          f"e = {cost.e * 1e9:.3f} ns/prefill (query, key) pair")
-    print(f"fit over {fit['samples']} {what}: mean relative error {fit['mean_relative_error']:.1%}, "
-          f"max {fit['max_relative_error']:.1%}; wrote {path}")
 
 
 def _scenario(engine: Engine, batch: int, prompt: int, generator: torch.Generator) -> list[tuple[Shape, float]]:

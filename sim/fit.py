@@ -1,5 +1,5 @@
 """Least-squares fit of the step-cost coefficients to timed steps, none of them negative: steps timed
-in process (sim/calibrate.py) or as the engine service ran them (its `GET /v1/steps`)."""
+in process (sim/calibrate.py) or as the engine service ran them (its `GET /v1/steps`, served_steps.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .step_cost import TERMS, StepCost
+from kvmesh.policies.step_shape import Shape
 
-Shape = tuple[int, int, int, int]  # a step's prefill tokens, decode tokens, decode context, prefill context
+from .step_cost import TERMS, StepCost
 
 
 def fit_step_cost(shapes: Sequence[Shape], seconds: Sequence[float],
@@ -52,3 +52,12 @@ def fit_engine_steps(steps: Sequence[dict]) -> tuple[StepCost, dict]:
     cost, fit = fit_step_cost(shapes, seconds, relative=False)
     summary = {k: v for k, v in fit.items() if k != "steps"}
     return cost, {**summary, "measured_s": float(sum(seconds)), "fitted_s": sum(r["fitted_s"] for r in fit["steps"])}
+
+
+def describe(cost: StepCost, fit: dict, what: str) -> str:
+    """The coefficients and how well they fit `fit['samples']` of `what`, for a person."""
+    return (f"a = {cost.a * 1e3:.3f} ms/step, b = {cost.b * 1e6:.3f} us/prefill token, "
+            f"c = {cost.c * 1e6:.3f} us/decode token, d = {cost.d * 1e9:.3f} ns/decode context token, "
+            f"e = {cost.e * 1e9:.3f} ns/prefill (query, key) pair\n"
+            f"fit over {fit['samples']} {what}: mean relative error {fit['mean_relative_error']:.1%}, "
+            f"max {fit['max_relative_error']:.1%}")
