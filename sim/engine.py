@@ -1,8 +1,11 @@
-"""A simulated colocated engine: continuous batching with chunked prefill, in the native scheduler's
-order (services/engine/native/scheduler.py): running requests first, preempting by the policy when
-blocks run short, then waiting ones in the admission policy's order until the token budget, the
-sequence limit or the blocks say stop. Every decision is a policies/ function, called with the
-views the engine builds; blocks are a counter, one pool (the device tier), no prefix cache.
+"""A simulated colocated engine: the native engine's iteration scheduler (policies/iteration/, the same
+class services/engine/native/scheduler.py runs) over a count of blocks (block_count.py) instead of
+KV pools. Every decision is the native engine's: running requests first, preempting by the policy
+when blocks run short (a swap to the cxl tier when the strategy says so and it has room), then the
+swapped-out ones, then waiting ones in the admission policy's order, with any kv_allocation policy
+(allocation ahead through CacheOpt's ledger). Not counted yet, so refused: LayerKV's layer offload
+and staging, and the prefix cache (with CaR's reuse). A step lasts what the step cost says, plus
+the copies of its swaps.
 
 For disaggregation (sim/cluster.py moves the KV): a request with `hold_kv` keeps its blocks when it
 ends, until `release_held`; one with `kv_elsewhere` is given blocks for that KV when admitted,
@@ -15,19 +18,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvmesh.policies import registry
+from kvmesh.policies.allocation import AllocationParams
+from kvmesh.policies.iteration import Policies, Scheduler
 from kvmesh.policies.views import PoolView, blocks_for
 
+from .block_count import BlockCount
 from .request import SimRequest
 from .step_cost import StepCost
 
-# preemption_strategy chooses between recompute and a swap to the cxl tier: no tiers are simulated yet,
-# and without one the native engine recomputes whatever the strategy says.
-HOOKS = ("prefill_admission", "kv_allocation", "preemption_order")
-# Allocation ahead (every kv_allocation but vLLM's) needs the step the native scheduler runs around
-# policies/allocation/ledger.py: not simulated yet (docs/sim.md). vLLM's is never called: the native
-# scheduler, too, calls the hook only when it allots ahead, and offers every waiting request a place in
-# admission order.
-ALLOCATIONS = ("block_at_a_time",)
+# The hooks the simulator runs. layer_offload (LayerKV) and cache_policy (the prefix cache) stay at
+# their defaults, never called: it counts no staging area and no cached blocks yet (docs/sim.md).
+HOOKS = ("prefill_admission", "kv_allocation", "preemption_order", "preemption_strategy")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,14 @@ class EngineSpec:
     device_blocks: int = 4096     # the device tier's blocks, all layers together
     max_num_seqs: int = 64
     token_budget: int = 2048      # tokens computed per step (chunked prefill)
+    cxl_blocks: int = 0           # the cxl tier's blocks, all layers together (0: none, a swap recomputes)
+    block_bytes: int = 0          # KV bytes of one block of one layer: what a swap copies per block
+    swap_out_bytes_per_s: float = 25e9  # device to cxl copy bandwidth (PCIe 4.0 x16, one direction)
+    swap_in_bytes_per_s: float = 25e9   # cxl to device
+
+    def __post_init__(self) -> None:
+        if self.cxl_blocks and self.block_bytes <= 0:
+            raise ValueError("a cxl tier needs block_bytes > 0: the bytes a swap copies per block")
 
 
 @dataclass
@@ -48,6 +57,7 @@ class Step:
     decode_tokens: int = 0
     decode_context: int = 0
     prefill_context: int = 0
+    swap_s: float = 0.0  # the copies of this step's swaps between tiers, which it waits for
 
     def add(self, request: SimRequest, n: int) -> None:
         self.chunks.append((request, n))
@@ -68,35 +78,56 @@ def chunk_shape(prompt_len: int, num_computed: int, n: int) -> tuple[int, int, i
 
 
 class SimEngine:
-    def __init__(self, spec: EngineSpec, cost: StepCost, policies: Mapping[str, str] | None = None):
+    def __init__(self, spec: EngineSpec, cost: StepCost, policies: Mapping[str, str] | None = None,
+                 allocation: AllocationParams = AllocationParams()):
         names = {hook: registry.DEFAULTS[hook] for hook in HOOKS} | dict(policies or {})
         unknown = set(names) - set(HOOKS)
         if unknown:
-            raise KeyError(f"the simulator runs the hooks {', '.join(HOOKS)}; not {', '.join(sorted(unknown))}")
-        if names["kv_allocation"] not in ALLOCATIONS:
-            raise ValueError(f"kv_allocation {names['kv_allocation']!r} allots ahead, a step the simulator does not "
-                             f"take yet (docs/sim.md); it runs {', '.join(ALLOCATIONS)}")
+            raise KeyError(f"the simulator runs the hooks {', '.join(HOOKS)}; not {', '.join(sorted(unknown))} "
+                           "(LayerKV's staging and the prefix cache are not counted yet: docs/sim.md)")
         self.spec = spec
         self.cost = cost
         self.names = names
-        self.policies = {hook: registry.resolve(hook, name) for hook, name in names.items()}
-        self.free = spec.device_blocks
-        self.waiting: deque[SimRequest] = deque()
-        self.running: list[SimRequest] = []
-        self.pulling: list[SimRequest] = []
+        self.policies = Policies(names)
+        self.blocks = BlockCount(spec.block_size, spec.num_layers,
+                                 {"device": spec.device_blocks} | ({"cxl": spec.cxl_blocks} if spec.cxl_blocks else {}))
+        self.scheduler = Scheduler(self.blocks, self.policies, spec.max_num_seqs, spec.token_budget, allocation)
         self.held: dict[str, SimRequest] = {}  # ended on this engine, their KV held for a decode engine
         self.refused: list[SimRequest] = []
         self.preemptions: list[tuple[float, str, str]] = []  # (when, request id, strategy)
 
+    @property
+    def free(self) -> int:
+        """Free device blocks, all layers together."""
+        return self.blocks.free("device")
+
+    @property
+    def waiting(self) -> deque[SimRequest]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[SimRequest]:
+        return self.scheduler.running
+
+    @property
+    def swapped(self) -> deque[SimRequest]:
+        return self.scheduler.swapped
+
+    @property
+    def pulling(self) -> list[SimRequest]:
+        return self.scheduler.pulling
+
     def pool_view(self) -> PoolView:
-        return PoolView(block_size=self.spec.block_size, num_layers=self.spec.num_layers,
-                        free={"device": self.free}, total={"device": self.spec.device_blocks})
+        return self.blocks.pool_view()
 
     def add(self, request: SimRequest) -> bool:
         """Queue a request, unless at its longest it could never fit in the pool (the native engine's
         max_model_len refuses it): then it is `refused`, never runs, and this answers False."""
         fits = self.fits(request)
-        (self.waiting if fits else self.refused).append(request)
+        if fits:
+            self.scheduler.add(request)
+        else:
+            self.refused.append(request)
         return fits
 
     def fits(self, request: SimRequest) -> bool:
@@ -105,23 +136,29 @@ class SimEngine:
         return longest <= self.spec.device_blocks
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_work()
 
     def seconds(self, step: Step) -> float:
-        return self.cost.seconds(step.prefill_tokens, step.decode_tokens, step.decode_context, step.prefill_context)
+        return self.cost.seconds(step.prefill_tokens, step.decode_tokens, step.decode_context,
+                                 step.prefill_context) + step.swap_s
 
     # -- one iteration ----------------------------------------------------------------------------
 
     def schedule(self, now: float) -> Step:
-        step = Step()
-        budget = self._reserve_running(step, self.spec.token_budget)
-        if not step.preempted:  # nobody lost their place for want of blocks
-            self._admit_waiting(step, budget, now)
+        moved = self.blocks.moved.copy()
+        plan = self.scheduler.schedule(now)
+        step = Step(pulls=list(plan.pulls), preempted=[(r.request_id, how) for r, how in plan.preempted])
+        for chunk in plan.chunks:
+            step.add(chunk.request, chunk.num_tokens)
+        copied = self.blocks.moved - moved
+        step.swap_s = self.spec.block_bytes * (copied["cxl"] / self.spec.swap_out_bytes_per_s +
+                                               copied["device"] / self.spec.swap_in_bytes_per_s)
         self.preemptions += [(now, request_id, strategy) for request_id, strategy in step.preempted]
         return step
 
     def complete(self, step: Step, done: float) -> None:
         """The step's KV is computed; a chunk that reached its request's last token samples the next."""
+        self.scheduler.iteration_s.append(self.seconds(step))  # CacheOpt's T_I^max reads recent step times
         for request, n in step.chunks:
             samples = request.num_computed + n == request.num_tokens
             request.num_computed += n
@@ -131,96 +168,17 @@ class SimEngine:
                     self._finish(request, done)
 
     def pulled(self, request: SimRequest) -> None:
-        """Its KV has arrived: it decodes from its last prompt token on."""
-        self.pulling.remove(request)
-        request.num_computed, request.kv_elsewhere = request.kv_elsewhere, 0
-        self.running.append(request)
+        """Its KV has arrived: it decodes from its last prompt token on (the time the scheduler is
+        told only matters to a prefix cache, which is not simulated)."""
+        request.kv_elsewhere = 0
+        self.scheduler.pulled(request, request.arrival)
 
     def release_held(self, request_id: str) -> None:
         """A decode engine has its KV (COMPLETE): the blocks are free."""
-        self._release(self.held.pop(request_id))
-
-    def _reserve_running(self, step: Step, budget: int) -> int:
-        pending = list(self.running)
-        while pending and budget > 0:
-            request = pending.pop(0)
-            n = min(request.uncomputed_tokens, budget)
-            while not self._reserve(request, n):
-                victim = self._pick_victim(pending + [request])
-                self._preempt(victim, step)
-                if victim is request:
-                    break
-                pending.remove(victim)
-            if request in self.running:
-                step.add(request, n)
-                budget -= n
-        return budget
-
-    def _admit_waiting(self, step: Step, budget: int, now: float) -> None:
-        if not self.waiting:
-            return
-        by_id = {r.request_id: r for r in self.waiting}
-        order = self.policies["prefill_admission"]([r.view() for r in self.waiting],
-                                                   [r.view() for r in self.running], self.pool_view(), now)
-        for request_id in order:
-            if budget <= 0 or len(self.running) >= self.spec.max_num_seqs:
-                return
-            request = by_id[request_id]
-            if request.kv_elsewhere:
-                if not self._start_pull(request, step, now):
-                    return
-                continue
-            n = min(request.uncomputed_tokens, budget)
-            if not self._reserve(request, n):
-                return  # it waits its turn: nobody behind it goes first
-            self.waiting.remove(request)
-            request.scheduled_at = request.scheduled_at if request.scheduled_at is not None else now
-            self.running.append(request)
-            step.add(request, n)
-            budget -= n
-
-    def _start_pull(self, request: SimRequest, step: Step, now: float) -> bool:
-        """Blocks for the KV held elsewhere, as for any request (nothing computed, no budget spent)."""
-        if len(self.running) + len(self.pulling) >= self.spec.max_num_seqs or \
-                not self._reserve(request, request.kv_elsewhere):
-            return False
-        self.waiting.remove(request)
-        request.scheduled_at = request.scheduled_at if request.scheduled_at is not None else now
-        self.pulling.append(request)
-        step.pulls.append(request)
-        return True
-
-    def _reserve(self, request: SimRequest, n: int) -> bool:
-        """Blocks for the request's KV after `n` more tokens; all or nothing."""
-        extra = max(0, blocks_for(request.num_computed + n, self.spec.block_size) - request.blocks_per_layer)
-        if extra * self.spec.num_layers > self.free:
-            return False
-        self.free -= extra * self.spec.num_layers
-        request.blocks_per_layer += extra
-        return True
-
-    def _pick_victim(self, candidates: list[SimRequest]) -> SimRequest:
-        by_id = {r.request_id: r for r in candidates}
-        order = self.policies["preemption_order"]([r.view() for r in candidates], self.pool_view())
-        return by_id[order[0]]
-
-    def _preempt(self, victim: SimRequest, step: Step) -> None:
-        """Recompute: with no cxl tier, as the native engine does whatever the strategy policy says."""
-        victim.preemptions += 1
-        self.running.remove(victim)
-        self._release(victim)
-        victim.num_computed = 0
-        self.waiting.appendleft(victim)
-        step.preempted.append((victim.request_id, "recompute"))
-
-    def _release(self, request: SimRequest) -> None:
-        self.free += request.blocks_per_layer * self.spec.num_layers
-        request.blocks_per_layer = 0
+        self.blocks.release(self.held.pop(request_id))
 
     def _finish(self, request: SimRequest, done: float) -> None:
-        self.running.remove(request)
+        self.scheduler.finish(request, "length", release=not request.hold_kv)
         if request.hold_kv:
             self.held[request.request_id] = request
-        else:
-            self._release(request)
         request.finished_at = done

@@ -1,13 +1,15 @@
-"""A simulated request: how far its KV is computed, the blocks it holds, when each token came out."""
+"""A simulated request: how far its KV is computed, the blocks it holds, when each token came out.
+It carries what the iteration scheduler asks of a request (policies/iteration/seams.py's Schedulable)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmesh.policies.iteration import Status
 from kvmesh.policies.views import RequestView
 
 
-@dataclass
+@dataclass(eq=False)  # one request is itself: the scheduler finds it in its queues by identity
 class SimRequest:
     request_id: str
     arrival: float
@@ -20,11 +22,20 @@ class SimRequest:
     hold_kv: bool = False            # prefill role: its KV stays held for a decode engine when it ends
     num_computed: int = 0            # tokens whose KV is in the cache
     blocks_per_layer: int = 0
+    tier: str = "device"             # where its KV is: "cxl" while swapped out
     preemptions: int = 0
     scheduled_at: float | None = None
     token_times: list[float] = field(default_factory=list)
     finished_at: float | None = None
     transfer_s: float | None = None  # disaggregated: its KV hand-off, from the pull's start to its COMPLETE
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_cached: int = 0              # of the prompt, tokens from the prefix cache (none is simulated)
+    # CacheOpt 3.3's ledger (policies/allocation/ledger.py): tokens allotted (None: blocks as it
+    # goes), allocation handed on when it ends, and the requests embedded in its allotment.
+    allocation: int | None = None
+    passes: list[tuple[str, int]] = field(default_factory=list)
+    guests: list[str] = field(default_factory=list)
 
     @property
     def num_generated(self) -> int:
@@ -38,14 +49,19 @@ class SimRequest:
     def uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed
 
+    @property
+    def awaits_kv(self) -> bool:
+        return self.kv_elsewhere > 0
+
     def view(self) -> RequestView:
         """What the policies see, field for field as the native engine's Request.view() fills it."""
         times = self.token_times
         return RequestView(request_id=self.request_id, arrival=self.arrival, prompt_len=self.prompt_len,
                            num_tokens=self.num_tokens, num_computed=self.num_computed,
                            num_generated=self.num_generated, max_tokens=self.max_tokens,
-                           blocks_per_layer=self.blocks_per_layer, tier="device", preemptions=self.preemptions,
+                           blocks_per_layer=self.blocks_per_layer, tier=self.tier, preemptions=self.preemptions,
                            tbt_slo_ms=self.tbt_slo_ms, predicted_output_len=self.predicted_output_len,
-                           ttft_slo_ms=self.ttft_slo_ms, last_token_at=times[-1] if times else None,
+                           ttft_slo_ms=self.ttft_slo_ms, allocation=self.allocation,
+                           last_token_at=times[-1] if times else None,
                            last_token_gap_s=times[-1] - times[-2] if len(times) > 1 else None,
                            first_token_at=times[0] if times else None, scheduled_at=self.scheduled_at)
