@@ -26,6 +26,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..hardware import Deployment
 from ..topology import Topology
 from ..workload import Lengths
 from .contract import Headline
@@ -47,7 +48,7 @@ VLLM, KVDIRECT, PUSH, UNCOALESCED, TWO_VLLM = "vllm", "kvdirect", "kvdirect push
     "2 vllm engines"
 
 
-def points(deployment, rates: Sequence[float], requests: int, seed: int, quick: bool) -> list[Point]:
+def points(deployment: Deployment, rates: Sequence[float], requests: int, seed: int, quick: bool) -> list[Point]:
     """The sweep: per workload and rate, vLLM, KVDirect, KVDirect pushing and KVDirect without
     coalescing; unless quick, vLLM and KVDirect under each variation."""
     spec = deployment.engine_spec(block_size=16, max_num_seqs=256, token_budget=MAX_CONTEXT)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from ..hardware import load_deployment
 from . import contract, kvdirect, sweep
 from .plot import plot
 
@@ -25,7 +26,7 @@ def run(name: str, quick: bool, rates: str | None, requests: int | None, seed: i
         raise ValueError(f"unknown paper {name!r}; papers: {', '.join(PAPERS)}")
     paper = PAPERS[name]
     chosen = parse_rates(rates) if rates is not None else paper.QUICK_RATES if quick else paper.RATES
-    deployment = _deployment(profile or paper.PROFILE)
+    deployment = load_deployment(profile or paper.PROFILE)
     per_point = requests or (paper.QUICK_REQUESTS if quick else paper.REQUESTS)
     outcomes = sweep.run(paper.points(deployment, chosen, per_point, seed, quick), deployment.cost,
                          deployment.geometry, f"sim paper {name}")
@@ -59,8 +60,3 @@ def parse_rates(text: str) -> tuple[float, ...]:
         raise ValueError(f"rates {text!r}: give rates per engine in req/s, comma-separated, each above 0, "
                          f"e.g. 0.1,0.3,0.5")
     return tuple(rates)
-
-
-def _deployment(name: str):
-    from ..hardware import load_deployment  # sim/hardware.py: the deployment profiles
-    return load_deployment(name)
