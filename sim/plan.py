@@ -130,6 +130,9 @@ def _pick(ranked: list[Result], simulator: Simulator, rate: float, target: float
         lines.append(f"tied with it: {'; '.join(ties)}")
     short = _short_horizon(winner, simulator)
     lines += [short] if short else []
+    if winner.goodput.failed_at is None:
+        lines.append("note: no rate up to the search's ceiling missed: the SLOs do not bound the pick's queue "
+                     "(a TPOT SLO alone holds however long requests wait); add a ttft or e2e SLO")
     if runner is None:
         lines.append("runner-up: none (every configuration reached the same goodput per engine)")
     compared = []
