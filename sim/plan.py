@@ -61,7 +61,8 @@ def run(profile: str, rate: float, prompt: str, output: str, slos: list[str], at
     print("\n".join(pick["lines"]))
     config = {"profile": profile, "rate_rps": rate, "prompt": prompt, "output": output,
               "slos_ms": {name: limit * 1e3 for name, limit in simulator.slos.items()}, "attainment": target,
-              "engine": asdict(spec), "search": {"engines": counts, "topologies": kinds, "routing": routings,
+              "engine": asdict(spec),
+              "search": {"engines": counts, "topologies": kinds, "routing": routings,
                          "transfer_modes": transfer_modes, "preemption_orders": preemption_orders},
               "requests": requests, "seed": seed, "tolerance": tolerance, "link": asdict(simulator.link),
               "kv_geometry": asdict(simulator.geometry), "simulations": simulator.simulated, "shared": simulator.shared}
@@ -96,15 +97,18 @@ def _same_runs(ranked: list[Result], simulator: Simulator) -> list[list[Result]]
     was preempted), as one group."""
     groups: list[list[Result]] = []
     for result in ranked:
-        last = groups[-1][0] if groups else None
-        if last is not None and replace(last.candidate, preemption_order="") == \
-                replace(result.candidate, preemption_order="") and last.goodput.probes == result.goodput.probes and \
-                all(simulator.run(last.candidate, at) is simulator.run(result.candidate, at)
-                    for at, _ in last.goodput.probes):
+        if groups and _ran_alike(groups[-1][0], result, simulator):
             groups[-1].append(result)
         else:
             groups.append([result])
     return groups
+
+
+def _ran_alike(one: Result, other: Result, simulator: Simulator) -> bool:
+    if replace(one.candidate, preemption_order="") != replace(other.candidate, preemption_order="") or \
+            one.goodput.probes != other.goodput.probes:
+        return False
+    return all(simulator.run(one.candidate, at) is simulator.run(other.candidate, at) for at, _ in one.goodput.probes)
 
 
 def _label(group: list[Result]) -> str:
