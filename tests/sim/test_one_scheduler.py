@@ -33,13 +33,16 @@ SCRIPT = [("a", 0.0, 14, 9, None, 1500.0, 8), ("b", 0.0, 9, 12, 4000.0, None, 4)
           ("g", 6.0, 7, 11, None, 1500.0, 11), ("h", 9.0, 10, 8, 3000.0, None, None)]
 
 
-def native(policies: dict[str, str]) -> tuple[BlockManager, Scheduler, list[Request]]:
+def native(policies: dict[str, str], decode: bool) -> tuple[BlockManager, Scheduler, list[Request]]:
     pools = {"device": KVPool("device", SPEC.device_blocks, SHAPE), "cxl": KVPool("cxl", SPEC.cxl_blocks, SHAPE)}
     hooks = Policies(policies)
     blocks = BlockManager(pools, LAYERS, hooks, prefix_caching=False)  # the simulator counts no prefix cache
     scheduler = Scheduler(blocks, hooks, SPEC.max_num_seqs, SPEC.token_budget, SMALL)
-    requests = [Request(rid, list(range(100 * i, 100 * i + prompt)), SamplingParams(max_tokens=out), arrival, LAYERS,
-                        targets=Targets(ttft_slo_ms=ttft, tbt_slo_ms=tbt, predicted_output_len=predicted))
+    # decode: the prompt and its first token, the prompt's KV to come from a prefill engine (pushed into
+    # blocks reserved for it, as a decode engine in push mode holds them).
+    requests = [Request(rid, list(range(100 * i, 100 * i + prompt + decode)), SamplingParams(max_tokens=out), arrival,
+                        LAYERS, targets=Targets(ttft_slo_ms=ttft, tbt_slo_ms=tbt, predicted_output_len=predicted),
+                        reservation=decode)
                 for i, (rid, arrival, prompt, out, ttft, tbt, predicted) in enumerate(SCRIPT)]
     return blocks, scheduler, requests
 
@@ -48,7 +51,7 @@ def native_step(scheduler: Scheduler, now: float, seconds) -> tuple:
     """What the engine does around the model (services/engine/native/engine.py's step), the model left out."""
     plan = scheduler.schedule(now)
     decisions = ([(c.request.request_id, c.num_tokens) for c in plan.chunks],
-                 [(r.request_id, how) for r, how in plan.preempted])
+                 [(r.request_id, how) for r, how in plan.preempted], [r.request_id for r in plan.pulls])
     if plan.chunks:
         done = now + seconds(decisions)
         scheduler.iteration_s.append(done - now)
@@ -63,13 +66,16 @@ def native_step(scheduler: Scheduler, now: float, seconds) -> tuple:
     return decisions
 
 
-def run_both(policies: dict[str, str]) -> tuple[list[tuple], list[tuple], BlockManager, SimEngine]:
+def run_both(policies: dict[str, str], decode: bool = False) -> tuple[list, list, BlockManager, SimEngine]:
     """Both, step by step at the same times (each step lasting what the simulator says); each one's
-    decisions a step: (chunks as (request id, tokens), preempted as (request id, strategy))."""
-    blocks, scheduler, natives = native(policies)
+    decisions a step: (chunks as (request id, tokens), preempted as (request id, strategy), KV to
+    pull). With `decode`, as a decode engine: each request's prompt KV arrives two steps after its
+    blocks were given."""
+    blocks, scheduler, natives = native(policies, decode)
     engine = SimEngine(SPEC, COST, policies, SMALL)
-    sims = [SimRequest(rid, arrival, prompt, out, ttft, tbt, predicted)
+    sims = [SimRequest(rid, arrival, prompt + decode, out, ttft, tbt, predicted, kv_elsewhere=prompt if decode else 0)
             for rid, arrival, prompt, out, ttft, tbt, predicted in SCRIPT]
+    by_id = {n.request_id: (n, s) for n, s in zip(natives, sims)}
     durations: list[float] = []
     native_log, sim_log = [], []
     for k in range(400):
@@ -78,13 +84,18 @@ def run_both(policies: dict[str, str]) -> tuple[list[tuple], list[tuple], BlockM
             if n.arrival <= now < n.arrival + 1.0:
                 scheduler.add(n)
                 engine.add(s)
+        for request_id in sim_log[k - 2][2] if k >= 2 else []:
+            n, s = by_id[request_id]
+            scheduler.pulled(n, now)
+            engine.pulled(s)
         step = engine.schedule(now)
-        sim_log.append(([(r.request_id, n) for r, n in step.chunks], step.preempted))
+        sim_log.append(([(r.request_id, n) for r, n in step.chunks], step.preempted,
+                        [r.request_id for r in step.pulls]))
         if step.chunks:
             durations.append(engine.seconds(step))
             engine.complete(step, now + durations[-1])
         native_log.append(native_step(scheduler, now, lambda _: durations[-1]))
-        if k > 10 and not scheduler.has_work() and not engine.has_work():
+        if k > 10 and not (scheduler.has_work() or scheduler.pulling or engine.has_work() or engine.pulling):
             break
     assert all(r.finished for r in natives) and all(r.finished_at is not None for r in sims)
     return native_log, sim_log, blocks, engine
@@ -97,12 +108,15 @@ def run_both(policies: dict[str, str]) -> tuple[list[tuple], list[tuple], BlockM
     {"kv_allocation": "cacheopt", "preemption_order": "cacheopt", "preemption_strategy": "swap"},
     {"kv_allocation": "estimate", "preemption_order": "srtf"},
 ], ids=["block_at_a_time", "block_at_a_time+swap", "cacheopt+swap", "cacheopt+cacheopt_order+swap", "estimate+srtf"])
-def test_the_simulator_decides_as_the_native_scheduler_step_by_step(policies):
-    native_log, sim_log, blocks, engine = run_both(policies)
+@pytest.mark.parametrize("decode", [False, True], ids=["colocated", "decode"])
+def test_the_simulator_decides_as_the_native_scheduler_step_by_step(policies, decode):
+    native_log, sim_log, blocks, engine = run_both(policies, decode)
 
     for k, (ours, theirs) in enumerate(zip(sim_log, native_log)):
         assert ours == theirs, f"step {k}"
-    preempted = [how for _, strategies in sim_log for _, how in strategies]
+    preempted = [how for _, strategies, _ in sim_log for _, how in strategies]
+    pulled = [request_id for _, _, pulls in sim_log for request_id in pulls]
+    assert sorted(pulled) == (sorted(rid for rid, *_ in SCRIPT) if decode else [])
     assert preempted, "the script is meant to squeeze the pool"
     assert ("swap" in preempted) == (policies.get("preemption_strategy") == "swap")
     assert blocks.free("device") == engine.free == SPEC.device_blocks
