@@ -43,11 +43,17 @@ class Deployment:
     tp: int
     sources: dict[str, str] = field(default_factory=dict)  # each constant's source, by name
 
-    def engine_spec(self, block_size: int = 16, **overrides) -> EngineSpec:
-        """An EngineSpec with the device blocks the KV capacity gives (blocks of one layer each)."""
+    def engine_spec(self, block_size: int = 16, cxl_blocks: int = 0, **overrides) -> EngineSpec:
+        """An EngineSpec with the device blocks the KV capacity gives (blocks of one layer each) and,
+        with `cxl_blocks`, a cxl tier that is the deployment's: a swap copies the geometry's block
+        bytes at the tier's bandwidth each way (engine-wide already). `overrides` win."""
         blocks = self.kv_capacity_tokens // block_size * self.geometry.num_layers
-        return EngineSpec(block_size=block_size, num_layers=self.geometry.num_layers, device_blocks=blocks,
-                          **overrides)
+        tier = {} if not cxl_blocks else {
+            "block_bytes": self.geometry.block_bytes(block_size),
+            "swap_out_bytes_per_s": self.tier.from_device_gbs * 1e9,
+            "swap_in_bytes_per_s": self.tier.to_device_gbs * 1e9}
+        return EngineSpec(**({"block_size": block_size, "num_layers": self.geometry.num_layers,
+                              "device_blocks": blocks, "cxl_blocks": cxl_blocks} | tier | overrides))
 
 
 def load_deployment(name: str) -> Deployment:

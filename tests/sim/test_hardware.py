@@ -59,3 +59,18 @@ def test_layerkvs_paired_gpus_share_their_pcie_link_under_tensor_parallelism():
 def test_a_cpu_profile_is_not_a_deployment():
     with pytest.raises(ValueError, match="not a GPU deployment"):
         load_deployment("tiny-cpu-bfloat16-1t")
+
+
+def test_a_deployments_cxl_tier_copies_its_blocks_at_the_tiers_bandwidth():
+    deployment = load_deployment("mistral-large-2407-h100-bf16-tp8")
+    spec = deployment.engine_spec(block_size=16, cxl_blocks=1000)
+    assert spec.cxl_blocks == 1000
+    assert spec.block_bytes == 2 * 16 * 8 * 128 * 2           # K and V of 16 tokens, 8 KV heads of 128, bf16
+    assert spec.swap_out_bytes_per_s == spec.swap_in_bytes_per_s == 8 * 50.0e9  # each GPU its own PCIe Gen5
+    assert deployment.engine_spec(block_size=16).cxl_blocks == 0
+
+
+def test_an_engine_spec_override_wins_over_the_deployments_tier():
+    spec = load_deployment("llama-2-7b-l20-fp16-tp1").engine_spec(block_size=16, cxl_blocks=10,
+                                                                 swap_in_bytes_per_s=1e9)
+    assert spec.swap_in_bytes_per_s == 1e9 and spec.swap_out_bytes_per_s == 25.0e9  # the tier's, from the device
