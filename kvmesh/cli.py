@@ -13,6 +13,7 @@ from kvmesh.infra.local.state import DEFAULT_RUN_DIR
 
 if TYPE_CHECKING:
     from kvmesh.sim.engine import EngineSpec
+    from kvmesh.sim.link import KVGeometry
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,8 +124,6 @@ def main(argv: list[str] | None = None) -> int:
     sim_run.add_argument("--no-coalescing", action="store_true", help="one read per block per layer")
     sim_run.add_argument("--block-runs", type=_positive, default=1,
                          help="contiguous runs a request's blocks make in a layer (%(default)s)")
-    sim_run.add_argument("--kv-geometry", default="4:2:64:2", metavar="LAYERS:KV_HEADS:HEAD_DIM:DTYPE_BYTES",
-                         help="the model's KV, for the transfer's bytes and reads (%(default)s: tiny, bfloat16)")
     sim_run.add_argument("--json", dest="json_path", type=Path, help="also write the results here")
     paper = sim_commands.add_parser("paper", help="a paper's main experiment at its own scale, its headlines beside "
                                                   "the simulated ones (docs/sim.md)")
@@ -199,10 +198,16 @@ def main(argv: list[str] | None = None) -> int:
         return _sim(args)
     if args.command == "plan":
         from kvmesh.sim.plan import run as run_plan
-        return run_plan(args.profile, args.rate, args.prompt, args.output, args.slo, args.attainment,
-                        _engine_spec(args), args.engines, args.topologies, args.routing, args.transfer_modes,
-                        args.preemption_orders, args.requests, args.seed, args.tolerance, args.json_path,
-                        args.plot_path)
+        from kvmesh.sim.link import KVGeometry
+        try:
+            geometry = KVGeometry.parse(args.kv_geometry)
+            spec = _engine_spec(args, geometry)
+        except ValueError as exc:
+            print(f"kvmesh plan: {exc}", file=sys.stderr)
+            return 2
+        return run_plan(args.profile, args.rate, args.prompt, args.output, args.slo, args.attainment, spec,
+                        args.engines, args.topologies, args.routing, args.transfer_modes, args.preemption_orders,
+                        args.requests, args.seed, args.tolerance, args.json_path, args.plot_path, geometry)
     return 2
 
 
@@ -231,12 +236,13 @@ def _sim(args: argparse.Namespace) -> int:
         if bad:
             raise ValueError(f"--policy {bad[0]!r}: give HOOK=NAME, e.g. preemption_order=srtf")
         policies = dict(value.split("=", 1) for value in args.policy)
-        spec = _engine_spec(args)
+        geometry = KVGeometry.parse(args.kv_geometry)
+        spec = _engine_spec(args, geometry)
         link = LinkSpec(gbps=args.link_gbps, latency_us=args.link_latency_us, per_read_us=args.link_read_us,
                         coalescing=not args.no_coalescing, block_runs=args.block_runs)
         return run_sim(args.profile, args.rate, args.requests, args.prompt, args.output, args.seed, spec, policies,
-                       args.json_path, args.topology, args.routing, link, KVGeometry.parse(args.kv_geometry),
-                       args.transfer_mode, args.heartbeat_s)
+                       args.json_path, args.topology, args.routing, link, geometry, args.transfer_mode,
+                       args.heartbeat_s)
     except (KeyError, ValueError, FileNotFoundError) as exc:
         print(f"kvmesh sim run: {exc.args[0] if exc.args else exc}", file=sys.stderr)  # a KeyError's str quotes it
         return 2
@@ -256,12 +262,46 @@ def _sim_workload_arguments(parser: argparse.ArgumentParser) -> None:
                         help="layers each holding a request's blocks (%(default)s)")
     parser.add_argument("--max-num-seqs", type=_positive, default=64, help="requests per batch (%(default)s)")
     parser.add_argument("--token-budget", type=_positive, default=2048, help="tokens per step (%(default)s)")
+    parser.add_argument("--kv-geometry", default="4:2:64:2", metavar="LAYERS:KV_HEADS:HEAD_DIM:DTYPE_BYTES",
+                        help="the model's KV, for a transfer's and a swap's bytes and reads (%(default)s: tiny, "
+                             "bfloat16)")
+    parser.add_argument("--cxl-blocks", type=_count, default=0, metavar="N",
+                        help="a cxl tier of N KV blocks, all layers, that preemption_strategy=swap or sweet_spot "
+                             "(sim run's --policy) swaps to (%(default)s: none); a block's bytes come from "
+                             "--kv-geometry and --block-size")
+    parser.add_argument("--swap-gbps", type=_swap_gbps, metavar="OUT:IN",
+                        help="the cxl tier's copy bandwidth, GB/s device to cxl and back, or one figure for both "
+                             "(default: 25, PCIe 4.0 x16)")
 
 
-def _engine_spec(args: argparse.Namespace) -> EngineSpec:
+def _engine_spec(args: argparse.Namespace, geometry: KVGeometry) -> EngineSpec:
     from kvmesh.sim.engine import EngineSpec
+    tier = {}
+    if args.cxl_blocks:
+        # A simulated block holds --block-size tokens of num_layers / --num-layers of the model's layers
+        # (all of them at the default --num-layers 1): a swap copies that share of the KV per block.
+        if geometry.num_layers % args.num_layers:
+            raise ValueError(f"--num-layers {args.num_layers} must divide --kv-geometry's {geometry.num_layers} "
+                             "layers: a block is a whole number of the model's layers")
+        tier["block_bytes"] = geometry.block_bytes(args.block_size) * (geometry.num_layers // args.num_layers)
+    if args.swap_gbps is not None:
+        tier["swap_out_bytes_per_s"], tier["swap_in_bytes_per_s"] = (gbps * 1e9 for gbps in args.swap_gbps)
     return EngineSpec(block_size=args.block_size, num_layers=args.num_layers, device_blocks=args.device_blocks,
-                      max_num_seqs=args.max_num_seqs, token_budget=args.token_budget)
+                      max_num_seqs=args.max_num_seqs, token_budget=args.token_budget, cxl_blocks=args.cxl_blocks,
+                      **tier)
+
+
+def _swap_gbps(text: str) -> tuple[float, float]:
+    """`OUT:IN` GB/s (device to cxl, cxl to device), or one figure for both; each above 0."""
+    parts = text.split(":")
+    try:
+        out, in_ = (float(part) for part in (parts * 2 if len(parts) == 1 else parts))
+        if out > 0 and in_ > 0:
+            return out, in_
+    except ValueError:  # not a number, or more than two
+        pass
+    raise argparse.ArgumentTypeError(f"give OUT:IN GB/s, each above 0, or one figure for both (e.g. 25:25); "
+                                     f"got {text!r}")
 
 
 def _names(text: str) -> list[str]:

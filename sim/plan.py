@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from .engine import EngineSpec
+from .link import KVGeometry
 from .plan_search import Candidate, Goodput, Run, Simulator, bisect_goodput, parse_counts, parse_slos, search_space
 from .step_cost import load_profile
 from .workload import Lengths
@@ -39,7 +40,7 @@ class Result:
 def run(profile: str, rate: float, prompt: str, output: str, slos: list[str], attainment: float, spec: EngineSpec,
         engines: str, kinds: list[str], routings: list[str], transfer_modes: list[str],
         preemption_orders: list[str], requests: int, seed: int, tolerance: float, json_path: Path | None,
-        plot_path: Path | None) -> int:
+        plot_path: Path | None, geometry: KVGeometry = KVGeometry()) -> int:
     """`attainment`: the percentage of requests that must meet every SLO. Bad input: a message on
     stderr, exit status 2, nothing run or written."""
     try:
@@ -47,7 +48,7 @@ def run(profile: str, rate: float, prompt: str, output: str, slos: list[str], at
             raise ValueError(f"rate must be above 0 (got {rate}), attainment in (0, 100] (got {attainment}), "
                              f"tolerance in (0, 1) (got {tolerance}), requests at least 1 (got {requests})")
         simulator = Simulator(Lengths.parse(prompt), Lengths.parse(output), requests, seed, parse_slos(slos), spec,
-                              load_profile(profile))
+                              load_profile(profile), geometry=geometry)
         counts = parse_counts(engines)
         space = search_space(counts, kinds, routings, transfer_modes, preemption_orders)
     except (KeyError, ValueError, FileNotFoundError) as exc:

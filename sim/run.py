@@ -1,17 +1,19 @@
 """`kvmesh sim run`: a Poisson workload through a simulated cluster (one colocated engine unless a
 topology says otherwise), with a named step-cost profile, named policies and a link model for the KV
-hand-off; prints the latency figures, the transfer's share, and how fast the simulation ran."""
+hand-off; prints the latency figures, the transfer's share, the preemptions by strategy and what the
+swaps to a cxl tier copied, and how fast the simulation ran."""
 
 from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
 from kvmesh.policies.routing import registry
 
-from .cluster import HEARTBEAT_S, build
+from .cluster import HEARTBEAT_S, Cluster, build
 from .engine import EngineSpec
 from .link import KVGeometry, LinkSpec
 from .metrics import summarise
@@ -29,36 +31,48 @@ def run(profile: str, rate: float, requests: int, prompt: str, output: str, seed
                     transfer_mode, heartbeat_s)
     start = time.perf_counter()
     sim_seconds = cluster.run(workload)
-    summary = summarise(workload, sim_seconds, time.perf_counter() - start)
+    summary = summarise(workload, sim_seconds, time.perf_counter() - start) | swaps(cluster, spec)
     config = {"profile": profile, "rate": rate, "requests": requests, "prompt": prompt, "output": output,
-              "seed": seed, "engine": {"block_size": spec.block_size, "num_layers": spec.num_layers,
-                                       "device_blocks": spec.device_blocks, "max_num_seqs": spec.max_num_seqs,
-                                       "token_budget": spec.token_budget},
+              "seed": seed, "engine": asdict(spec),
               "policies": next(iter(cluster.members.values())).engine.names, "topology": topology,
               "routing": routing, "heartbeat_s": heartbeat_s, "transfer_mode": transfer_mode, "link": asdict(link),
               "kv_geometry": asdict(geometry)}
-    print(_table(summary))
+    print(_table(summary, cxl=spec.cxl_blocks > 0))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps({"sim": "run", "config": config, "results": summary}, indent=2) + "\n")
     return 0
 
 
-def _table(summary: dict) -> str:
+def swaps(cluster: Cluster, spec: EngineSpec) -> dict:
+    """Every engine's preemptions by the strategy carried out (a swap without room in the cxl tier
+    recomputes), and the bytes its swaps copied each way."""
+    engines = [member.engine for member in cluster.members.values()]
+    moved = sum((engine.blocks.moved for engine in engines), Counter())
+    return {"preemptions_by_strategy": dict(Counter(how for engine in engines for _, _, how in engine.preemptions)),
+            "swap_out_bytes": moved["cxl"] * spec.block_bytes, "swap_in_bytes": moved["device"] * spec.block_bytes}
+
+
+def _table(summary: dict, cxl: bool) -> str:
     def ms(key: str) -> str:
         return "-" if summary[key] is None else f"{summary[key] * 1e3:.1f} ms"
 
     def rate(key: str, unit: str) -> str:
         return "-" if summary[key] is None else f"{summary[key]:.1f} {unit}"
 
+    by_strategy = ", ".join(f"{how} {n}" for how, n in sorted(summary["preemptions_by_strategy"].items()))
     rows = [("requests (unfinished)", f"{summary['requests']} ({summary['unfinished']})"),
             ("TTFT P50 / P90", f"{ms('ttft_p50_s')} / {ms('ttft_p90_s')}"), ("TPOT mean", ms("tpot_mean_s")),
             ("end-to-end P90", ms("e2e_p90_s")),
             ("KV transfer mean (share)", "-" if summary["transfer_mean_s"] is None else
              f"{ms('transfer_mean_s')} ({summary['transfer_share']:.1%} of end-to-end)"),
             ("throughput", rate("throughput_tok_s", "tokens/s")),
-            ("requests/s", rate("throughput_req_s", "req/s")), ("preemptions", str(summary["preemptions"])),
-            ("simulated / wall", f"{summary['sim_seconds']:.1f} s in {summary['wall_seconds']:.2f} s "
-                                 f"({rate('sim_per_wall', 'sim s per wall s')})")]
+            ("requests/s", rate("throughput_req_s", "req/s")),
+            ("preemptions", f"{summary['preemptions']} ({by_strategy})" if by_strategy else "0")]
+    if cxl:
+        rows.append(("swap copies out / in", f"{summary['swap_out_bytes'] / 1e6:.1f} / "
+                                             f"{summary['swap_in_bytes'] / 1e6:.1f} MB"))
+    rows.append(("simulated / wall", f"{summary['sim_seconds']:.1f} s in {summary['wall_seconds']:.2f} s "
+                                     f"({rate('sim_per_wall', 'sim s per wall s')})"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

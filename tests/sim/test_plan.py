@@ -52,6 +52,7 @@ def test_plan_picks_the_configuration_of_the_highest_goodput_per_engine(tmp_path
     (["--engines", "1", "--topologies", "pd"], "search space is empty"),
     (["--routing", ""], "search space is empty"),
     (["--routing", "nobody"], "nobody"),
+    (["--cxl-blocks", "64", "--num-layers", "3"], "--num-layers 3 must divide --kv-geometry's 4 layers"),
 ])
 def test_plan_refuses_bad_input_and_writes_nothing(tmp_path, capsys, argv, message):
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
@@ -112,3 +113,13 @@ def test_a_run_without_preemption_stands_for_every_preemption_order():
     first = simulator.run(Candidate(Topology(colocated=1), "least_loaded", "latest_arrival_first"), 10.0)
     again = simulator.run(Candidate(Topology(colocated=1), "least_loaded", "srtf"), 10.0)
     assert first.preemptions == 0 and again is first and (simulator.simulated, simulator.shared) == (1, 1)
+
+
+def test_plan_runs_its_engines_with_the_cxl_tier_and_geometry_asked_for(tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", *TINY_SEARCH, "--engines", "1", "--topologies", "colocated", "--requests", "50",
+                 "--kv-geometry", "2:2:64:2", "--cxl-blocks", "512", "--swap-gbps", "8", "--json", str(out)]) == 0
+    config = json.loads(out.read_text())["config"]
+    assert config["kv_geometry"] == {"num_layers": 2, "kv_heads": 2, "head_dim": 64, "dtype_bytes": 2}
+    assert config["engine"]["cxl_blocks"] == 512 and config["engine"]["block_bytes"] == 2 * 2 * 16 * 2 * 64 * 2
+    assert config["engine"]["swap_out_bytes_per_s"] == config["engine"]["swap_in_bytes_per_s"] == 8e9
