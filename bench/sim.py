@@ -317,16 +317,6 @@ def sim_requests(load: LoadResult) -> list[SimRequest]:
                   [f"r{r.index}" for r in sent])
 
 
-class CountingEngine(SimEngine):
-    """A SimEngine that counts its steps, to hold against the real engine's."""
-
-    steps = 0
-
-    def complete(self, step, done: float) -> None:
-        self.steps += 1
-        super().complete(step, done)
-
-
 def simulated(load: LoadResult, engines: dict[str, tuple[str, EngineSpec, dict[str, str]]],
               costs: dict[str, StepCost], path: RequestPath = RequestPath()) -> dict:
     """The load replayed through a simulated cluster of `engines` (id -> role, spec, policies; the
@@ -334,7 +324,7 @@ def simulated(load: LoadResult, engines: dict[str, tuple[str, EngineSpec, dict[s
     sim.metrics.summarise's figures, plus each engine's steps and the engine-side breakdown
     (`stages_ms`, before the path)."""
     requests = sim_requests(load)
-    members = {e: (role, CountingEngine(spec, costs[e], policies)) for e, (role, spec, policies) in engines.items()}
+    members = {e: (role, SimEngine(spec, costs[e], policies)) for e, (role, spec, policies) in engines.items()}
     start = time.perf_counter()
     sim_seconds = Cluster(members).run(requests)
     wall = time.perf_counter() - start

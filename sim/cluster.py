@@ -15,7 +15,11 @@ Push mode: the decode part goes to its engine first, as the reservation (`POST /
 that engine gives it blocks, the prefill part starts, and its chunks' KV is written layer by layer
 as each step computes them. The first token comes out when the last write is ACKed (the prefill's
 last frame comes after the writes); then the prefill engine frees its blocks and the decode part
-runs from its last prompt token. `transfer_s` is then what the writes add after the prefill."""
+runs from its last prompt token. `transfer_s` is then what the writes add after the prefill.
+
+An engine whose next steps are all decodes that change nothing but the requests' lengths takes them
+as one decode run (decode_run.py), cut short when a request is added to it or routing reads its load;
+`max_run_steps` 0 steps every engine one step at a time (the same events, slower)."""
 
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ from kvmesh.policies.routing import registry
 from kvmesh.policies.routing.views import EngineLoad, EngineView, RouteQuery, RoutingState
 from kvmesh.policies.views import blocks_for
 
+from . import decode_run
+from .decode_run import DecodeRun
 from .engine import EngineSpec, SimEngine, Step
 from .events import EventQueue
 from .link import KVGeometry, Link, LinkSpec, pull, push
@@ -33,10 +39,11 @@ from .request import SimRequest
 from .step_cost import StepCost
 from .topology import Topology
 
-ARRIVAL, STEP_DONE, PULL_DONE, PUSH_DONE = "arrival", "step_done", "pull_done", "push_done"
+ARRIVAL, STEP_DONE, RUN_DONE, PULL_DONE, PUSH_DONE = "arrival", "step_done", "run_done", "pull_done", "push_done"
 TRANSFER_MODES = ("pull", "push")
 HEARTBEAT_S = 1.0  # an engine heartbeats every heartbeat_ttl_ms / 3 (services/engine/config.py: 3,000 ms)
 MODEL = "sim"  # every engine serves the one model routing is asked about
+MAX_RUN_STEPS = 512  # the longest decode run planned at once: a longer one is mostly cut before its end
 
 
 @dataclass
@@ -49,6 +56,7 @@ class Member:
     routed: int = 0                   # routes sent here since then
     routed_blocks: int = 0            # device blocks their prompts take
     view: EngineView | None = None    # as routing last saw it: kept until a report or a route changes it
+    run: DecodeRun | None = None      # the decode run it is in
 
 
 @dataclass
@@ -67,14 +75,16 @@ class Handoff:
 class Cluster:
     def __init__(self, engines: Mapping[str, tuple[str, SimEngine]], routing: str = registry.DEFAULT,
                  link: LinkSpec = LinkSpec(), geometry: KVGeometry = KVGeometry(), transfer_mode: str = "pull",
-                 heartbeat_s: float = HEARTBEAT_S):
+                 heartbeat_s: float = HEARTBEAT_S, max_run_steps: int = MAX_RUN_STEPS):
         """`engines`: id -> (role, engine); routing: a policy name of policies/routing/registry.py;
-        heartbeat_s: how often engines report their load (0: routing sees it as it is)."""
+        heartbeat_s: how often engines report their load (0: routing sees it as it is); max_run_steps:
+        the most steps an engine takes as one decode run (0: none)."""
         if transfer_mode not in TRANSFER_MODES:
             raise ValueError(f"transfer mode {transfer_mode!r}: {' or '.join(TRANSFER_MODES)}")
         if heartbeat_s < 0:
             raise ValueError(f"heartbeat_s must be 0 or more, got {heartbeat_s}")
-        self.transfer_mode, self.heartbeat_s = transfer_mode, heartbeat_s
+        self.transfer_mode, self.heartbeat_s, self.max_run_steps = transfer_mode, heartbeat_s, max_run_steps
+        self.events = EventQueue()
         self.members = {engine_id: Member(role, engine) for engine_id, (role, engine) in engines.items()}
         self.routing = routing
         self.route = registry.resolve(routing)
@@ -86,7 +96,7 @@ class Cluster:
     def run(self, requests: Iterable[SimRequest]) -> float:
         """Route and serve every request; the simulated time when the last event happened. A request
         an engine can never hold stays unfinished (its finished_at None)."""
-        events = EventQueue()
+        self.events = events = EventQueue()
         for request in requests:
             events.schedule(request.arrival, ARRIVAL, request)
         while events:
@@ -95,6 +105,8 @@ class Cluster:
                 touched = self._arrive(event.payload)
             elif event.kind == STEP_DONE:
                 touched = self._step_done(*event.payload, events)
+            elif event.kind == RUN_DONE:
+                touched = self._run_done(*event.payload)
             elif event.kind == PULL_DONE:
                 touched = self._pull_done(event.payload, events.now)
             else:
@@ -116,14 +128,14 @@ class Cluster:
                 self._routed(self.members[engine_id], request.prompt_len)
         if decision.mode == "colocated" or request.max_tokens == 1:
             engine_id = decision.engine or decision.prefill
-            self.members[engine_id].engine.add(request)
+            self._settled(engine_id).add(request)
             return [engine_id]
         part = SimRequest(request.request_id, request.arrival, request.prompt_len, 1, request.ttft_slo_ms,
                           request.tbt_slo_ms, request.predicted_output_len, hold_kv=True)
         handoff = Handoff(request, decision.prefill, decision.decode, part)
         if self.transfer_mode == "push":
             return self._reserve(handoff, request.arrival)
-        if self.members[decision.prefill].engine.add(part):
+        if self._settled(decision.prefill).add(part):
             self.handoffs[request.request_id] = handoff
         return [decision.prefill]
 
@@ -134,7 +146,7 @@ class Cluster:
             prefill.add(handoff.prefill_part)  # refused there: it could never fit
             return []
         handoff.decode_part = _decode_part(handoff.whole, now)
-        if not self.members[handoff.decode].engine.add(handoff.decode_part):
+        if not self._settled(handoff.decode).add(handoff.decode_part):
             return []
         self.handoffs[handoff.whole.request_id] = handoff
         return [handoff.decode]
@@ -176,7 +188,7 @@ class Cluster:
         whole.scheduled_at = handoff.prefill_part.scheduled_at
         whole.transfer_s = now - handoff.transfer_start
         self.members[handoff.prefill].engine.release_held(whole.request_id)
-        self.members[handoff.decode].engine.pulled(handoff.decode_part)
+        self._settled(handoff.decode).pulled(handoff.decode_part)
         return [handoff.prefill, handoff.decode]
 
     def _to_decode(self, handoff: Handoff, now: float) -> list[str]:
@@ -185,7 +197,7 @@ class Cluster:
         whole.token_times.append(now)
         whole.scheduled_at = first.scheduled_at
         handoff.decode_part = _decode_part(whole, now)
-        if self.members[handoff.decode].engine.add(handoff.decode_part):
+        if self._settled(handoff.decode).add(handoff.decode_part):
             return [handoff.decode]
         # It could never fit there: the held KV goes, as when its lease runs out.
         self.members[handoff.prefill].engine.release_held(whole.request_id)
@@ -194,7 +206,7 @@ class Cluster:
 
     def _pull_done(self, handoff: Handoff, now: float) -> list[str]:
         """COMPLETE acknowledged: the decode part runs, the prefill engine frees the KV."""
-        self.members[handoff.decode].engine.pulled(handoff.decode_part)
+        self._settled(handoff.decode).pulled(handoff.decode_part)
         self.members[handoff.prefill].engine.release_held(handoff.whole.request_id)
         handoff.whole.transfer_s = now - handoff.transfer_start
         return [handoff.prefill, handoff.decode]
@@ -213,6 +225,11 @@ class Cluster:
         their pull, or (push) their prefill: the prefill engines to step next."""
         member, prefills = self.members[engine_id], []
         while not member.busy and member.engine.has_work():
+            run = decode_run.plan(member.engine, events.now, self.max_run_steps) if self.max_run_steps else None
+            if run is not None:
+                member.run, member.busy = run, True
+                events.schedule(run.end, RUN_DONE, (engine_id, run, len(run.ends)))
+                break
             step = member.engine.schedule(events.now)
             for part in step.pulls:
                 handoff = self.handoffs[part.request_id]
@@ -220,7 +237,7 @@ class Cluster:
                     self._start_pull(handoff, events)
                 else:  # the prefill engine gets the prompt now
                     handoff.prefill_part.arrival = events.now
-                    self.members[handoff.prefill].engine.add(handoff.prefill_part)
+                    self._settled(handoff.prefill).add(handoff.prefill_part)
                     prefills.append(handoff.prefill)
             if step.chunks:
                 events.schedule(events.now + member.engine.seconds(step), STEP_DONE, (engine_id, step, events.now))
@@ -228,6 +245,28 @@ class Cluster:
             elif not step.preempted:  # nothing fits until something else happens
                 break
         return prefills
+
+    def _run_done(self, engine_id: str, run: DecodeRun, steps: int) -> list[str]:
+        """A decode run's last step ended (unless the run was cut since: then its new end is due)."""
+        member = self.members[engine_id]
+        if member.run is not run or len(run.ends) != steps:
+            return []
+        decode_run.apply(member.engine, run, steps)
+        member.run, member.busy = None, False
+        return [engine_id]
+
+    def _settled(self, engine_id: str) -> SimEngine:
+        """The engine, its decode run (if any) cut after the step in progress and applied through it:
+        what it is about to be told changes its batch from the next step on."""
+        member = self.members[engine_id]
+        run = member.run
+        if run is not None:
+            steps = run.in_progress(self.events.now)
+            if steps < len(run.ends):
+                run.cut(steps)
+                self.events.schedule(run.end, RUN_DONE, (engine_id, run, steps))
+            decode_run.apply(member.engine, run, steps)
+        return member.engine
 
     def _start_pull(self, handoff: Handoff, events: EventQueue) -> None:
         transfer = pull(self.link, self.geometry, self.members[handoff.decode].engine.spec.block_size,
@@ -244,7 +283,7 @@ class Cluster:
         since counted as waiting and their prompts' blocks as taken."""
         views = []
         for engine_id, member in self.members.items():
-            report = self._report(member, now)
+            report = self._report(engine_id, member, now)
             if member.view is None:
                 engine = member.engine
                 load = EngineLoad(free_device_blocks=max(0, report.free_device_blocks - member.routed_blocks),
@@ -256,11 +295,11 @@ class Cluster:
             views.append(member.view)
         return views
 
-    def _report(self, member: Member, now: float) -> EngineLoad:
+    def _report(self, engine_id: str, member: Member, now: float) -> EngineLoad:
         """The engine's last heartbeat, every `heartbeat_s` from 0: a newer one replaces the report and
         the routes counted since the one before."""
         if member.report is None or now - member.report_at >= self.heartbeat_s:
-            engine = member.engine
+            engine = self._settled(engine_id)
             member.report = EngineLoad(engine.free, engine.spec.device_blocks, len(engine.waiting), len(engine.running))
             member.report_at = now - (now % self.heartbeat_s if self.heartbeat_s > 0 else 0.0)
             member.routed = member.routed_blocks = 0
@@ -277,10 +316,11 @@ class Cluster:
 
 def build(topology: Topology, spec: EngineSpec, cost: StepCost, policies: Mapping[str, str] | None = None,
           routing: str = registry.DEFAULT, link: LinkSpec = LinkSpec(), geometry: KVGeometry = KVGeometry(),
-          transfer_mode: str = "pull", heartbeat_s: float = HEARTBEAT_S) -> Cluster:
+          transfer_mode: str = "pull", heartbeat_s: float = HEARTBEAT_S,
+          max_run_steps: int = MAX_RUN_STEPS) -> Cluster:
     """A cluster of the topology's engines, alike: the same spec, step cost and engine policies."""
     return Cluster({engine_id: (role, SimEngine(spec, cost, policies)) for engine_id, role in topology.roles().items()},
-                   routing, link, geometry, transfer_mode, heartbeat_s)
+                   routing, link, geometry, transfer_mode, heartbeat_s, max_run_steps)
 
 
 def _decode_part(whole: SimRequest, arrival: float) -> SimRequest:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from kvmesh.policies import registry
 from kvmesh.policies.allocation import AllocationParams
 from kvmesh.policies.iteration import Policies, Scheduler
+from kvmesh.policies.step_shape import chunk_shape
 from kvmesh.policies.views import PoolView, blocks_for
 
 from .block_count import BlockCount
@@ -68,15 +69,6 @@ class Step:
         self.prefill_context += prefill_context
 
 
-def chunk_shape(prompt_len: int, num_computed: int, n: int) -> tuple[int, int, int, int]:
-    """A chunk of `n` tokens after `num_computed` as (prefill tokens, decode tokens, decode context,
-    prefill context): a decode when it computes one generated token's KV. Its context is the KV its
-    attention reads, summed over its tokens (each reads itself and every token before it): for a
-    decode, its whole context; for a prompt chunk, (query, key) pairs."""
-    context = n * num_computed + n * (n + 1) // 2
-    return (0, 1, context, 0) if n == 1 and num_computed >= prompt_len else (n, 0, 0, context)
-
-
 class SimEngine:
     def __init__(self, spec: EngineSpec, cost: StepCost, policies: Mapping[str, str] | None = None,
                  allocation: AllocationParams = AllocationParams()):
@@ -95,6 +87,7 @@ class SimEngine:
         self.held: dict[str, SimRequest] = {}  # ended on this engine, their KV held for a decode engine
         self.refused: list[SimRequest] = []
         self.preemptions: list[tuple[float, str, str]] = []  # (when, request id, strategy)
+        self.steps = 0  # steps completed, one at a time or in decode runs
 
     @property
     def free(self) -> int:
@@ -159,6 +152,7 @@ class SimEngine:
     def complete(self, step: Step, done: float) -> None:
         """The step's KV is computed; a chunk that reached its request's last token samples the next."""
         self.scheduler.iteration_s.append(self.seconds(step))  # CacheOpt's T_I^max reads recent step times
+        self.steps += 1
         for request, n in step.chunks:
             samples = request.num_computed + n == request.num_tokens
             request.num_computed += n

@@ -1,8 +1,8 @@
 """A GPU engine step's cost from published hardware numbers: a roofline with efficiency factors.
 
 For a step of P prefill tokens, D decode tokens, C_d decode context (KV tokens the decodes read) and
-C_p prefill context ((query, key) pairs the prompt chunks compute), as engine.chunk_shape counts them,
-on TP GPUs:
+C_p prefill context ((query, key) pairs the prompt chunks compute), as policies/step_shape.py counts
+them, on TP GPUs:
 
     seconds   = overhead + max(compute, memory) + allreduce
     compute   = (2 N (P + D) + 4 L A (C_p + C_d)) / TP / (peak_flops x mfu)

@@ -3,9 +3,9 @@
 seconds = a + b * prefill_tokens + c * decode_tokens + d * decode_context + e * prefill_context, where
 prefill_tokens are the tokens computed as prompt (or recomputed) chunks, decode_tokens the requests
 decoding one token, decode_context the KV tokens the decodes' attention reads (each its whole
-context) and prefill_context the (query, key) pairs the chunks' attention computes (each prompt token
-with itself and the tokens before it: engine.chunk_shape). The two context terms differ in kind: a
-decode's attention is bound by reading the KV (bytes), a prefill's by computing the pairs (FLOPs),
+context) and prefill_context the (query, key) pairs the chunks' attention computes (each prompt
+token with itself and the tokens before it: policies/step_shape.py). The two context terms differ in
+kind: a decode's attention is bound by reading the KV (bytes), a prefill's by computing the pairs (FLOPs),
 so on a GPU their costs per token differ by two orders of magnitude. A profile in `sim/profiles/`
 holds one (model, hardware, dtype, threads) fit, each coefficient with where it came from.
 

@@ -1,11 +1,9 @@
-"""policies.step_shape: a step's shape in exact counts, and the simulator counting as the engine does."""
+"""policies.step_shape: a step's shape in exact counts (the native engine records its steps with it and
+the simulator's steps are counted by it)."""
 
 from __future__ import annotations
 
-import itertools
-
 from kvmesh.policies.step_shape import chunk_shape, step_shape
-from kvmesh.sim import engine as sim_engine
 
 
 def test_a_prompt_chunk_counts_its_query_key_pairs():
@@ -21,8 +19,3 @@ def test_a_decode_reads_its_whole_context():
 def test_a_step_sums_its_chunks():
     assert step_shape([(100, 0, 100), (20, 25, 1), (30, 30, 1)]) == (100, 2, 26 + 31, 5050)
     assert step_shape([]) == (0, 0, 0, 0)
-
-
-def test_the_simulator_counts_chunks_as_the_engine_does():
-    for prompt, computed, n in itertools.product((1, 7, 64), (0, 1, 7, 64, 70), (1, 2, 16)):
-        assert sim_engine.chunk_shape(prompt, computed, n) == chunk_shape(prompt, computed, n)

@@ -1,0 +1,88 @@
+"""Decode runs (sim/decode_run.py) change how fast the simulator runs, never what it simulates: every
+request's token times, finish, preemptions and hand-off are the same floats as when each engine
+takes one step at a time, whatever cuts the runs (arrivals, load reports, pulls, preemptions)."""
+
+import pytest
+
+from kvmesh.sim import decode_run
+from kvmesh.sim.cluster import build
+from kvmesh.sim.engine import EngineSpec, SimEngine
+from kvmesh.sim.link import LinkSpec
+from kvmesh.sim.request import SimRequest
+from kvmesh.sim.simulate import simulate
+from kvmesh.sim.step_cost import StepCost, load_profile
+from kvmesh.sim.topology import Topology
+from kvmesh.sim.workload import Lengths, poisson
+
+COST = StepCost(a=3e-3, b=1e-4, c=2e-4, d=1e-6, e=3e-7)
+
+
+def records(topology: str, spec: EngineSpec, rate: float, max_run_steps: int, **options) -> tuple[list[tuple], int]:
+    requests = poisson(rate, 300, Lengths.parse("uniform:16-400"), Lengths.parse("exp:60"), seed=3)
+    cluster = build(Topology.parse(topology), spec, options.pop("cost", COST), max_run_steps=max_run_steps, **options)
+    cluster.run(requests)
+    steps = sum(member.engine.steps for member in cluster.members.values())
+    return [(r.token_times, r.finished_at, r.preemptions, r.transfer_s, r.scheduled_at) for r in requests], steps
+
+
+@pytest.mark.parametrize("topology, spec, rate, options", [
+    ("colocated:1", EngineSpec(device_blocks=4096), 4.0, {}),
+    ("colocated:3", EngineSpec(device_blocks=4096), 20.0, {"routing": "round_robin"}),
+    ("colocated:2", EngineSpec(device_blocks=320), 12.0, {"routing": "least_loaded"}),  # preempts
+    ("colocated:2", EngineSpec(device_blocks=320, cxl_blocks=512, block_bytes=4096), 12.0,
+     {"policies": {"preemption_strategy": "swap"}}),
+    ("pd:1:2", EngineSpec(device_blocks=4096), 10.0, {"link": LinkSpec(gbps=1.0, latency_us=800.0)}),
+    ("pd:2:1", EngineSpec(device_blocks=1024), 10.0, {"transfer_mode": "push", "heartbeat_s": 0.25}),
+    ("pd:1:1", EngineSpec(device_blocks=4096), 6.0, {"heartbeat_s": 0.0}),
+    ("colocated:4", EngineSpec(device_blocks=8192), 40.0, {"cost": load_profile("opt-13b-a100-fp16-tp1")}),
+])
+def test_decode_runs_simulate_the_same_events_as_single_steps(topology, spec, rate, options):
+    stepped, steps = records(topology, spec, rate, 0, **dict(options))
+    ran, run_steps = records(topology, spec, rate, 512, **dict(options))
+    assert ran == stepped and run_steps == steps
+
+
+def test_a_run_stops_one_step_short_of_the_first_request_to_end_and_of_the_blocks():
+    """Prompts of 8, blocks of 4 tokens; 11 and 9 tokens left to sample after the first: 8 steps
+    together, the ninth (which ends one) as usual. Each request needs a third block for its first
+    decode (token 9) and a fourth at token 13, so the free blocks bound the run too."""
+    engine = SimEngine(EngineSpec(block_size=4, device_blocks=64), COST)
+    for request in (SimRequest("a", 0.0, 8, 12), SimRequest("b", 0.0, 8, 10)):
+        engine.add(request)
+    engine.complete(engine.schedule(0.0), 0.01)  # both prompts computed, first tokens sampled
+    run = decode_run.plan(engine, 0.01, max_steps=100)
+    t, ends = 0.01, []
+    for j in range(8):  # each decode reads its whole context: 9 + 9 tokens at the first step
+        t = t + COST.seconds(0, 2, 18 + 2 * j, 0)
+        ends.append(t)
+    assert run.ends == ends
+    assert len(decode_run.plan(engine, 0.01, max_steps=5).ends) == 5
+
+    for free, steps in ((4, 8), (3, 4), (2, 4)):
+        engine.blocks.free_blocks["device"] = free
+        assert len(decode_run.plan(engine, 0.01, max_steps=100).ends) == steps
+    engine.blocks.free_blocks["device"] = 1  # the first decode already needs a block each: preemption's
+    assert decode_run.plan(engine, 0.01, max_steps=100) is None
+
+
+def test_a_run_cut_mid_way_is_applied_through_the_step_in_progress():
+    engine = SimEngine(EngineSpec(device_blocks=4096), StepCost(a=0.01))
+    request = SimRequest("a", 0.0, 16, 50)
+    engine.add(request)
+    engine.complete(engine.schedule(0.0), 0.01)
+    run = decode_run.plan(engine, 0.01, max_steps=10)
+    steps = run.in_progress(0.035)  # the third step (0.03-0.04) is under way
+    assert steps == 3 and run.in_progress(0.04) == 3  # one ending at that moment counts as under way
+    run.cut(steps)
+    decode_run.apply(engine, run, steps)
+    assert request.num_generated == 4 and request.num_computed == 19 and engine.steps == 4
+    assert request.token_times[1:] == pytest.approx([0.02, 0.03, 0.04])
+
+
+def test_one_engine_alone_is_the_same_with_runs():
+    requests = poisson(8.0, 200, Lengths.parse("uniform:32-256"), Lengths.parse("exp:80"), seed=5)
+    again = [SimRequest(r.request_id, r.arrival, r.prompt_len, r.max_tokens) for r in requests]
+    simulate(SimEngine(EngineSpec(), COST), requests)
+    cluster = build(Topology.parse("colocated:1"), EngineSpec(), COST, routing="round_robin", max_run_steps=0)
+    cluster.run(again)
+    assert [r.token_times for r in requests] == [r.token_times for r in again]
