@@ -17,8 +17,9 @@ as each step computes them. The first token comes out when the last write is ACK
 last frame comes after the writes); then the prefill engine frees its blocks and the decode part
 runs from its last prompt token. `transfer_s` is then what the writes add after the prefill.
 
-An engine whose next steps are all decodes that change nothing but the requests' lengths takes them
-as one decode run (decode_run.py), cut short when a request is added to it or routing reads its load;
+An engine whose next steps are all decodes that change nothing but the requests' lengths (and end
+some) takes them as one decode run (decode_run.py), cut short when a request is added to it, a pull
+lands or routing reads its load;
 `max_run_steps` 0 steps every engine one step at a time (the same events, slower)."""
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ ARRIVAL, STEP_DONE, RUN_DONE, PULL_DONE, PUSH_DONE = "arrival", "step_done", "ru
 TRANSFER_MODES = ("pull", "push")
 HEARTBEAT_S = 1.0  # an engine heartbeats every heartbeat_ttl_ms / 3 (services/engine/config.py: 3,000 ms)
 MODEL = "sim"  # every engine serves the one model routing is asked about
-MAX_RUN_STEPS = 512  # the longest decode run planned at once: a longer one is mostly cut before its end
+MAX_RUN_STEPS = 64  # the longest decode run planned at once: most are cut sooner, and a plan costs its length
 
 
 @dataclass
@@ -251,13 +252,14 @@ class Cluster:
         member = self.members[engine_id]
         if member.run is not run or len(run.ends) != steps:
             return []
-        decode_run.apply(member.engine, run, steps)
+        self._ended(decode_run.apply(member.engine, run, steps, steps))
         member.run, member.busy = None, False
         return [engine_id]
 
     def _settled(self, engine_id: str) -> SimEngine:
-        """The engine, its decode run (if any) cut after the step in progress and applied through it:
-        what it is about to be told changes its batch from the next step on."""
+        """The engine, its decode run (if any) cut after the step in progress and applied through it
+        (those the step ends leave at its end): what it is about to be told changes its batch from the
+        next step on."""
         member = self.members[engine_id]
         run = member.run
         if run is not None:
@@ -265,8 +267,14 @@ class Cluster:
             if steps < len(run.ends):
                 run.cut(steps)
                 self.events.schedule(run.end, RUN_DONE, (engine_id, run, steps))
-            decode_run.apply(member.engine, run, steps)
+            self._ended(decode_run.apply(member.engine, run, steps, steps - 1))
         return member.engine
+
+    def _ended(self, parts: list[SimRequest]) -> None:
+        """Requests a decode run ended: a split one's record takes its decode part's tokens."""
+        for part in parts:
+            if part.request_id in self.handoffs:
+                self._finish(self.handoffs.pop(part.request_id))
 
     def _start_pull(self, handoff: Handoff, events: EventQueue) -> None:
         transfer = pull(self.link, self.geometry, self.members[handoff.decode].engine.spec.block_size,

@@ -3,15 +3,16 @@
 When every running request is decoding, nobody waits (to be admitted, swapped back or pulled), the
 allocation is vLLM's block at a time, and the free blocks cover every request's growth, the iteration
 scheduler would give each running request its one token a step and call no policy: the admission
-order has nobody to order, the preemption order nobody to pick, as long as nobody ends. So the
-steps until the one in which the first request ends can be taken together: their ends are the step
-cost summed step by step (in the event loop's own arithmetic, so the times are the same floats),
-and the requests' tokens, KV and blocks move on when the run is applied. This is where a cluster of
+order has nobody to order, the preemption order nobody to pick. A request that samples its last
+token leaves, and the others go on. So the steps can be taken together: their ends are the step
+cost summed step by step (in the event loop's own arithmetic, so the times are the same floats), and
+the requests' tokens, KV, blocks and ends are applied when the run is. This is where a cluster of
 many engines spends most of its steps; taking them together is what makes it fast.
 
 A run is cut by anything that would change the batch (sim/cluster.py): a request added to the
-engine, or a load report routing reads. It is then applied through the step in progress, which
-ends as planned, and the engine schedules as usual after it."""
+engine, a pull landing, or a load report routing reads. It is then applied through the step in
+progress, which ends as planned (those it ends leave at its end), and the engine schedules as usual
+after it."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from .request import SimRequest
 @dataclass
 class DecodeRun:
     requests: list[SimRequest]
+    left: list[int]        # each request's steps in the run: the last one samples its last token
     ends: list[float]      # each step's end time
     seconds: list[float]   # each step's cost
     applied: int = 0       # steps whose tokens and blocks the requests have
@@ -46,8 +48,7 @@ class DecodeRun:
 
 def plan(engine, now: float, max_steps: int) -> DecodeRun | None:
     """The steps from `now` the engine (sim.engine.SimEngine) can take together, at most `max_steps`,
-    or None when fewer than two: the last step before a request ends is run as usual, so the run
-    stops one step short of it."""
+    or None when fewer than two."""
     scheduler, spec = engine.scheduler, engine.spec
     running = scheduler.running
     if scheduler.waiting or scheduler.swapped or scheduler.pulling or scheduler.allots_ahead or \
@@ -55,43 +56,57 @@ def plan(engine, now: float, max_steps: int) -> DecodeRun | None:
         return None
     if any(r.num_computed != r.num_tokens - 1 or r.num_computed < r.prompt_len for r in running):
         return None  # someone computes a prompt chunk, or its last prompt token: not a decode
-    steps = min(max_steps, min(r.max_tokens - r.num_generated for r in running) - 1)
-    steps = _covered(running, steps, spec.block_size, spec.num_layers, engine.free)
+    left = [r.max_tokens - r.num_generated for r in running]
+    steps = _covered(running, left, min(max_steps, max(left)), spec.block_size, spec.num_layers, engine.free)
     if steps < 2:
         return None
-    n = len(running)
-    context = sum(r.num_computed + 1 for r in running)  # each decode reads its whole context
+    # (steps in the run, context at its first step), by when each leaves; each decode reads its context
+    leaving = sorted((steps_left, r.num_computed + 1) for steps_left, r in zip(left, running))
+    n, gone = len(running), 0
+    context = sum(base for _, base in leaving)
     ends, seconds, t = [], [], now
     for j in range(steps):
-        cost = engine.cost.seconds(0, n, context + n * j, 0)  # no swaps: nobody is preempted
+        while leaving[gone][0] <= j:  # it ended at the step before: no longer in the batch
+            context -= leaving[gone][1]
+            gone += 1
+        cost = engine.cost.seconds(0, n - gone, context + (n - gone) * j, 0)  # no swaps: nobody is preempted
         t = t + cost
         ends.append(t)
         seconds.append(cost)
-    return DecodeRun(list(running), ends, seconds)
+    return DecodeRun(list(running), left, ends, seconds)
 
 
-def apply(engine, run: DecodeRun, through: int) -> None:
-    """Give the requests the tokens, KV and blocks of the run's steps up to `through`."""
-    new = run.ends[run.applied:through]
-    if not new:
-        return
-    k = len(new)
-    for request in run.requests:
-        request.num_computed += k
-        request.token_times.extend(new)
-        if not engine.blocks.reserve(request, blocks_for(request.num_computed, engine.spec.block_size), k):
-            raise AssertionError("a decode run's blocks were counted before it started")
+def apply(engine, run: DecodeRun, through: int, ended: int) -> list[SimRequest]:
+    """Give the requests the tokens, KV and blocks of the run's steps up to `through`, and end those
+    whose last token came by step `ended` (<= through); the requests it ended."""
+    done = []
+    for request, left in zip(run.requests, run.left):
+        first, last = min(run.applied, left), min(through, left)
+        if last > first:
+            request.num_computed += last - first
+            request.token_times.extend(run.ends[first:last])
+            if not engine.blocks.reserve(request, blocks_for(request.num_computed, engine.spec.block_size),
+                                         last - first):
+                raise AssertionError("a decode run's blocks were counted before it started")
+        if left <= ended and request.finished_at is None:
+            engine.finish(request, run.ends[left - 1])
+            done.append(request)
     engine.scheduler.iteration_s.extend(run.seconds[run.applied:through])
-    engine.steps += k
+    engine.steps += through - run.applied
     run.applied = through
+    return done
 
 
-def _covered(running: list[SimRequest], steps: int, block_size: int, num_layers: int, free: int) -> int:
-    """The most of `steps` decode steps whose blocks the free ones cover (the growth only rises)."""
+def _covered(running: list[SimRequest], left: list[int], steps: int, block_size: int, num_layers: int,
+             free: int) -> int:
+    """The most of `steps` steps whose blocks the free ones cover, counting none that an ending
+    request gives back (so it may stop early, never late: the steps after run one at a time)."""
     def need(k: int) -> int:
-        return num_layers * sum(max(0, blocks_for(r.num_computed + k, block_size) - r.blocks_per_layer)
-                                for r in running)
+        return num_layers * sum(max(0, blocks_for(r.num_computed + min(k, n), block_size) - r.blocks_per_layer)
+                                for r, n in zip(running, left))
 
+    if need(steps) <= free:
+        return steps
     low, high = 0, steps
     while low < high:
         mid = (low + high + 1) // 2

@@ -159,7 +159,7 @@ class SimEngine:
             if samples:
                 request.token_times.append(done)
                 if request.num_generated >= request.max_tokens:
-                    self._finish(request, done)
+                    self.finish(request, done)
 
     def pulled(self, request: SimRequest) -> None:
         """Its KV has arrived: it decodes from its last prompt token on (the time the scheduler is
@@ -171,7 +171,8 @@ class SimEngine:
         """A decode engine has its KV (COMPLETE): the blocks are free."""
         self.blocks.release(self.held.pop(request_id))
 
-    def _finish(self, request: SimRequest, done: float) -> None:
+    def finish(self, request: SimRequest, done: float) -> None:
+        """It sampled its last token at `done`: it leaves, its KV held if a decode engine is to pull it."""
         self.scheduler.finish(request, "length", release=not request.hold_kv)
         if request.hold_kv:
             self.held[request.request_id] = request

@@ -42,41 +42,53 @@ def test_decode_runs_simulate_the_same_events_as_single_steps(topology, spec, ra
     assert ran == stepped and run_steps == steps
 
 
-def test_a_run_stops_one_step_short_of_the_first_request_to_end_and_of_the_blocks():
-    """Prompts of 8, blocks of 4 tokens; 11 and 9 tokens left to sample after the first: 8 steps
-    together, the ninth (which ends one) as usual. Each request needs a third block for its first
-    decode (token 9) and a fourth at token 13, so the free blocks bound the run too."""
+def test_a_run_goes_on_past_a_request_that_ends_and_stops_where_the_blocks_would_run_short():
+    """Prompts of 8, blocks of 4 tokens; 11 and 9 tokens left to sample after the first: 11 steps,
+    two decodes a step until the second request leaves after the ninth. Each needs a third block for
+    its first decode (token 9), a fourth at token 13 and a fifth at token 17."""
     engine = SimEngine(EngineSpec(block_size=4, device_blocks=64), COST)
-    for request in (SimRequest("a", 0.0, 8, 12), SimRequest("b", 0.0, 8, 10)):
+    first, second = SimRequest("a", 0.0, 8, 12), SimRequest("b", 0.0, 8, 10)
+    for request in (first, second):
         engine.add(request)
     engine.complete(engine.schedule(0.0), 0.01)  # both prompts computed, first tokens sampled
     run = decode_run.plan(engine, 0.01, max_steps=100)
     t, ends = 0.01, []
-    for j in range(8):  # each decode reads its whole context: 9 + 9 tokens at the first step
-        t = t + COST.seconds(0, 2, 18 + 2 * j, 0)
+    for j in range(11):  # each decode reads its whole context: 9 + 9 tokens at the first step
+        t = t + (COST.seconds(0, 2, 18 + 2 * j, 0) if j < 9 else COST.seconds(0, 1, 9 + j, 0))
         ends.append(t)
     assert run.ends == ends
     assert len(decode_run.plan(engine, 0.01, max_steps=5).ends) == 5
 
-    for free, steps in ((4, 8), (3, 4), (2, 4)):
+    for free, steps in ((6, 11), (5, 8), (4, 8), (3, 4), (2, 4)):
         engine.blocks.free_blocks["device"] = free
         assert len(decode_run.plan(engine, 0.01, max_steps=100).ends) == steps
     engine.blocks.free_blocks["device"] = 1  # the first decode already needs a block each: preemption's
     assert decode_run.plan(engine, 0.01, max_steps=100) is None
 
+    engine.blocks.free_blocks["device"] = 64 - 4
+    ended = decode_run.apply(engine, run, 11, 11)
+    assert ended == [first, second] and first.finished_at == ends[10] and second.finished_at == ends[8]
+    assert first.token_times[1:] == ends and second.token_times[1:] == ends[:9]
+    assert engine.free == 64 and not engine.running and engine.steps == 12
+
 
 def test_a_run_cut_mid_way_is_applied_through_the_step_in_progress():
+    """Cut in its third step, a run's requests have that step's token and blocks; one whose last
+    token that step samples leaves at the step's end, not before."""
     engine = SimEngine(EngineSpec(device_blocks=4096), StepCost(a=0.01))
-    request = SimRequest("a", 0.0, 16, 50)
-    engine.add(request)
+    long, short = SimRequest("a", 0.0, 16, 50), SimRequest("b", 0.0, 16, 4)
+    for request in (long, short):
+        engine.add(request)
     engine.complete(engine.schedule(0.0), 0.01)
     run = decode_run.plan(engine, 0.01, max_steps=10)
     steps = run.in_progress(0.035)  # the third step (0.03-0.04) is under way
     assert steps == 3 and run.in_progress(0.04) == 3  # one ending at that moment counts as under way
     run.cut(steps)
-    decode_run.apply(engine, run, steps)
-    assert request.num_generated == 4 and request.num_computed == 19 and engine.steps == 4
-    assert request.token_times[1:] == pytest.approx([0.02, 0.03, 0.04])
+    assert decode_run.apply(engine, run, steps, steps - 1) == []
+    assert long.num_generated == 4 and long.num_computed == 19 and engine.steps == 4
+    assert short.num_generated == 4 and short.finished_at is None and short in engine.running
+    assert long.token_times[1:] == pytest.approx([0.02, 0.03, 0.04])
+    assert decode_run.apply(engine, run, steps, steps) == [short] and short.finished_at == pytest.approx(0.04)
 
 
 def test_one_engine_alone_is_the_same_with_runs():
