@@ -9,7 +9,8 @@ from pathlib import Path
 
 from .report import save, show
 
-BENCHES = ("kvmeta", "engine", "transfer", "serve", "tracing", "cacheopt", "layerkv", "car", "vllm", "vllm_car", "vllm_cacheopt", "peer", "chaos", "sim")
+BENCHES = ("kvmeta", "engine", "transfer", "serve", "tracing", "cacheopt", "layerkv", "car", "vllm", "vllm_car", "vllm_cacheopt", "peer", "chaos", "sim",
+           "sim_scale")
 
 
 def run_bench(name: str, *, quick: bool, json_path: Path | None, target: str | None = None) -> int:
