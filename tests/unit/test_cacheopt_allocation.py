@@ -3,8 +3,7 @@ the host choice, D_kvc, the cut weights and amortised cuts, and the batch plans 
 
 from __future__ import annotations
 
-import dataclasses
-
+import msgspec
 import pytest
 
 from kvmesh.policies.allocation import (AllocationInput, AllocationParams, Grant, block_at_a_time, cacheopt,
@@ -100,11 +99,11 @@ def test_estimate_and_s3_preempt_a_request_that_ran_out_and_allot_it_more_next_t
     running = req("r", prompt=40, generated=31, allocation=70, estimate_len=30, max_tokens=200)
     assert estimate(batch(running=[running])).preempt == ("r",)
     assert s3(batch(running=[running])).preempt == ("r",)
-    again = dataclasses.replace(req("r", prompt=40, generated=31, computed=0, estimate_len=30, max_tokens=200),
+    again = msgspec.structs.replace(req("r", prompt=40, generated=31, computed=0, estimate_len=30, max_tokens=200),
                                 preemptions=2)
     assert estimate(batch([again])).grants == (Grant("r", 40 + 3 * 30),)   # the estimate once more each time
     assert s3(batch([again])).grants == (Grant("r", 40 + 4 * 30),)         # the output allotment doubled
-    assert s3(batch([dataclasses.replace(again, preemptions=5)])).grants == (Grant("r", 40 + 200),)  # max_tokens
+    assert s3(batch([msgspec.structs.replace(again, preemptions=5)])).grants == (Grant("r", 40 + 200),)  # max_tokens
 
 
 def test_cacheopt_gives_everyone_their_demand_when_it_fits():
