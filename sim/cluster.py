@@ -44,7 +44,7 @@ ARRIVAL, STEP_DONE, RUN_DONE, PULL_DONE, PUSH_DONE = "arrival", "step_done", "ru
 TRANSFER_MODES = ("pull", "push")
 HEARTBEAT_S = 1.0  # an engine heartbeats every heartbeat_ttl_ms / 3 (services/engine/config.py: 3,000 ms)
 MODEL = "sim"  # every engine serves the one model routing is asked about
-MAX_RUN_STEPS = 64  # the longest decode run planned at once: most are cut sooner, and a plan costs its length
+MAX_RUN_STEPS = 4096  # the longest decode run (its steps are costed out as they pass: decode_run.py)
 
 
 @dataclass
@@ -248,9 +248,14 @@ class Cluster:
         return prefills
 
     def _run_done(self, engine_id: str, run: DecodeRun, steps: int) -> list[str]:
-        """A decode run's last step ended (unless the run was cut since: then its new end is due)."""
+        """The last step a decode run has costed out ended (unless the run was cut since: then its new
+        end is due): it goes on, or it is applied and the engine schedules as usual."""
         member = self.members[engine_id]
         if member.run is not run or len(run.ends) != steps:
+            return []
+        if run.more:  # uncut so far: cost out twice as many steps again
+            run.extend(run.end, steps)
+            self.events.schedule(run.end, RUN_DONE, (engine_id, run, len(run.ends)))
             return []
         self._ended(decode_run.apply(member.engine, run, steps, steps))
         member.run, member.busy = None, False
@@ -264,8 +269,9 @@ class Cluster:
         run = member.run
         if run is not None:
             steps = run.in_progress(self.events.now)
-            if steps < len(run.ends):
-                run.cut(steps)
+            shorter = steps < len(run.ends)
+            run.cut(steps)  # it ends with the step in progress, whatever it could have gone on to
+            if shorter:
                 self.events.schedule(run.end, RUN_DONE, (engine_id, run, steps))
             self._ended(decode_run.apply(member.engine, run, steps, steps - 1))
         return member.engine

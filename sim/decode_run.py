@@ -17,24 +17,53 @@ after it."""
 from __future__ import annotations
 
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvmesh.policies.views import blocks_for
 
 from .request import SimRequest
 
 
+FIRST_STEPS = 8  # the steps a run's plan costs out at first; it doubles them as they pass uncut
+
+
 @dataclass
 class DecodeRun:
+    """A run's requests and its steps' ends so far. The ends are costed out as they are needed: most
+    runs are cut after a few steps, so a plan costs what is run of it, not what could be."""
+
     requests: list[SimRequest]
     left: list[int]        # each request's steps in the run: the last one samples its last token
-    ends: list[float]      # each step's end time
-    seconds: list[float]   # each step's cost
+    limit: int             # the steps it may take
+    cost: object           # the engine's step cost
+    leaving: list[tuple[int, int]]  # (steps left, context at the first step) of each request, by steps left
+    ends: list[float] = field(default_factory=list)     # each step's end time, so far
+    seconds: list[float] = field(default_factory=list)  # each step's cost, so far
     applied: int = 0       # steps whose tokens and blocks the requests have
+    _gone: int = 0         # requests that ended before the next step to cost
+    _context: int = 0      # the context of the requests still in it, at the run's first step
 
     @property
     def end(self) -> float:
         return self.ends[-1]
+
+    @property
+    def more(self) -> bool:
+        """Whether it may go on past the steps costed out."""
+        return len(self.ends) < self.limit
+
+    def extend(self, start: float, steps: int) -> None:
+        """Cost out `steps` more steps (within the limit), the first from `start`."""
+        n, t = len(self.leaving), start
+        for j in range(len(self.ends), min(self.limit, len(self.ends) + steps)):
+            while self.leaving[self._gone][0] <= j:  # it ended at the step before: no longer in the batch
+                self._context -= self.leaving[self._gone][1]
+                self._gone += 1
+            batch = n - self._gone  # each decode reads its whole context; no swaps: nobody is preempted
+            cost = self.cost.seconds(0, batch, self._context + batch * j, 0)
+            t = t + cost
+            self.ends.append(t)
+            self.seconds.append(cost)
 
     def in_progress(self, now: float) -> int:
         """How many steps have started by `now` (one ending at `now` counts: what happens at a step's
@@ -44,11 +73,12 @@ class DecodeRun:
     def cut(self, steps: int) -> None:
         """Keep only the first `steps` steps."""
         del self.ends[steps:], self.seconds[steps:]
+        self.limit = steps
 
 
 def plan(engine, now: float, max_steps: int) -> DecodeRun | None:
     """The steps from `now` the engine (sim.engine.SimEngine) can take together, at most `max_steps`,
-    or None when fewer than two."""
+    or None when fewer than two; the first of them costed out."""
     scheduler, spec = engine.scheduler, engine.spec
     running = scheduler.running
     if scheduler.waiting or scheduler.swapped or scheduler.pulling or scheduler.allots_ahead or \
@@ -60,20 +90,10 @@ def plan(engine, now: float, max_steps: int) -> DecodeRun | None:
     steps = _covered(running, left, min(max_steps, max(left)), spec.block_size, spec.num_layers, engine.free)
     if steps < 2:
         return None
-    # (steps in the run, context at its first step), by when each leaves; each decode reads its context
     leaving = sorted((steps_left, r.num_computed + 1) for steps_left, r in zip(left, running))
-    n, gone = len(running), 0
-    context = sum(base for _, base in leaving)
-    ends, seconds, t = [], [], now
-    for j in range(steps):
-        while leaving[gone][0] <= j:  # it ended at the step before: no longer in the batch
-            context -= leaving[gone][1]
-            gone += 1
-        cost = engine.cost.seconds(0, n - gone, context + (n - gone) * j, 0)  # no swaps: nobody is preempted
-        t = t + cost
-        ends.append(t)
-        seconds.append(cost)
-    return DecodeRun(list(running), left, ends, seconds)
+    run = DecodeRun(list(running), left, steps, engine.cost, leaving, _context=sum(base for _, base in leaving))
+    run.extend(now, FIRST_STEPS)
+    return run
 
 
 def apply(engine, run: DecodeRun, through: int, ended: int) -> list[SimRequest]:

@@ -52,16 +52,18 @@ def test_a_run_goes_on_past_a_request_that_ends_and_stops_where_the_blocks_would
         engine.add(request)
     engine.complete(engine.schedule(0.0), 0.01)  # both prompts computed, first tokens sampled
     run = decode_run.plan(engine, 0.01, max_steps=100)
+    assert run.limit == 11 and len(run.ends) == decode_run.FIRST_STEPS  # the rest is costed out as it passes
+    run.extend(run.end, 100)
     t, ends = 0.01, []
     for j in range(11):  # each decode reads its whole context: 9 + 9 tokens at the first step
         t = t + (COST.seconds(0, 2, 18 + 2 * j, 0) if j < 9 else COST.seconds(0, 1, 9 + j, 0))
         ends.append(t)
     assert run.ends == ends
-    assert len(decode_run.plan(engine, 0.01, max_steps=5).ends) == 5
+    assert decode_run.plan(engine, 0.01, max_steps=5).limit == 5
 
     for free, steps in ((6, 11), (5, 8), (4, 8), (3, 4), (2, 4)):
         engine.blocks.free_blocks["device"] = free
-        assert len(decode_run.plan(engine, 0.01, max_steps=100).ends) == steps
+        assert decode_run.plan(engine, 0.01, max_steps=100).limit == steps
     engine.blocks.free_blocks["device"] = 1  # the first decode already needs a block each: preemption's
     assert decode_run.plan(engine, 0.01, max_steps=100) is None
 
