@@ -659,7 +659,7 @@ def _result(quick: bool, plan: Plan, cells: dict, checkpoint: Path, gguf: Path |
         **read, "setups_measured": measured, "skipped": skipped, "run_errors": errors,
         "start_s": start_s, "commands": commands, "wall_s": wall_s, "kernels_prebuilt": prebuilt,
     }
-    headline = (f"P90 E2E latency, vLLM over the best kvmesh: "
+    headline = ("P90 E2E latency, vLLM over the best kvmesh: "
                 + ", ".join(f"{_fmt(ratios[f'p90_e2el_ratio_vllm_vs_kvmesh@{r:g}'])} @ {r:g}" for r in plan.rates)
                 + f" req/s (min up to vLLM's capacity {_fmt(ratios[key])}, target {TARGETS[key]:g}); capacity "
                 f"(P90 TTFT < 2 s, no failures): kvmesh {capacities['kvmesh']:g} ({LABELS[read['capacity_best']['kvmesh']]}) "
