@@ -53,7 +53,6 @@ class Member:
     engine: SimEngine
     busy: bool = False
     report: EngineLoad | None = None  # its load at its last heartbeat
-    report_at: float = 0.0
     routed: int = 0                   # routes sent here since then
     routed_blocks: int = 0            # device blocks their prompts take
     view: EngineView | None = None    # as routing last saw it: kept until a report or a route changes it
@@ -86,6 +85,7 @@ class Cluster:
             raise ValueError(f"heartbeat_s must be 0 or more, got {heartbeat_s}")
         self.transfer_mode, self.heartbeat_s, self.max_run_steps = transfer_mode, heartbeat_s, max_run_steps
         self.events = EventQueue()
+        self.reported_at: float | None = None  # the heartbeat the engines' reports are from (all alike)
         self.members = {engine_id: Member(role, engine) for engine_id, (role, engine) in engines.items()}
         self.routing = routing
         self.route = registry.resolve(routing)
@@ -98,6 +98,7 @@ class Cluster:
         """Route and serve every request; the simulated time when the last event happened. A request
         an engine can never hold stays unfinished (its finished_at None)."""
         self.events = events = EventQueue()
+        self.reported_at = None
         for request in requests:
             events.schedule(request.arrival, ARRIVAL, request)
         while events:
@@ -295,11 +296,12 @@ class Cluster:
         """Each engine as the scheduler sees it (services/scheduler/cluster.py): its load at its last
         heartbeat (free device blocks, waiting and running requests), with the routes sent to it
         since counted as waiting and their prompts' blocks as taken."""
+        if self.reported_at is None or now - self.reported_at >= self.heartbeat_s:
+            self._report(now)
         views = []
         for engine_id, member in self.members.items():
-            report = self._report(engine_id, member, now)
             if member.view is None:
-                engine = member.engine
+                engine, report = member.engine, member.report
                 load = EngineLoad(free_device_blocks=max(0, report.free_device_blocks - member.routed_blocks),
                                   total_device_blocks=report.total_device_blocks,
                                   waiting=report.waiting + member.routed, running=report.running)
@@ -309,16 +311,15 @@ class Cluster:
             views.append(member.view)
         return views
 
-    def _report(self, engine_id: str, member: Member, now: float) -> EngineLoad:
-        """The engine's last heartbeat, every `heartbeat_s` from 0: a newer one replaces the report and
-        the routes counted since the one before."""
-        if member.report is None or now - member.report_at >= self.heartbeat_s:
+    def _report(self, now: float) -> None:
+        """The engines' heartbeats, every `heartbeat_s` from 0, all at once: each new report replaces
+        an engine's last and the routes counted since it."""
+        for engine_id, member in self.members.items():
             engine = self._settled(engine_id)
             member.report = EngineLoad(engine.free, engine.spec.device_blocks, len(engine.waiting), len(engine.running))
-            member.report_at = now - (now % self.heartbeat_s if self.heartbeat_s > 0 else 0.0)
             member.routed = member.routed_blocks = 0
             member.view = None
-        return member.report
+        self.reported_at = now - (now % self.heartbeat_s if self.heartbeat_s > 0 else 0.0)
 
     @staticmethod
     def _routed(member: Member, prompt_tokens: int) -> None:

@@ -99,14 +99,14 @@ def plan(engine, now: float, max_steps: int) -> DecodeRun | None:
 def apply(engine, run: DecodeRun, through: int, ended: int) -> list[SimRequest]:
     """Give the requests the tokens, KV and blocks of the run's steps up to `through`, and end those
     whose last token came by step `ended` (<= through); the requests it ended."""
-    done = []
+    done, block_size = [], engine.spec.block_size
     for request, left in zip(run.requests, run.left):
         first, last = min(run.applied, left), min(through, left)
         if last > first:
             request.num_computed += last - first
             request.token_times.extend(run.ends[first:last])
-            if not engine.blocks.reserve(request, blocks_for(request.num_computed, engine.spec.block_size),
-                                         last - first):
+            blocks = blocks_for(request.num_computed, block_size)
+            if blocks > request.blocks_per_layer and not engine.blocks.reserve(request, blocks, last - first):
                 raise AssertionError("a decode run's blocks were counted before it started")
         if left <= ended and request.finished_at is None:
             engine.finish(request, run.ends[left - 1])
