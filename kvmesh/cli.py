@@ -106,8 +106,6 @@ def main(argv: list[str] | None = None) -> int:
     sim_run.add_argument("--rate", type=float, default=10.0, help="arrivals per second (%(default)s)")
     sim_run.add_argument("--requests", type=_positive, default=1000, help="how many (%(default)s)")
     _sim_workload_arguments(sim_run)
-    sim_run.add_argument("--policy", action="append", default=[], metavar="HOOK=NAME",
-                         help="an engine policy by name, e.g. preemption_order=srtf (repeatable)")
     sim_run.add_argument("--topology", default="colocated:1",
                          help="colocated:N engines, or pd:P:D prefill and decode engines (%(default)s)")
     sim_run.add_argument("--routing", default="conditional", help="routing policy by name (%(default)s)")
@@ -202,12 +200,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             geometry = KVGeometry.parse(args.kv_geometry)
             spec = _engine_spec(args, geometry)
+            policies = _engine_policies(args.policy)
         except ValueError as exc:
             print(f"kvmesh plan: {exc}", file=sys.stderr)
             return 2
         return run_plan(args.profile, args.rate, args.prompt, args.output, args.slo, args.attainment, spec,
                         args.engines, args.topologies, args.routing, args.transfer_modes, args.preemption_orders,
-                        args.requests, args.seed, args.tolerance, args.json_path, args.plot_path, geometry)
+                        args.requests, args.seed, args.tolerance, args.json_path, args.plot_path, geometry, policies)
     return 2
 
 
@@ -232,10 +231,7 @@ def _sim(args: argparse.Namespace) -> int:
     from kvmesh.sim.link import KVGeometry, LinkSpec
     from kvmesh.sim.run import run as run_sim
     try:
-        bad = [value for value in args.policy if "=" not in value]
-        if bad:
-            raise ValueError(f"--policy {bad[0]!r}: give HOOK=NAME, e.g. preemption_order=srtf")
-        policies = dict(value.split("=", 1) for value in args.policy)
+        policies = _engine_policies(args.policy)
         geometry = KVGeometry.parse(args.kv_geometry)
         spec = _engine_spec(args, geometry)
         link = LinkSpec(gbps=args.link_gbps, latency_us=args.link_latency_us, per_read_us=args.link_read_us,
@@ -248,6 +244,14 @@ def _sim(args: argparse.Namespace) -> int:
         return 2
 
 
+def _engine_policies(values: list[str]) -> dict[str, str]:
+    """--policy HOOK=NAME, each given."""
+    bad = [value for value in values if "=" not in value]
+    if bad:
+        raise ValueError(f"--policy {bad[0]!r}: give HOOK=NAME, e.g. preemption_order=srtf")
+    return dict(value.split("=", 1) for value in values)
+
+
 def _sim_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """The simulator's workload lengths, seed, step-cost profile and engine spec (sim run, plan)."""
     parser.add_argument("--profile", default="tiny-cpu-bfloat16-1t",
@@ -256,6 +260,8 @@ def _sim_workload_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt tokens: N, uniform:LOW-HIGH or exp:MEAN (%(default)s)")
     parser.add_argument("--output", default="exp:128", metavar="LENGTHS", help="output tokens, likewise (%(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="arrivals and lengths (%(default)s)")
+    parser.add_argument("--policy", action="append", default=[], metavar="HOOK=NAME",
+                        help="an engine policy by name, every engine's, e.g. preemption_strategy=swap (repeatable)")
     parser.add_argument("--block-size", type=_positive, default=16, help="tokens per block (%(default)s)")
     parser.add_argument("--device-blocks", type=_positive, default=4096, help="KV blocks, all layers (%(default)s)")
     parser.add_argument("--num-layers", type=_positive, default=1,

@@ -20,7 +20,8 @@ from rich.progress import Progress
 
 from .engine import EngineSpec
 from .link import KVGeometry
-from .plan_search import Candidate, Goodput, Run, Simulator, bisect_goodput, parse_counts, parse_slos, search_space
+from .plan_search import (Candidate, Goodput, Run, Simulator, bisect_goodput, fixed_policies, parse_counts, parse_slos,
+                          search_space)
 from .step_cost import load_profile
 from .workload import Lengths
 
@@ -40,15 +41,16 @@ class Result:
 def run(profile: str, rate: float, prompt: str, output: str, slos: list[str], attainment: float, spec: EngineSpec,
         engines: str, kinds: list[str], routings: list[str], transfer_modes: list[str],
         preemption_orders: list[str], requests: int, seed: int, tolerance: float, json_path: Path | None,
-        plot_path: Path | None, geometry: KVGeometry = KVGeometry()) -> int:
-    """`attainment`: the percentage of requests that must meet every SLO. Bad input: a message on
+        plot_path: Path | None, geometry: KVGeometry = KVGeometry(), policies: dict[str, str] | None = None) -> int:
+    """`attainment`: the percentage of requests that must meet every SLO; `policies`: engine policies
+    every configuration runs (the preemption order is searched instead). Bad input: a message on
     stderr, exit status 2, nothing run or written."""
     try:
         if rate <= 0 or not 0 < attainment <= 100 or not 0 < tolerance < 1 or requests < 1:
             raise ValueError(f"rate must be above 0 (got {rate}), attainment in (0, 100] (got {attainment}), "
                              f"tolerance in (0, 1) (got {tolerance}), requests at least 1 (got {requests})")
         simulator = Simulator(Lengths.parse(prompt), Lengths.parse(output), requests, seed, parse_slos(slos), spec,
-                              load_profile(profile), geometry=geometry)
+                              load_profile(profile), geometry=geometry, policies=fixed_policies(policies or {}))
         counts = parse_counts(engines)
         space = search_space(counts, kinds, routings, transfer_modes, preemption_orders)
     except (KeyError, ValueError, FileNotFoundError) as exc:
@@ -65,6 +67,7 @@ def run(profile: str, rate: float, prompt: str, output: str, slos: list[str], at
               "engine": asdict(spec),
               "search": {"engines": counts, "topologies": kinds, "routing": routings,
                          "transfer_modes": transfer_modes, "preemption_orders": preemption_orders},
+              "engine_policies": simulator.policies,
               "requests": requests, "seed": seed, "tolerance": tolerance, "link": asdict(simulator.link),
               "kv_geometry": asdict(simulator.geometry), "simulations": simulator.simulated, "shared": simulator.shared}
     if json_path is not None:

@@ -17,6 +17,7 @@ from kvmesh.policies import registry as engine_policies
 from kvmesh.policies.routing import registry as routing_policies
 
 from .cluster import HEARTBEAT_S, TRANSFER_MODES, build
+from .engine import HOOKS as ENGINE_HOOKS
 from .engine import EngineSpec
 from .link import KVGeometry, LinkSpec
 from .metrics import slo_attainment, summarise
@@ -77,6 +78,20 @@ class Candidate:
     def __str__(self) -> str:
         return " ".join(str(part) for part in (self.topology, self.routing, self.transfer_mode, self.preemption_order)
                         if part is not None)
+
+
+def fixed_policies(policies: dict[str, str]) -> dict[str, str]:
+    """The engine policies every configuration runs, each a hook the simulator runs and a name it
+    knows; not the preemption order, which the search varies."""
+    if "preemption_order" in policies:
+        raise ValueError("the preemption order is searched: give it with --preemption-orders, not --policy")
+    unknown = set(policies) - set(ENGINE_HOOKS)
+    if unknown:
+        raise ValueError(f"the simulator runs the engine hooks {', '.join(ENGINE_HOOKS)}; "
+                         f"not {', '.join(sorted(unknown))}")
+    for hook, name in policies.items():
+        engine_policies.resolve(hook, name)
+    return policies
 
 
 def search_space(engine_counts: Sequence[int], kinds: Sequence[str], routings: Sequence[str],
@@ -168,8 +183,9 @@ class Simulator:
 
     def __init__(self, prompt: Lengths, output: Lengths, requests: int, seed: int, slos: dict[str, float],
                  spec: EngineSpec, cost: StepCost, link: LinkSpec = LinkSpec(), geometry: KVGeometry = KVGeometry(),
-                 heartbeat_s: float = HEARTBEAT_S):
+                 heartbeat_s: float = HEARTBEAT_S, policies: dict[str, str] | None = None):
         self.prompt, self.output, self.requests, self.seed, self.slos = prompt, output, requests, seed, slos
+        self.policies = dict(policies or {})  # every configuration's engine policies but the preemption order
         self.spec, self.cost, self.link, self.geometry, self.heartbeat_s = spec, cost, link, geometry, heartbeat_s
         self.runs: dict[tuple[Candidate, float], Run] = {}
         self.simulated = self.shared = 0
@@ -182,7 +198,8 @@ class Simulator:
         if key in self.runs:
             return self.runs[key]
         workload = poisson(rate, self.requests, self.prompt, self.output, self.seed)
-        cluster = build(candidate.topology, self.spec, self.cost, {"preemption_order": candidate.preemption_order},
+        cluster = build(candidate.topology, self.spec, self.cost,
+                        self.policies | {"preemption_order": candidate.preemption_order},
                         candidate.routing, self.link, self.geometry, candidate.transfer_mode or "pull",
                         self.heartbeat_s)
         summary = summarise(workload, cluster.run(workload), 0.0)

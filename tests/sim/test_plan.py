@@ -53,6 +53,10 @@ def test_plan_picks_the_configuration_of_the_highest_goodput_per_engine(tmp_path
     (["--routing", ""], "search space is empty"),
     (["--routing", "nobody"], "nobody"),
     (["--cxl-blocks", "64", "--num-layers", "3"], "--num-layers 3 must divide --kv-geometry's 4 layers"),
+    (["--policy", "preemption_order=srtf"], "the preemption order is searched"),
+    (["--policy", "layer_offload=layerkv"], "not layer_offload"),
+    (["--policy", "preemption_strategy=nope"], "nope"),
+    (["--policy", "swap"], "give HOOK=NAME"),
 ])
 def test_plan_refuses_bad_input_and_writes_nothing(tmp_path, capsys, argv, message):
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
@@ -118,8 +122,21 @@ def test_a_run_without_preemption_stands_for_every_preemption_order():
 def test_plan_runs_its_engines_with_the_cxl_tier_and_geometry_asked_for(tmp_path):
     out = tmp_path / "plan.json"
     assert main(["plan", *TINY_SEARCH, "--engines", "1", "--topologies", "colocated", "--requests", "50",
-                 "--kv-geometry", "2:2:64:2", "--cxl-blocks", "512", "--swap-gbps", "8", "--json", str(out)]) == 0
+                 "--kv-geometry", "2:2:64:2", "--cxl-blocks", "512", "--swap-gbps", "8",
+                 "--policy", "preemption_strategy=swap", "--json", str(out)]) == 0
     config = json.loads(out.read_text())["config"]
+    assert config["engine_policies"] == {"preemption_strategy": "swap"}
     assert config["kv_geometry"] == {"num_layers": 2, "kv_heads": 2, "head_dim": 64, "dtype_bytes": 2}
     assert config["engine"]["cxl_blocks"] == 512 and config["engine"]["block_bytes"] == 2 * 2 * 16 * 2 * 64 * 2
     assert config["engine"]["swap_out_bytes_per_s"] == config["engine"]["swap_in_bytes_per_s"] == 8e9
+
+
+def test_every_configuration_runs_the_fixed_engine_policies():
+    """A pool too small for the load preempts; with a cxl tier and swap the preempted keep their KV."""
+    spec = EngineSpec(device_blocks=96, cxl_blocks=512, block_bytes=4096)
+    runs = {strategy: Simulator(Lengths.parse("uniform:64-256"), Lengths.parse("exp:64"), 200, 0, {"ttft": 0.1}, spec,
+                                StepCost(a=1e-3, b=1e-5, c=2e-4), policies={"preemption_strategy": strategy})
+            .run(Candidate(Topology(colocated=1), "least_loaded", "latest_arrival_first"), 40.0)
+            for strategy in ("recompute", "swap")}
+    assert runs["recompute"].preemptions > 0 and runs["swap"].preemptions > 0
+    assert runs["swap"] != runs["recompute"]
