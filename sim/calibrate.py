@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from kvmesh.libs.messages.engine import SamplingParams
-from kvmesh.policies.step_shape import Shape, chunk_shape
+from kvmesh.policies.step_shape import Shape
 from kvmesh.services.engine.config import EngineConfig
 from kvmesh.services.engine.native.engine import Engine
 from kvmesh.services.engine.native.factory import build_engine
@@ -58,26 +58,17 @@ def run(model: str, dtype: str, threads: int, out: Path | None, seed: int = 0) -
 
 def _scenario(engine: Engine, batch: int, prompt: int, generator: torch.Generator) -> list[tuple[Shape, float]]:
     """`batch` prompts of `prompt` tokens prefilled in one step, then decoded DECODE_STEPS steps: each
-    step's shape, read off the requests before it runs, and its time."""
+    step's shape, as the engine counted what it scheduled (Engine.last_shape), and its time."""
     params = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         ids = torch.randint(*TOKEN_RANGE, (prompt,), generator=generator).tolist()
         engine.add(f"calibrate-{engine.steps}-{i}", ids, params)
     timed = []
     while engine.scheduler.has_work():
-        shape = _shape(engine)
         start = time.perf_counter()
         engine.step()
-        timed.append((shape, time.perf_counter() - start))
+        timed.append((engine.last_shape, time.perf_counter() - start))
     return timed
-
-
-def _shape(engine: Engine) -> Shape:
-    """What the next step computes, with a budget and sequence limit every request fits in: every
-    request's uncomputed tokens."""
-    chunks = [chunk_shape(len(r.prompt_ids), r.num_computed, r.num_tokens - r.num_computed)
-              for r in (*engine.scheduler.running, *engine.scheduler.waiting)]
-    return tuple(sum(column) for column in zip(*chunks))
 
 
 def _dtype(engine: Engine) -> str:

@@ -22,7 +22,7 @@ from kvmesh.policies.offload.plan import OffloadInput, OffloadPlan
 from kvmesh.services.engine.kv_blocks import BlockShape
 from kvmesh.services.engine.native.block_manager import BlockManager
 from kvmesh.services.engine.native.kv_pool import KVPool
-from kvmesh.services.engine.native.policy_set import Policies
+from kvmesh.policies.iteration import Policies
 from kvmesh.services.engine.native.request import Request, Status
 from kvmesh.services.engine.native.reuse import Reuse, WindowParams
 from kvmesh.services.engine.native.scheduler import Scheduler

@@ -31,6 +31,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from kvmesh.policies.costs import OffloadCost, PrefillCost, SwapCurves
+from kvmesh.policies.iteration import Policies
 from kvmesh.policies.views import PoolView
 
 from ..eviction_queue import EvictionQueue
@@ -39,7 +40,6 @@ from .block_growth import BlockGrowth
 from .block_swap import BlockSwap
 from .cache_tiers import CacheTiers
 from .kv_pool import KVPool
-from .policy_set import Policies
 from .pool_copy import copy_blocks
 from .prefix_cache import CachedNode, PrefixCache
 

@@ -12,6 +12,7 @@ import torch
 from kvmesh.libs.controlplane import ConfigError
 from kvmesh.libs.rdma.shm.shared import owned_path
 from kvmesh.policies import registry
+from kvmesh.policies.iteration import Policies
 from kvmesh.policies.offload.plan import OffloadParams
 
 from ..config import EngineConfig
@@ -27,7 +28,6 @@ from .layer_staging import ChunkedCopier, LayerStaging, SideCopies
 from .model_runner import ModelRunner
 from .models import build_preset, load_checkpoint
 from .models.gguf_weights import load_gguf_weights
-from .policy_set import Policies
 from .quant import BLOCK_BYTES, bf16_dots, tile_path
 from .reuse import Reuse, WindowParams
 from .scheduler import Scheduler
