@@ -3,9 +3,10 @@ class services/engine/native/scheduler.py runs) over a count of blocks (block_co
 KV pools. Every decision is the native engine's: running requests first, preempting by the policy
 when blocks run short (a swap to the cxl tier when the strategy says so and it has room), then the
 swapped-out ones, then waiting ones in the admission policy's order, with any kv_allocation policy
-(allocation ahead through CacheOpt's ledger). Not counted yet, so refused: LayerKV's layer offload
-and staging, and the prefix cache (with CaR's reuse). A step lasts what the step cost says, plus
-the copies of its swaps.
+(allocation ahead through CacheOpt's ledger), and LayerKV's layer offload (layer by layer in
+layer_count.py, a step's staged layers timed by staging_time.py). Not counted yet, so refused: the
+prefix cache (with CaR's reuse). A step lasts what the step cost says, with its staged layers' copies
+overlapped, plus the copies of its swaps and layer moves.
 
 For disaggregation (sim/cluster.py moves the KV): a request with `hold_kv` keeps its blocks when it
 ends, until `release_held`; one with `kv_elsewhere` is given blocks for that KV when admitted,
@@ -19,17 +20,21 @@ from dataclasses import dataclass, field
 
 from kvmesh.policies import registry
 from kvmesh.policies.allocation import AllocationParams
+from kvmesh.policies.costs import OffloadCost, PrefillCost
 from kvmesh.policies.iteration import Policies, Scheduler
+from kvmesh.policies.offload import OffloadParams
 from kvmesh.policies.step_shape import chunk_shape
 from kvmesh.policies.views import PoolView, blocks_for
 
 from .block_count import BlockCount
+from .layer_count import LayerCount
 from .request import SimRequest
+from .staging_time import staged_step_s
 from .step_cost import StepCost
 
-# The hooks the simulator runs. layer_offload (LayerKV) and cache_policy (the prefix cache) stay at
-# their defaults, never called: it counts no staging area and no cached blocks yet (docs/sim.md).
-HOOKS = ("prefill_admission", "kv_allocation", "preemption_order", "preemption_strategy")
+# The hooks the simulator runs. cache_policy (the prefix cache) stays at its default, never called: it
+# counts no cached blocks yet (docs/sim.md).
+HOOKS = ("prefill_admission", "kv_allocation", "preemption_order", "preemption_strategy", "layer_offload")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +48,24 @@ class EngineSpec:
     block_bytes: int = 0          # KV bytes of one block of one layer: what a swap copies per block
     swap_out_bytes_per_s: float = 25e9  # device to cxl copy bandwidth (PCIe 4.0 x16, one direction)
     swap_in_bytes_per_s: float = 25e9   # cxl to device
+    # LayerKV: the most blocks a staged layer of a step may use (the scheduler's staging_cap; 0: no
+    # layer-wise offloading), Eq. 5's threshold and horizon, and Eq. 3 and 4's fits (the native
+    # engine profiles them at start; None: not profiled, every layer stays and Algorithm 1 admits all).
+    staging_cap: int = 0
+    offload: OffloadParams = OffloadParams()
+    prefill_cost: PrefillCost | None = None
+    offload_cost: OffloadCost | None = None
 
     def __post_init__(self) -> None:
         if self.cxl_blocks and self.block_bytes <= 0:
             raise ValueError("a cxl tier needs block_bytes > 0: the bytes a swap copies per block")
+        if self.staging_cap and not self.cxl_blocks:
+            raise ValueError("layer-wise offloading (staging_cap) needs a cxl tier to offload to: cxl_blocks")
+
+    @property
+    def layered(self) -> bool:
+        """Whether blocks are counted layer by layer: a staging area, or LayerKV's fits for the policies."""
+        return bool(self.staging_cap) or self.prefill_cost is not None or self.offload_cost is not None
 
 
 @dataclass
@@ -58,7 +77,8 @@ class Step:
     decode_tokens: int = 0
     decode_context: int = 0
     prefill_context: int = 0
-    swap_s: float = 0.0  # the copies of this step's swaps between tiers, which it waits for
+    swap_s: float = 0.0  # the copies of this step's swaps and layer moves between tiers, which it waits for
+    staged: dict[int, tuple[float, float]] = field(default_factory=dict)  # LayerKV: staged layer -> (load, write) s
 
     def add(self, request: SimRequest, n: int) -> None:
         self.chunks.append((request, n))
@@ -76,14 +96,19 @@ class SimEngine:
         unknown = set(names) - set(HOOKS)
         if unknown:
             raise KeyError(f"the simulator runs the hooks {', '.join(HOOKS)}; not {', '.join(sorted(unknown))} "
-                           "(LayerKV's staging and the prefix cache are not counted yet: docs/sim.md)")
+                           "(the prefix cache is not counted yet: docs/sim.md)")
+        if names["layer_offload"] != "none" and not spec.staging_cap:
+            raise ValueError(f"layer_offload {names['layer_offload']} needs a staging area: EngineSpec.staging_cap "
+                             "and a cxl tier")
         self.spec = spec
         self.cost = cost
         self.names = names
         self.policies = Policies(names)
-        self.blocks = BlockCount(spec.block_size, spec.num_layers,
-                                 {"device": spec.device_blocks} | ({"cxl": spec.cxl_blocks} if spec.cxl_blocks else {}))
-        self.scheduler = Scheduler(self.blocks, self.policies, spec.max_num_seqs, spec.token_budget, allocation)
+        tiers = {"device": spec.device_blocks} | ({"cxl": spec.cxl_blocks} if spec.cxl_blocks else {})
+        self.blocks = LayerCount(spec.block_size, spec.num_layers, tiers, spec.prefill_cost, spec.offload_cost) \
+            if spec.layered else BlockCount(spec.block_size, spec.num_layers, tiers)
+        self.scheduler = Scheduler(self.blocks, self.policies, spec.max_num_seqs, spec.token_budget, allocation,
+                                   spec.staging_cap, spec.offload)
         self.held: dict[str, SimRequest] = {}  # ended on this engine, their KV held for a decode engine
         self.refused: list[SimRequest] = []
         self.preemptions: list[tuple[float, str, str]] = []  # (when, request id, strategy)
@@ -132,8 +157,8 @@ class SimEngine:
         return self.scheduler.has_work()
 
     def seconds(self, step: Step) -> float:
-        return self.cost.seconds(step.prefill_tokens, step.decode_tokens, step.decode_context,
-                                 step.prefill_context) + step.swap_s
+        compute = self.cost.seconds(step.prefill_tokens, step.decode_tokens, step.decode_context, step.prefill_context)
+        return staged_step_s(compute, self.spec.num_layers, step.staged) + step.swap_s
 
     # -- one iteration ----------------------------------------------------------------------------
 
@@ -143,14 +168,30 @@ class SimEngine:
         step = Step(pulls=list(plan.pulls), preempted=[(r.request_id, how) for r, how in plan.preempted])
         for chunk in plan.chunks:
             step.add(chunk.request, chunk.num_tokens)
+            if chunk.request.offloaded and self.scheduler.staging_cap:
+                self._stage(step, chunk.request)
         copied = self.blocks.moved - moved
         step.swap_s = self.spec.block_bytes * (copied["cxl"] / self.spec.swap_out_bytes_per_s +
                                                copied["device"] / self.spec.swap_in_bytes_per_s)
         self.preemptions += [(now, request_id, strategy) for request_id, strategy in step.preempted]
         return step
 
+    def _stage(self, step: Step, request: SimRequest) -> None:
+        """The copies of the request's offloaded layers this step (layer_staging.py's): its context
+        loaded from the cxl tier, and the blocks the step writes into written back."""
+        block_size, block_bytes = self.spec.block_size, self.spec.block_bytes
+        load = blocks_for(request.num_computed, block_size) * block_bytes / self.spec.swap_in_bytes_per_s
+        write = (request.blocks_per_layer - request.num_computed // block_size) * block_bytes / \
+            self.spec.swap_out_bytes_per_s
+        for layer in request.offloaded:
+            loads, writes = step.staged.get(layer, (0.0, 0.0))
+            step.staged[layer] = (loads + load, writes + write)
+
     def complete(self, step: Step, done: float) -> None:
-        """The step's KV is computed; a chunk that reached its request's last token samples the next."""
+        """The step's KV is computed; a chunk that reached its request's last token samples the next.
+        The blocks lent for its staging area are free again."""
+        if isinstance(self.blocks, LayerCount):
+            self.blocks.give_back()
         self.scheduler.iteration_s.append(self.seconds(step))  # CacheOpt's T_I^max reads recent step times
         self.steps += 1
         for request, n in step.chunks:

@@ -91,6 +91,8 @@ def fixed_policies(policies: dict[str, str]) -> dict[str, str]:
                          f"not {', '.join(sorted(unknown))}")
     for hook, name in policies.items():
         engine_policies.resolve(hook, name)
+    if policies.get("layer_offload", "none") != "none":
+        raise ValueError("layer_offload needs a staging area (EngineSpec.staging_cap), which kvmesh plan does not set")
     return policies
 
 

@@ -3,10 +3,18 @@ It carries what the iteration scheduler asks of a request (policies/iteration/se
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.policies.iteration import Status
 from kvmesh.policies.views import RequestView
+
+
+@dataclass(frozen=True, slots=True)
+class LayerTier:
+    """One layer of a request: the tier its KV is in."""
+
+    tier: str
 
 
 @dataclass(eq=False)  # one request is itself: the scheduler finds it in its queues by identity
@@ -36,6 +44,13 @@ class SimRequest:
     allocation: int | None = None
     passes: list[tuple[str, int]] = field(default_factory=list)
     guests: list[str] = field(default_factory=list)
+    # LayerKV (policies/iteration/seams.py's LayeredRequest), kept by sim/layer_count.py: each layer's
+    # tier, the layers in the cxl tier and how many are on the device; empty and None for a request
+    # never counted layer by layer (its layers all in `tier`). No push: the simulator pushes elsewhere.
+    layers: Sequence[LayerTier] = ()
+    offloaded: tuple[int, ...] = ()
+    device_layers: int | None = None
+    push: None = None
 
     @property
     def num_generated(self) -> int:
@@ -64,4 +79,5 @@ class SimRequest:
                            ttft_slo_ms=self.ttft_slo_ms, allocation=self.allocation,
                            last_token_at=times[-1] if times else None,
                            last_token_gap_s=times[-1] - times[-2] if len(times) > 1 else None,
-                           first_token_at=times[0] if times else None, scheduled_at=self.scheduled_at)
+                           first_token_at=times[0] if times else None, scheduled_at=self.scheduled_at,
+                           device_layers=self.device_layers)

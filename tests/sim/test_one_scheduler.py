@@ -33,15 +33,17 @@ SCRIPT = [("a", 0.0, 14, 9, None, 1500.0, 8), ("b", 0.0, 9, 12, 4000.0, None, 4)
           ("g", 6.0, 7, 11, None, 1500.0, 11), ("h", 9.0, 10, 8, 3000.0, None, None)]
 
 
-def native(policies: dict[str, str], decode: bool) -> tuple[BlockManager, Scheduler, list[Request]]:
-    pools = {"device": KVPool("device", SPEC.device_blocks, SHAPE), "cxl": KVPool("cxl", SPEC.cxl_blocks, SHAPE)}
+def native(policies: dict[str, str], decode: bool, spec: EngineSpec = SPEC) -> tuple[BlockManager, Scheduler,
+                                                                                    list[Request]]:
+    pools = {"device": KVPool("device", spec.device_blocks, SHAPE), "cxl": KVPool("cxl", spec.cxl_blocks, SHAPE)}
     hooks = Policies(policies)
-    blocks = BlockManager(pools, LAYERS, hooks, prefix_caching=False)  # the simulator counts no prefix cache
-    scheduler = Scheduler(blocks, hooks, SPEC.max_num_seqs, SPEC.token_budget, SMALL)
+    blocks = BlockManager(pools, spec.num_layers, hooks, prefix_caching=False)  # the simulator counts no prefix cache
+    blocks.use_layer_costs(spec.prefill_cost, spec.offload_cost)  # LayerKV's fits, as profiled at start
+    scheduler = Scheduler(blocks, hooks, spec.max_num_seqs, spec.token_budget, SMALL, spec.staging_cap, spec.offload)
     # decode: the prompt and its first token, the prompt's KV to come from a prefill engine (pushed into
     # blocks reserved for it, as a decode engine in push mode holds them).
     requests = [Request(rid, list(range(100 * i, 100 * i + prompt + decode)), SamplingParams(max_tokens=out), arrival,
-                        LAYERS, targets=Targets(ttft_slo_ms=ttft, tbt_slo_ms=tbt, predicted_output_len=predicted),
+                        spec.num_layers, targets=Targets(ttft_slo_ms=ttft, tbt_slo_ms=tbt, predicted_output_len=predicted),
                         reservation=decode)
                 for i, (rid, arrival, prompt, out, ttft, tbt, predicted) in enumerate(SCRIPT)]
     return blocks, scheduler, requests
@@ -50,11 +52,12 @@ def native(policies: dict[str, str], decode: bool) -> tuple[BlockManager, Schedu
 def native_step(scheduler: Scheduler, now: float, seconds) -> tuple:
     """What the engine does around the model (services/engine/native/engine.py's step), the model left out."""
     plan = scheduler.schedule(now)
-    decisions = ([(c.request.request_id, c.num_tokens) for c in plan.chunks],
+    decisions = ([(c.request.request_id, c.num_tokens, tuple(c.request.offloaded)) for c in plan.chunks],
                  [(r.request_id, how) for r, how in plan.preempted], [r.request_id for r in plan.pulls])
     if plan.chunks:
         done = now + seconds(decisions)
         scheduler.iteration_s.append(done - now)
+        scheduler.blocks.give_back([*plan.staging[0], *plan.staging[1]])
         sampling = [c.request for c in plan.chunks if c.samples]
         for chunk in plan.chunks:
             chunk.request.num_computed += chunk.num_tokens
@@ -66,13 +69,14 @@ def native_step(scheduler: Scheduler, now: float, seconds) -> tuple:
     return decisions
 
 
-def run_both(policies: dict[str, str], decode: bool = False) -> tuple[list, list, BlockManager, SimEngine]:
+def run_both(policies: dict[str, str], decode: bool = False,
+             spec: EngineSpec = SPEC) -> tuple[list, list, BlockManager, SimEngine]:
     """Both, step by step at the same times (each step lasting what the simulator says); each one's
-    decisions a step: (chunks as (request id, tokens), preempted as (request id, strategy), KV to
-    pull). With `decode`, as a decode engine: each request's prompt KV arrives two steps after its
-    blocks were given."""
-    blocks, scheduler, natives = native(policies, decode)
-    engine = SimEngine(SPEC, COST, policies, SMALL)
+    decisions a step: (chunks as (request id, tokens, layers staged), preempted as (request id,
+    strategy), KV to pull). With `decode`, as a decode engine: each request's prompt KV arrives two
+    steps after its blocks were given."""
+    blocks, scheduler, natives = native(policies, decode, spec)
+    engine = SimEngine(spec, COST, policies, SMALL)
     sims = [SimRequest(rid, arrival, prompt + decode, out, ttft, tbt, predicted, kv_elsewhere=prompt if decode else 0)
             for rid, arrival, prompt, out, ttft, tbt, predicted in SCRIPT]
     by_id = {n.request_id: (n, s) for n, s in zip(natives, sims)}
@@ -89,7 +93,7 @@ def run_both(policies: dict[str, str], decode: bool = False) -> tuple[list, list
             scheduler.pulled(n, now)
             engine.pulled(s)
         step = engine.schedule(now)
-        sim_log.append(([(r.request_id, n) for r, n in step.chunks], step.preempted,
+        sim_log.append(([(r.request_id, n, r.offloaded) for r, n in step.chunks], step.preempted,
                         [r.request_id for r in step.pulls]))
         if step.chunks:
             durations.append(engine.seconds(step))

@@ -54,7 +54,7 @@ def test_plan_picks_the_configuration_of_the_highest_goodput_per_engine(tmp_path
     (["--routing", "nobody"], "nobody"),
     (["--cxl-blocks", "64", "--num-layers", "3"], "--num-layers 3 must divide --kv-geometry's 4 layers"),
     (["--policy", "preemption_order=srtf"], "the preemption order is searched"),
-    (["--policy", "layer_offload=layerkv"], "not layer_offload"),
+    (["--policy", "layer_offload=layerkv"], "needs a staging area"),
     (["--policy", "preemption_strategy=nope"], "nope"),
     (["--policy", "swap"], "give HOOK=NAME"),
 ])

@@ -88,5 +88,5 @@ def test_the_preemption_strategy_policy_swaps_to_the_cxl_tier():
 def test_unknown_and_unsimulated_policies_are_refused():
     with pytest.raises(KeyError):
         SimEngine(SPEC, StepCost(a=1e-3), {"preemption_order": "nobody"})
-    with pytest.raises(KeyError, match="not counted yet"):
+    with pytest.raises(ValueError, match="needs a staging area"):
         SimEngine(SPEC, StepCost(a=1e-3), {"layer_offload": "layerkv"})
