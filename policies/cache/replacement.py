@@ -1,7 +1,7 @@
 """Cache replacement: which idle prefix-cache nodes give up their space first when a pool needs it.
 
 A policy ranks one idle node: (view) -> a sortable key, the lowest evicted first. The engine keeps
-its idle nodes in a heap by that key (services/engine/eviction_queue.py), so it ranks a node when it
+its idle nodes in a heap by that key (policies/cache/eviction_queue.py), so it ranks a node when it
 goes idle or its score changes, never every idle node per allocation. Every key ends with the
 node's depth in its prefix chain, deepest first, then its id: among nodes a request let go of at
 once, the chain's tail goes before the head it hangs from (a head evicted first would leave its

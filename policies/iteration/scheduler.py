@@ -65,7 +65,7 @@ class Scheduler:
         # blocks, two of these a block: staged layers alternate between two halves.
         self.staging_cap = staging_cap
         self.offload = offload
-        self.reuse = reuse  # CaR: the Shuffled Window, scores and prefetch (services/engine/native/reuse.py)
+        self.reuse = reuse  # CaR: the Shuffled Window, scores and prefetch (reuse.py)
         self._staged = 0
         # Request layers put in the cxl tier (admitted, forecast) or brought back (restored), all time.
         self.layers_offloaded = {"admitted": 0, "forecast": 0, "restored": 0}

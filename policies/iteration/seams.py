@@ -78,7 +78,7 @@ class LayeredBlocks(Blocks, Protocol):
 
 
 class Reuse(Protocol):
-    """CaR's side of admission (services/engine/native/reuse.py): the Shuffled Window and the scores."""
+    """CaR's side of admission (reuse.py): the Shuffled Window and the scores."""
 
     def before_admission(self, waiting: list, running: list, now: float, tpop_s: float) -> None: ...
 

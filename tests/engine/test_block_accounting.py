@@ -23,8 +23,9 @@ from kvmesh.services.engine.kv_blocks import BlockShape
 from kvmesh.services.engine.native.block_manager import BlockManager
 from kvmesh.services.engine.native.kv_pool import KVPool
 from kvmesh.policies.iteration import Policies
+from kvmesh.policies.iteration.reuse import Reuse, WindowParams
 from kvmesh.services.engine.native.request import Request, Status
-from kvmesh.services.engine.native.reuse import Reuse, WindowParams
+from kvmesh.services.engine.native.link_bandwidth import link_bandwidth
 from kvmesh.services.engine.native.scheduler import Scheduler
 
 LAYERS, BLOCK = 2, 4
@@ -67,7 +68,8 @@ def make(strategy: str = "recompute", device_blocks: int = 24, cxl_blocks: int =
         blocks.keep_tokens = [BLOCK // 2, 1] + [BLOCK] * (LAYERS - 2)
     return blocks, Scheduler(blocks, policies, max_num_seqs=4, token_budget=budget, allocation=SMALL,
                              staging_cap=4 if offload != "none" else 0,
-                             reuse=Reuse(blocks, WindowParams(size=2, max_wait_s=3.0)))
+                             reuse=Reuse(blocks, WindowParams(size=2, max_wait_s=3.0),
+                                       link_bandwidth(blocks) if blocks.cache_cxl else 0.0))
 
 
 def random_targets(rng: random.Random) -> Targets:

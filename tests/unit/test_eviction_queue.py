@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from kvmesh.policies.cache import car, lru
 from kvmesh.policies.views import CachedBlockView
-from kvmesh.services.engine.eviction_queue import EvictionQueue
+from kvmesh.policies.cache.eviction_queue import EvictionQueue
 
 IDS = [f"n{i}" for i in range(6)]
 views = st.builds(CachedBlockView, node_id=st.sampled_from(IDS), last_access=st.integers(0, 4).map(float),

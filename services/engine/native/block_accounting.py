@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections import Counter
 from types import MappingProxyType
 
+from kvmesh.policies.cache.cached_node import CachedNode
 from kvmesh.policies.costs import OffloadCost, PrefillCost, SwapCurves
 from kvmesh.policies.views import PoolView
-
-from .prefix_cache import CachedNode
 
 
 class BlockAccounting:

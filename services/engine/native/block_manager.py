@@ -17,8 +17,8 @@ The class is assembled here from one part per job, each its own module:
 
 - block_accounting.py  BlockAccounting: what the pools hold and what the policies see of them
 - prefix_cache.py      PrefixCache: looking prompts up in the prefix cache, committing full blocks,
-                       holding and letting go of nodes; and CachedNode
-- cache_tiers.py       CacheTiers (CaR): scores, eviction and offloading to the cxl tier, sparsifying,
+                       reloading nodes (the nodes, their holders and scores: policies/cache/node_table.py)
+- cache_tiers.py       CacheTiers (CaR): eviction and offloading to the cxl tier, sparsifying,
                        moving nodes between tiers, layer-by-layer reloads, the change journal
 - block_growth.py      BlockGrowth: growing a request's blocks (copy-on-write), placing and freeing them
 - block_swap.py        BlockSwap: moving a request's KV between tiers
@@ -30,18 +30,19 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
+from kvmesh.policies.cache.cached_node import CachedNode
+from kvmesh.policies.cache.eviction_queue import EvictionQueue
 from kvmesh.policies.costs import OffloadCost, PrefillCost, SwapCurves
 from kvmesh.policies.iteration import Policies
 from kvmesh.policies.views import PoolView
 
-from ..eviction_queue import EvictionQueue
 from .block_accounting import BlockAccounting
 from .block_growth import BlockGrowth
 from .block_swap import BlockSwap
 from .cache_tiers import CacheTiers
 from .kv_pool import KVPool
 from .pool_copy import copy_blocks
-from .prefix_cache import CachedNode, PrefixCache
+from .prefix_cache import PrefixCache
 
 
 class BlockManager(BlockAccounting, PrefixCache, CacheTiers, BlockGrowth, BlockSwap):

@@ -1,7 +1,7 @@
-"""BlockManager's tiers of the prefix cache (CaR, block_manager.py): nodes' scores, evicting idle
-nodes (to the cxl tier while it has room, else dropping them), sparsifying them on the way, moving
-them between tiers (whole, or layer by layer inside a step), and the journal of what changed for
-the cache publisher."""
+"""BlockManager's tiers of the prefix cache (CaR, block_manager.py): evicting idle nodes (to the cxl
+tier while it has room, else dropping them), sparsifying them on the way, moving them between tiers
+(whole, or layer by layer inside a step), and the journal of what changed for the cache publisher.
+Nodes' scores are kept by the table of nodes (policies/cache/node_table.py)."""
 
 from __future__ import annotations
 
@@ -9,38 +9,18 @@ from collections.abc import Iterable
 
 import torch
 
+from kvmesh.policies.cache.cached_node import CachedNode
+from kvmesh.policies.cache.node_table import NodeTable
 from kvmesh.policies.cache.sparsify import kept_slots
 
 from .kv_pool import KVPool
-from .prefix_cache import CachedNode
-from .request import Request
 
 
-class CacheTiers:
+class CacheTiers(NodeTable):
     """Reads `policies` (the cache policy), `cache_cxl`, `high_water`, `keep_tokens`, `pools`,
     `num_layers`, `block_size` and `copy`; writes the nodes (tier, blocks, score, sparsified),
     `cached`, `evictable`, `_idle`, `_named`, the pools' blocks and masks, `moved_nodes`,
-    `moved_bytes`, `pending_loads`, `cache_changes` and a request's `scores`. Pins and lets go of
-    nodes through PrefixCache."""
-
-    def add_score(self, request: Request, nodes: Iterable[CachedNode], amount: int) -> None:
-        """Add to the nodes' scores on the request's behalf (CaR III-B.3: it entered the window,
-        or was sent to run); forget_scores takes it all back when the request ends."""
-        for node in nodes:
-            node.score += amount
-            self._rescored(node)
-            earlier, given = request.scores.get(node.node_id, (node, 0))
-            # What it gave a node of the same content since evicted went with that node.
-            request.scores[node.node_id] = node, (given if earlier is node else 0) + amount
-
-    def forget_scores(self, request: Request) -> None:
-        """The request has ended: what it added leaves its nodes' scores (a node evicted and cached
-        again since is another node, and keeps its score)."""
-        for node_id, (node, given) in request.scores.items():
-            if self.cached.get(node_id) is node:
-                node.score -= given
-                self._rescored(node)
-        request.scores = {}
+    `moved_bytes`, `pending_loads` and `cache_changes`. Pins and lets go of nodes through NodeTable."""
 
     def offload_idle(self) -> int:
         """CaR III-C.2: with more than `high_water` of the device tier in use, move idle nodes to the
@@ -137,6 +117,7 @@ class CacheTiers:
         self._changed(node)
 
     def _changed(self, node: CachedNode, dropped: bool = False) -> None:
+        """Journal the node for the cache publisher (NodeTable's hook)."""
         if self.cache_changes is not None:
             self.cache_changes[node.node_id] = None if dropped else node
 

@@ -13,6 +13,7 @@ from kvmesh.libs.controlplane import ConfigError
 from kvmesh.libs.rdma.shm.shared import owned_path
 from kvmesh.policies import registry
 from kvmesh.policies.iteration import Policies
+from kvmesh.policies.iteration.reuse import Reuse, WindowParams
 from kvmesh.policies.offload.plan import OffloadParams
 
 from ..config import EngineConfig
@@ -25,11 +26,11 @@ from .engine import Engine
 from .kv_pool import KVPool
 from .layer_profile import profile_layerkv
 from .layer_staging import ChunkedCopier, LayerStaging, SideCopies
+from .link_bandwidth import link_bandwidth
 from .model_runner import ModelRunner
 from .models import build_preset, load_checkpoint
 from .models.gguf_weights import load_gguf_weights
 from .quant import BLOCK_BYTES, bf16_dots, tile_path
-from .reuse import Reuse, WindowParams
 from .scheduler import Scheduler
 from .sparsity_profile import profile_sparsity
 from .swap_profile import profile_lengths, profile_swap
@@ -84,7 +85,8 @@ def build_engine(config: EngineConfig) -> Engine:
                           staging_cap=staging // 2, offload=OffloadParams(
                               threshold_blocks=int(config.layer_free_threshold * pools["device"].num_blocks),
                               horizon_stages=config.layer_forecast_stages),
-                          reuse=Reuse(blocks, WindowParams(config.car_window, config.car_max_wait_ms / 1e3)))
+                          reuse=Reuse(blocks, WindowParams(config.car_window, config.car_max_wait_ms / 1e3),
+                                      link_bandwidth(blocks) if blocks.cache_cxl else 0.0))
     if layerkv:  # LayerKV 3.1.3: copies between the tiers in chunks, each after a check of the link
         blocks.copy = ChunkedCopier(chunk_blocks=config.layer_copy_chunk_blocks)
     layer_staging = None

@@ -1,37 +1,20 @@
 """BlockManager's prefix cache (block_manager.py): the nodes that name full blocks by their content,
 looking a prompt up among them, offering a request's full blocks to them, and requests holding and
-letting go of them."""
+letting go of them (the table of nodes itself: policies/cache/node_table.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from kvmesh.libs.kvmeta.nodeid import node_ids
+from kvmesh.policies.cache.cached_node import CachedNode
+from kvmesh.policies.cache.node_table import NodeTable
 from kvmesh.policies.cache.replacement import RUN_SCORE, WINDOW_SCORE
-from kvmesh.policies.views import CachedBlockView
 
 from .request import Request
 
 
-@dataclass
-class CachedNode:
-    node_id: str
-    blocks: list[int]     # one block per layer, in `tier`
-    refs: int             # requests holding it (device nodes only), and pins while it moves
-    last_access: float
-    hits: int = 0
-    tier: str = "device"
-    score: int = 0        # CaR III-B.3: the sum of what live requests added (Request.scores)
-    sparsified: bool = False  # CaR III-D: its least-attended tokens were dropped on the way to the cxl tier
-    depth: int = 0        # its block's index in the prompt
-
-    def view(self) -> CachedBlockView:
-        return CachedBlockView(node_id=self.node_id, last_access=self.last_access, hits=self.hits, score=self.score,
-                               tier=self.tier, depth=self.depth)
-
-
-class PrefixCache:
+class PrefixCache(NodeTable):
     """Reads `prefix_caching`, `layerwise_reload`, `model`, `device`, `block_size`, `num_layers`; writes
     `cached`, `evictable`, `_idle` (a node idle or held), `_named["device"]` (the blocks of nodes it
     caches), the device pool's references, the hit counters (`hit_tokens`, `lookup_blocks`,
@@ -136,22 +119,3 @@ class PrefixCache:
             self.device.incref(block)
             layer.blocks.append(block)
         request.cached_nodes.append(node.node_id)
-
-    def _pin(self, node: CachedNode) -> None:
-        if node.refs == 0:
-            del self.evictable[node.node_id]
-            self._idle[node.tier].discard(node.node_id)
-        node.refs += 1
-
-    def _let_go(self, node_id: str) -> None:
-        node = self.cached[node_id]
-        node.refs -= 1
-        if node.refs == 0:
-            self.evictable[node_id] = node
-            self._idle[node.tier].put(node.view())
-
-    def _rescored(self, node: CachedNode) -> None:
-        """An idle node's score changed: the cache policy ranks it again."""
-        self._changed(node)
-        if self.evictable.get(node.node_id) is node:
-            self._idle[node.tier].put(node.view())

@@ -18,10 +18,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvmesh.policies.cache.eviction_queue import EvictionQueue, Rank
 from kvmesh.policies.cache.replacement import DONE_SCORE, RUN_SCORE, WINDOW_SCORE
 from kvmesh.policies.views import CachedBlockView
-
-from ..eviction_queue import EvictionQueue, Rank
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """CaR's side of the scheduler (III-B): the Shuffled Window, the scores of the nodes its requests
 will reuse, and the prefetcher that brings their cxl-tier nodes back to the device just before
-they are needed. The decisions are policies/prefill_admission/car.py and policies/cache/; this applies them.
+they are needed. The decisions are policies/prefill_admission/car.py and policies/cache/; this applies
+them, over the native engine's BlockManager or the simulator's count of blocks (sim/prefix_count.py).
 
 Each step, before admission, while the `car` admission policy is on:
 - every waiting request's prefix is looked up (how many of its leading blocks are cached on the
@@ -13,18 +14,14 @@ Each step, before admission, while the `car` admission policy is on:
 
 from __future__ import annotations
 
-import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-import numpy as np
-
-from kvmesh.policies.cache.prefetch import fetch
-from kvmesh.policies.cache.replacement import RUN_SCORE, WINDOW_SCORE
-from kvmesh.policies.prefill_admission.car import fill_window
-
-from .block_manager import BlockManager, CachedNode
-from .pool_copy import copy_blocks
-from .request import Request
+from ..cache.cached_node import CachedNode
+from ..cache.prefetch import fetch
+from ..cache.replacement import RUN_SCORE, WINDOW_SCORE
+from ..prefill_admission.car import fill_window
 
 
 @dataclass(frozen=True)
@@ -33,13 +30,28 @@ class WindowParams:
     max_wait_s: float = 2.0       # a request queued this long enters the window before any class
 
 
+class CachedPrefixes(Protocol):
+    """What Reuse asks of the blocks: the prefix cache's nodes, lookups, scores and reloads."""
+
+    cached: dict[str, CachedNode]
+    cache_cxl: bool
+
+    def cached_prefix(self, request) -> list[CachedNode]: ...
+
+    def add_score(self, request, nodes: Sequence[CachedNode], amount: int) -> None: ...
+
+    def node_bytes(self, node: CachedNode) -> int: ...
+
+    def reload(self, nodes: Sequence[CachedNode], spare_only: bool = False, layerwise: bool = False) -> int: ...
+
+
 class Reuse:
-    def __init__(self, blocks: BlockManager, params: WindowParams):
-        self.blocks, self.params = blocks, params
-        self.bandwidth = link_bandwidth(blocks) if blocks.cache_cxl else 0.0  # cxl -> device, bytes/s
+    def __init__(self, blocks: CachedPrefixes, params: WindowParams, bandwidth: float = 0.0):
+        """`bandwidth`: cxl -> device bytes per second, what a prefetch's load time is read at."""
+        self.blocks, self.params, self.bandwidth = blocks, params, bandwidth
         self.prefetched = 0   # nodes the prefetcher brought back, all time
 
-    def before_admission(self, waiting: list[Request], running: list[Request], now: float, tpop_s: float):
+    def before_admission(self, waiting: list, running: list, now: float, tpop_s: float) -> None:
         """Look the waiting requests' prefixes up, top the window up, prefetch."""
         prefixes = {request.request_id: self.blocks.cached_prefix(request) for request in waiting}
         for request in waiting:
@@ -61,7 +73,7 @@ class Reuse:
                 self.prefetched += self.blocks.reload(prefix, spare_only=True)
                 request.cache_hits = _hits(prefix)   # reloaded nodes changed tier in place
 
-    def admitted(self, request: Request) -> None:
+    def admitted(self, request) -> None:
         """The request is sent to run for the first time: RUN_SCORE to the nodes it holds (and
         WINDOW_SCORE, for one admitted without passing through the window)."""
         held = [self.blocks.cached[node_id] for node_id in request.cached_nodes]
@@ -72,22 +84,3 @@ def _hits(prefix: list[CachedNode]) -> tuple[int, int]:
     """Leading blocks of a cached prefix on the device, then how many after them (some in the cxl tier)."""
     device = next((i for i, node in enumerate(prefix) if node.tier != "device"), len(prefix))
     return device, len(prefix) - device
-
-
-def link_bandwidth(blocks: BlockManager, n: int = 32, repeats: int = 5) -> float:
-    """cxl -> device bytes per second, timed at start over `n` blocks (the median of `repeats`)."""
-    cxl, device = blocks.pools["cxl"], blocks.device
-    n = min(n, cxl.free_count, device.free_count)
-    source, target = cxl.allocate(n), device.allocate(n)
-    try:
-        seconds = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            copy_blocks(cxl, source, device, target)
-            seconds.append(time.perf_counter() - started)
-    finally:
-        for pool, taken in ((cxl, source), (device, target)):
-            for block in taken:
-                pool.decref(block)
-                pool.release(block)
-    return n * device.shape.bytes / max(float(np.median(seconds)), 1e-9)
