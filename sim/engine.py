@@ -4,9 +4,16 @@ KV pools. Every decision is the native engine's: running requests first, preempt
 when blocks run short (a swap to the cxl tier when the strategy says so and it has room), then the
 swapped-out ones, then waiting ones in the admission policy's order, with any kv_allocation policy
 (allocation ahead through CacheOpt's ledger), and LayerKV's layer offload (layer by layer in
-layer_count.py, a step's staged layers timed by staging_time.py). Not counted yet, so refused: the
-prefix cache (with CaR's reuse). A step lasts what the step cost says, with its staged layers' copies
-overlapped, plus the copies of its swaps and layer moves.
+layer_count.py, a step's staged layers timed by staging_time.py). A step lasts what the step cost
+says, with its staged layers' copies overlapped, plus the copies of its swaps and layer moves.
+
+With `prefix_caching` the count is prefix_count.py's: the prefix cache's nodes, evicted by the
+cache_policy hook, and with `cache_cxl` CaR's cxl tier of nodes and its Shuffled Window and
+prefetcher (policies/iteration/reuse.py, as the native engine runs them). A step then also waits
+for the nodes evicted to the cxl tier to make its room, and the nodes its requests reload at their
+turn load layer by layer while it computes (CaR III-C.1): it lasts at least their copy. The
+asynchronous offload past the high-water mark (III-C.2) and the prefetches (III-B.2) overlap the
+steps and are not waited for.
 
 For disaggregation (sim/cluster.py moves the KV): a request with `hold_kv` keeps its blocks when it
 ends, until `release_held`; one with `kv_elsewhere` is given blocks for that KV when admitted,
@@ -22,19 +29,21 @@ from kvmesh.policies import registry
 from kvmesh.policies.allocation import AllocationParams
 from kvmesh.policies.costs import OffloadCost, PrefillCost
 from kvmesh.policies.iteration import Policies, Scheduler
+from kvmesh.policies.iteration.reuse import Reuse, WindowParams
 from kvmesh.policies.offload import OffloadParams
 from kvmesh.policies.step_shape import chunk_shape
 from kvmesh.policies.views import PoolView, blocks_for
 
 from .block_count import BlockCount
 from .layer_count import LayerCount
+from .prefix_count import PrefixCount
 from .request import SimRequest
 from .staging_time import staged_step_s
 from .step_cost import StepCost
 
-# The hooks the simulator runs. cache_policy (the prefix cache) stays at its default, never called: it
-# counts no cached blocks yet (docs/sim.md).
-HOOKS = ("prefill_admission", "kv_allocation", "preemption_order", "preemption_strategy", "layer_offload")
+# The hooks the simulator runs: all of the native engine's.
+HOOKS = ("prefill_admission", "kv_allocation", "preemption_order", "preemption_strategy", "layer_offload",
+         "cache_policy")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,12 +64,24 @@ class EngineSpec:
     offload: OffloadParams = OffloadParams()
     prefill_cost: PrefillCost | None = None
     offload_cost: OffloadCost | None = None
+    # The prefix cache (prefix_count.py): on or off, CaR's cxl tier of nodes (needs a cxl tier), the
+    # share of the device in use past which idle nodes move there after a step, CaR's Shuffled Window.
+    prefix_caching: bool = False
+    cache_cxl: bool = False
+    cache_high_water: float = 0.9
+    window: WindowParams = WindowParams()
+    reload_overlap: bool = True   # CaR III-C.1: a turn's reloads load layer by layer under its step (False: before it)
 
     def __post_init__(self) -> None:
         if self.cxl_blocks and self.block_bytes <= 0:
             raise ValueError("a cxl tier needs block_bytes > 0: the bytes a swap copies per block")
         if self.staging_cap and not self.cxl_blocks:
             raise ValueError("layer-wise offloading (staging_cap) needs a cxl tier to offload to: cxl_blocks")
+        if self.cache_cxl and not (self.prefix_caching and self.cxl_blocks):
+            raise ValueError("cache_cxl keeps prefix-cache nodes in the cxl tier: it needs prefix_caching and "
+                             "cxl_blocks")
+        if self.prefix_caching and self.layered:
+            raise ValueError("the simulator counts the prefix cache or LayerKV's layers, not both at once")
 
     @property
     def layered(self) -> bool:
@@ -79,6 +100,8 @@ class Step:
     prefill_context: int = 0
     swap_s: float = 0.0  # the copies of this step's swaps and layer moves between tiers, which it waits for
     staged: dict[int, tuple[float, float]] = field(default_factory=dict)  # LayerKV: staged layer -> (load, write) s
+    cache_offload_s: float = 0.0  # the copies of prefix-cache nodes evicted to the cxl tier for its room
+    cache_load_s: float = 0.0     # the copies of nodes its requests reload at their turn, layer by layer
 
     def add(self, request: SimRequest, n: int) -> None:
         self.chunks.append((request, n))
@@ -96,7 +119,7 @@ class SimEngine:
         unknown = set(names) - set(HOOKS)
         if unknown:
             raise KeyError(f"the simulator runs the hooks {', '.join(HOOKS)}; not {', '.join(sorted(unknown))} "
-                           "(the prefix cache is not counted yet: docs/sim.md)")
+                           "(docs/sim.md)")
         if names["layer_offload"] != "none" and not spec.staging_cap:
             raise ValueError(f"layer_offload {names['layer_offload']} needs a staging area: EngineSpec.staging_cap "
                              "and a cxl tier")
@@ -105,10 +128,16 @@ class SimEngine:
         self.names = names
         self.policies = Policies(names)
         tiers = {"device": spec.device_blocks} | ({"cxl": spec.cxl_blocks} if spec.cxl_blocks else {})
-        self.blocks = LayerCount(spec.block_size, spec.num_layers, tiers, spec.prefill_cost, spec.offload_cost) \
-            if spec.layered else BlockCount(spec.block_size, spec.num_layers, tiers)
+        if spec.prefix_caching:
+            self.blocks = PrefixCount(spec.block_size, spec.num_layers, tiers, self.policies.cache_policy,
+                                      spec.block_bytes, spec.cache_cxl, spec.cache_high_water)
+        else:
+            self.blocks = LayerCount(spec.block_size, spec.num_layers, tiers, spec.prefill_cost, spec.offload_cost) \
+                if spec.layered else BlockCount(spec.block_size, spec.num_layers, tiers)
+        # CaR's window, scores and prefetch, read at the cxl tier's bandwidth (the native engine times its own).
+        reuse = Reuse(self.blocks, spec.window, spec.swap_in_bytes_per_s) if spec.prefix_caching else None
         self.scheduler = Scheduler(self.blocks, self.policies, spec.max_num_seqs, spec.token_budget, allocation,
-                                   spec.staging_cap, spec.offload)
+                                   spec.staging_cap, spec.offload, reuse)
         self.held: dict[str, SimRequest] = {}  # ended on this engine, their KV held for a decode engine
         self.refused: list[SimRequest] = []
         self.preemptions: list[tuple[float, str, str]] = []  # (when, request id, strategy)
@@ -158,12 +187,15 @@ class SimEngine:
 
     def seconds(self, step: Step) -> float:
         compute = self.cost.seconds(step.prefill_tokens, step.decode_tokens, step.decode_context, step.prefill_context)
-        return staged_step_s(compute, self.spec.num_layers, step.staged) + step.swap_s
+        staged = staged_step_s(compute, self.spec.num_layers, step.staged)
+        computed = max(staged, step.cache_load_s) if self.spec.reload_overlap else staged + step.cache_load_s
+        return computed + step.swap_s + step.cache_offload_s
 
     # -- one iteration ----------------------------------------------------------------------------
 
     def schedule(self, now: float) -> Step:
         moved = self.blocks.moved.copy()
+        cache_copied = self.blocks.copied.copy() if isinstance(self.blocks, PrefixCount) else None
         plan = self.scheduler.schedule(now)
         step = Step(pulls=list(plan.pulls), preempted=[(r.request_id, how) for r, how in plan.preempted])
         for chunk in plan.chunks:
@@ -173,8 +205,19 @@ class SimEngine:
         copied = self.blocks.moved - moved
         step.swap_s = self.spec.block_bytes * (copied["cxl"] / self.spec.swap_out_bytes_per_s +
                                                copied["device"] / self.spec.swap_in_bytes_per_s)
+        if isinstance(self.blocks, PrefixCount):
+            self._cache_copies(step, cache_copied)
         self.preemptions += [(now, request_id, strategy) for request_id, strategy in step.preempted]
         return step
+
+    def _cache_copies(self, step: Step, before) -> None:
+        """The prefix cache's copies this step waits for (the module's docstring); a step that computes
+        nothing makes its reloads at once, as the native engine's flush_loads."""
+        copied = self.blocks.copied - before
+        step.cache_offload_s = copied["offload"] / self.spec.swap_out_bytes_per_s
+        step.cache_load_s = copied["load"] / self.spec.swap_in_bytes_per_s
+        if not step.chunks:
+            self.blocks.loads_done()
 
     def _stage(self, step: Step, request: SimRequest) -> None:
         """The copies of the request's offloaded layers this step (layer_staging.py's): its context
@@ -194,17 +237,21 @@ class SimEngine:
             self.blocks.give_back()
         self.scheduler.iteration_s.append(self.seconds(step))  # CacheOpt's T_I^max reads recent step times
         self.steps += 1
-        for request, n in step.chunks:
-            samples = request.num_computed + n == request.num_tokens
+        sampling = [request for request, n in step.chunks if request.num_computed + n == request.num_tokens]
+        for request, n in step.chunks:  # every chunk's KV first, offered to the prefix cache; then the samples
             request.num_computed += n
-            if samples:
-                request.token_times.append(done)
-                if request.num_generated >= request.max_tokens:
-                    self.finish(request, done)
+            self.blocks.commit(request, done)
+        for request in sampling:
+            request.token_times.append(done)
+            if request.num_generated >= request.max_tokens:
+                self.finish(request, done)
+        if isinstance(self.blocks, PrefixCount):
+            self.blocks.loads_done()
+            self.blocks.offload_idle()  # CaR III-C.2: idle nodes out to the cxl tier past the high-water mark
 
     def pulled(self, request: SimRequest) -> None:
-        """Its KV has arrived: it decodes from its last prompt token on (the time the scheduler is
-        told only matters to a prefix cache, which is not simulated)."""
+        """Its KV has arrived: it decodes from its last prompt token on (a prefix cache stamps the
+        pulled blocks it caches with the request's arrival: the cluster tells no time)."""
         request.kv_elsewhere = 0
         self.scheduler.pulled(request, request.arrival)
 

@@ -38,12 +38,21 @@ class SimRequest:
     transfer_s: float | None = None  # disaggregated: its KV hand-off, from the pull's start to its COMPLETE
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    num_cached: int = 0              # of the prompt, tokens from the prefix cache (none is simulated)
+    num_cached: int = 0              # of the prompt, tokens from the prefix cache
     # CacheOpt 3.3's ledger (policies/allocation/ledger.py): tokens allotted (None: blocks as it
     # goes), allocation handed on when it ends, and the requests embedded in its allotment.
     allocation: int | None = None
     passes: list[tuple[str, int]] = field(default_factory=list)
     guests: list[str] = field(default_factory=list)
+    # The prefix cache (prefix_count.py). `block_names`: its full blocks' content names, in order,
+    # prompt and output (a conversation's next turn names this turn's blocks first); the others
+    # are what the native engine's Request keeps for the cache and for CaR.
+    block_names: tuple[str, ...] = ()
+    cached_nodes: list[str] = field(default_factory=list)  # node ids it holds
+    num_committed: int = 0           # leading full blocks already offered to the prefix cache
+    scores: dict = field(default_factory=dict)  # CaR: node id -> (node, what it added to the node's score)
+    window_since: float | None = None  # CaR: when it entered the Shuffled Window
+    cache_hits: tuple[int, int] = (0, 0)  # CaR: leading blocks cached on the device, then in the cxl tier
     # LayerKV (policies/iteration/seams.py's LayeredRequest), kept by sim/layer_count.py: each layer's
     # tier, the layers in the cxl tier and how many are on the device; empty and None for a request
     # never counted layer by layer (its layers all in `tier`). No push: the simulator pushes elsewhere.
@@ -80,4 +89,5 @@ class SimRequest:
                            last_token_at=times[-1] if times else None,
                            last_token_gap_s=times[-1] - times[-2] if len(times) > 1 else None,
                            first_token_at=times[0] if times else None, scheduled_at=self.scheduled_at,
-                           device_layers=self.device_layers)
+                           device_layers=self.device_layers, cached_device_blocks=self.cache_hits[0],
+                           cached_cxl_blocks=self.cache_hits[1], window_since=self.window_since)

@@ -4,11 +4,15 @@ the same decisions step by step: the chunks, who is admitted, who is preempted a
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from kvmesh.libs.kvmeta.nodeid import node_ids
 from kvmesh.libs.messages.engine import SamplingParams, Targets
 from kvmesh.policies.allocation import AllocationParams
+from kvmesh.policies.iteration.reuse import Reuse, WindowParams
 from kvmesh.services.engine.kv_blocks import BlockShape
 from kvmesh.services.engine.native.block_manager import BlockManager
 from kvmesh.services.engine.native.kv_pool import KVPool
@@ -149,3 +153,100 @@ def test_a_step_waits_for_its_swaps_copies():
         k += 1
         step = engine.schedule(float(k))
     assert step.swap_s == pytest.approx(swapped * SHAPE.bytes / SPEC.swap_in_bytes_per_s)
+
+
+# With the prefix cache: three conversations that open with the same 8-token system prompt, each turn's
+# prompt the previous turn's prompt and answer (the runner samples token 0) and 3 to 6 new tokens; the
+# longest, 36 tokens, fits the pool.
+# (conversation, turn, arrival, new tokens, output)
+TURNS = [(0, 0, 0.0, 6, 4), (1, 0, 0.5, 3, 6), (2, 0, 1.0, 5, 4), (0, 1, 6.0, 4, 4), (1, 1, 7.0, 5, 3),
+         (2, 1, 8.0, 3, 5), (0, 2, 13.0, 3, 3), (1, 2, 14.0, 4, 3), (2, 2, 15.0, 4, 3), (1, 3, 20.0, 3, 2)]
+SYSTEM = list(range(1, 9))
+
+
+def conversations() -> list[tuple[str, float, list[int], int]]:
+    """(request id, arrival, prompt tokens, output length) of every turn of TURNS."""
+    history, script = {}, []
+    for conversation, turn, arrival, new, out in TURNS:
+        prompt = history.get(conversation, SYSTEM) + [1000 * (conversation + 1) + 10 * turn + i for i in range(new)]
+        script.append((f"c{conversation}t{turn}", arrival, prompt, out))
+        history[conversation] = prompt + [0] * out
+    return script
+
+
+def run_cached(policies: dict[str, str], cache_cxl: bool) -> tuple[list, list, BlockManager, SimEngine]:
+    """run_both's, with the prefix cache on both sides (and CaR's cxl tier of nodes, window and prefetch
+    when `cache_cxl`); the native engine's step (engine.py) around the model: its reloads, commits and
+    the offload past the high-water mark."""
+    hooks = Policies(policies)
+    pools = {"device": KVPool("device", SPEC.device_blocks, SHAPE), "cxl": KVPool("cxl", SPEC.cxl_blocks, SHAPE)}
+    blocks = BlockManager(pools, LAYERS, hooks, cache_cxl=cache_cxl)
+    blocks.layerwise_reload = cache_cxl  # as the factory sets it
+    window = WindowParams(size=2, max_wait_s=3.0)
+    scheduler = Scheduler(blocks, hooks, SPEC.max_num_seqs, SPEC.token_budget, SMALL,
+                          reuse=Reuse(blocks, window, SPEC.swap_in_bytes_per_s))
+    spec = replace(SPEC, prefix_caching=True, cache_cxl=cache_cxl, window=window)
+    engine = SimEngine(spec, COST, policies, SMALL)
+    script = conversations()
+    natives = [Request(rid, prompt, SamplingParams(max_tokens=out), arrival, LAYERS)
+               for rid, arrival, prompt, out in script]
+    sims = [SimRequest(rid, arrival, len(prompt), out, block_names=tuple(node_ids(prompt + [0] * out, BLOCK)))
+            for rid, arrival, prompt, out in script]
+    native_log, sim_log = [], []
+    for k in range(400):
+        now = float(k)
+        for n, s in zip(natives, sims):
+            if n.arrival <= now < n.arrival + 1.0:
+                scheduler.add(n)
+                engine.add(s)
+        step = engine.schedule(now)
+        sim_log.append(([(r.request_id, n) for r, n in step.chunks], step.preempted, [r.num_cached for r in sims]))
+        if step.chunks:
+            engine.complete(step, now + engine.seconds(step))
+        plan = scheduler.schedule(now)
+        native_log.append(([(c.request.request_id, c.num_tokens) for c in plan.chunks],
+                           [(r.request_id, how) for r, how in plan.preempted], [r.num_cached for r in natives]))
+        if not plan.chunks:
+            blocks.flush_loads()
+            continue
+        done = now + engine.seconds(step)
+        blocks.loads_done()
+        scheduler.iteration_s.append(done - now)
+        sampling = [c.request for c in plan.chunks if c.samples]
+        for chunk in plan.chunks:
+            chunk.request.num_computed += chunk.num_tokens
+            blocks.commit(chunk.request, done)
+        for request in sampling:
+            request.output_ids.append(0)
+            request.output_times.append(done)
+            if len(request.output_ids) >= request.sampling.max_tokens:
+                scheduler.finish(request, "length")
+        blocks.offload_idle()
+        if k > 25 and not (scheduler.has_work() or engine.has_work()):
+            break
+    assert all(r.finished for r in natives) and all(r.finished_at is not None for r in sims)
+    return native_log, sim_log, blocks, engine
+
+
+@pytest.mark.parametrize("policies, cache_cxl", [
+    ({}, False),
+    ({"preemption_strategy": "swap"}, False),
+    ({"prefill_admission": "car", "cache_policy": "car"}, True),
+    ({"prefill_admission": "car", "cache_policy": "car", "preemption_strategy": "swap"}, True),
+    ({"cache_policy": "lru"}, True),
+], ids=["lru", "lru+swap", "car", "car+swap", "lru+cxl"])
+def test_the_simulator_counts_the_prefix_cache_as_the_native_block_manager(policies, cache_cxl):
+    native_log, sim_log, blocks, engine = run_cached(policies, cache_cxl)
+
+    for k, (ours, theirs) in enumerate(zip(sim_log, native_log)):
+        assert ours == theirs, f"step {k}"
+    assert sum(r for r in sim_log[-1][2]) > 0, "the script is meant to reuse cached prefixes"
+    ours = engine.blocks
+    assert (ours.hit_tokens, dict(ours.hit_blocks), dict(ours.moved_nodes)) == \
+        (blocks.hit_tokens, dict(blocks.hit_blocks), dict(blocks.moved_nodes))
+    assert {t: sum(n.tier == t for n in ours.cached.values()) for t in ("device", "cxl")} == \
+        {t: sum(n.tier == t for n in blocks.cached.values()) for t in ("device", "cxl")}
+    assert set(ours.cached) == set(blocks.cached)
+    assert blocks.free("device") == engine.free == SPEC.device_blocks
+    if cache_cxl:
+        assert ours.moved_nodes["cxl"] > 0, "the script is meant to move nodes to the cxl tier"

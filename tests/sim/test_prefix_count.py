@@ -1,0 +1,120 @@
+"""The simulator's prefix cache (sim/prefix_count.py) from the outside: what a request finds cached, what
+is evicted and where to, and what a step waits for. (Step by step against the native BlockManager:
+test_one_scheduler.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.policies.cache import car, lru
+from kvmesh.sim.engine import EngineSpec, SimEngine
+from kvmesh.sim.prefix_count import PrefixCount
+from kvmesh.sim.request import SimRequest
+from kvmesh.sim.step_cost import StepCost
+
+BLOCK, LAYERS, BYTES = 4, 2, 1000
+
+
+def count(device: int = 20, cxl: int = 0, rank=lru) -> PrefixCount:
+    return PrefixCount(BLOCK, LAYERS, {"device": device} | ({"cxl": cxl} if cxl else {}), rank, BYTES,
+                       cache_cxl=bool(cxl))
+
+
+def turn(request_id: str, names: str, prompt: int, out: int = 1) -> SimRequest:
+    """A request whose full blocks are named by the letters of `names`."""
+    return SimRequest(request_id, 0.0, prompt, out, block_names=tuple(names))
+
+
+def served(blocks: PrefixCount, request: SimRequest, now: float) -> None:
+    """Admitted, its prompt computed and committed, then ended."""
+    blocks.attach_prefix(request, now)
+    assert blocks.reserve(request, -(-request.prompt_len // BLOCK), request.prompt_len - request.num_computed)
+    request.num_computed = request.prompt_len
+    blocks.commit(request, now)
+    blocks.forget_scores(request)
+    blocks.release(request)
+
+
+def test_a_later_turn_finds_the_earlier_turns_blocks_and_holds_them():
+    blocks = count()
+    served(blocks, turn("t0", "ab", 9), now=1.0)   # 3 blocks a layer, 2 of them full and named
+    assert blocks.free("device") == 20 and blocks.free_blocks["device"] == 16  # the 2 nodes are idle
+
+    later = turn("t1", "abc", 14)
+    assert blocks.attach_prefix(later, now=2.0) == 8
+    assert later.cached_nodes == ["a", "b"] and later.blocks_per_layer == 2
+    assert blocks.free("device") == 16   # the held nodes are not free, nothing else is taken
+    assert blocks.reserve(later, 4, 6)
+    assert blocks.free("device") == 12
+    assert (blocks.hit_tokens, blocks.hit_blocks["device"], blocks.cached["a"].hits) == (8, 2, 1)
+
+
+def test_a_fully_cached_prompt_recomputes_its_last_token_into_its_own_copy():
+    blocks = count()
+    served(blocks, turn("t0", "ab", 8), now=1.0)
+    again = turn("t1", "ab", 8)
+    assert blocks.attach_prefix(again, now=2.0) == 7
+    assert blocks.reserve(again, 2, 1)          # block "b" is written: copied, let go
+    assert again.cached_nodes == ["a"] and blocks.free("device") == 20 - 2 * LAYERS  # a held, and the copy
+    assert blocks.cached["b"].refs == 0
+
+
+@pytest.mark.parametrize("rank, evicted", [(lru, "x"), (car, "y")])
+def test_room_comes_from_idle_nodes_in_the_cache_policys_order(rank, evicted):
+    """x went idle first (LRU's victim); y is scored lower (CaR's victim: nobody will reuse it)."""
+    blocks = count(device=4, rank=rank)
+    served(blocks, turn("x", "x", 4), now=1.0)
+    keeper = turn("y-user", "y", 5)
+    served(blocks, turn("y", "y", 4), now=2.0)
+    blocks.add_score(keeper, [blocks.cached["x"]], 2)  # a live request will reuse x
+    assert blocks.free_blocks["device"] == 0
+    big = turn("z", "", 3)
+    assert blocks.reserve(big, 1, 3)
+    assert set(blocks.cached) == {"x", "y"} - {evicted}
+
+
+def test_car_moves_evicted_nodes_to_the_cxl_tier_and_a_hit_brings_them_back():
+    blocks = count(device=4, cxl=4)
+    served(blocks, turn("t0", "ab", 8), now=1.0)
+    other = turn("o", "", 5)
+    assert blocks.reserve(other, 2, 5)          # the device's 4 blocks: both nodes go to the cxl tier
+    assert [blocks.cached[n].tier for n in "ab"] == ["cxl", "cxl"]
+    assert blocks.copied["offload"] == 2 * LAYERS * BYTES
+    blocks.release(other)
+
+    back = turn("t1", "abc", 13)
+    assert blocks.attach_prefix(back, now=3.0) == 8   # reloaded at its turn, held
+    assert blocks.copied["load"] == 2 * LAYERS * BYTES
+    assert blocks.free_blocks["cxl"] == 0            # their cxl copies until the step has loaded them
+    blocks.loads_done()
+    assert blocks.free_blocks["cxl"] == 4 and blocks.hit_blocks["cxl"] == 2
+
+
+def test_a_step_waits_for_its_offloads_and_for_its_reloads_beyond_its_compute():
+    """The reload at a request's turn runs layer by layer inside its step (CaR III-C.1): the step lasts
+    its compute or the copy, the longer; no prefetch here (fcfs admission)."""
+    spec = EngineSpec(block_size=BLOCK, num_layers=LAYERS, device_blocks=12, max_num_seqs=4, token_budget=64,
+                      cxl_blocks=8, block_bytes=BYTES, swap_out_bytes_per_s=1e3, swap_in_bytes_per_s=2e3,
+                      prefix_caching=True, cache_cxl=True, cache_high_water=0.5)
+    engine = SimEngine(spec, StepCost(a=0.5, b=0.0, c=0.0), {"cache_policy": "car"})
+    first = SimRequest("a", 0.0, 16, 1, block_names=tuple("abcd"))
+    engine.add(first)
+    step = engine.schedule(0.0)
+    engine.complete(step, engine.seconds(step))
+    assert first.finished_at == 0.5
+    # 8 of 12 blocks in use, past the high-water mark's 6: the deepest node moves out after the step.
+    assert {name: node.tier for name, node in engine.blocks.cached.items()} == \
+        {"a": "device", "b": "device", "c": "device", "d": "cxl"}
+
+    second = SimRequest("b", 1.0, 17, 1, block_names=tuple("abcd"))
+    engine.add(second)
+    step = engine.schedule(1.0)
+    assert second.num_cached == 16 and step.cache_load_s == pytest.approx(LAYERS * BYTES / 2e3) == 1.0
+    assert step.cache_offload_s == 0.0 and engine.seconds(step) == pytest.approx(1.0)
+
+
+def test_the_engine_runs_the_cache_policy_hook_only_with_the_prefix_cache():
+    with pytest.raises(ValueError, match="prefix_caching"):
+        EngineSpec(cxl_blocks=8, block_bytes=BYTES, cache_cxl=True)
+    engine = SimEngine(EngineSpec(prefix_caching=True), StepCost(a=0.1, b=0.0, c=0.0), {"cache_policy": "car"})
+    assert engine.blocks._idle["device"].rank is car
