@@ -4,7 +4,9 @@ under a progress bar, its headlines beside the simulated ones, the JSON contract
 A paper is a module with: PROFILE (its deployment), TITLE, RATES and QUICK_RATES (per engine),
 REQUESTS and QUICK_REQUESTS (a point), PANELS (the plot's), `points(deployment, rates, requests, seed,
 quick)`, `headlines(outcomes)`, `also(outcomes)` (figures without a target) and `variations(outcomes)`
-(the headlines under each varied assumption)."""
+(the headlines under each varied assumption); optionally `simulate(point, cost, geometry)` (its own
+simulation of a point) and `then(outcomes, deployment, rates, requests, seed, quick)` (a second stage's
+points, set from the first's outcomes: CacheOpt's SLOs come from its baselines' TTFT and TBT)."""
 
 from __future__ import annotations
 
@@ -28,8 +30,12 @@ def run(name: str, quick: bool, rates: str | None, requests: int | None, seed: i
     chosen = parse_rates(rates) if rates is not None else paper.QUICK_RATES if quick else paper.RATES
     deployment = load_deployment(profile or paper.PROFILE)
     per_point = requests or (paper.QUICK_REQUESTS if quick else paper.REQUESTS)
+    simulate = getattr(paper, "simulate", sweep.simulate)
     outcomes = sweep.run(paper.points(deployment, chosen, per_point, seed, quick), deployment.cost,
-                         deployment.geometry, f"sim paper {name}")
+                         deployment.geometry, f"sim paper {name}", simulate)
+    if hasattr(paper, "then"):
+        outcomes += sweep.run(paper.then(outcomes, deployment, chosen, per_point, seed, quick), deployment.cost,
+                              deployment.geometry, f"sim paper {name}", simulate)
     headlines, extra, speed = paper.headlines(outcomes), paper.also(outcomes), sweep.speed(outcomes)
     varied = {} if quick else paper.variations(outcomes)
     print(contract.table(headlines))

@@ -7,7 +7,7 @@ count, so one colocated engine at r is compared with a 1P1D pair at 2r."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -94,15 +94,17 @@ def figures(requests: Sequence[SimRequest]) -> dict:
             "tbt_p90_s": float(np.percentile(tbt, 90)) if tbt else None, "tbt_mean_s": _mean(tbt)}
 
 
-def run(points: Sequence[Point], cost: StepCost, geometry: KVGeometry, title: str) -> list[Outcome]:
-    """Every point in turn, a progress bar (on stderr) over them."""
+def run(points: Sequence[Point], cost: StepCost, geometry: KVGeometry, title: str,
+        simulate_point: Callable[[Point, StepCost, KVGeometry], Outcome] = simulate) -> list[Outcome]:
+    """Every point in turn, a progress bar (on stderr) over them; `simulate_point` a paper's own
+    (sim/papers/cacheopt.py: per-request predicted lengths and SLOs, engine policies per point)."""
     outcomes = []
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task(title, total=len(points))
         for point in points:
             progress.update(task, description=f"{title}: {point.workload} {point.series} {point.variant} "
                                               f"@ {point.rate:g} req/s per engine")
-            outcomes.append(simulate(point, cost, geometry))
+            outcomes.append(simulate_point(point, cost, geometry))
             progress.advance(task)
     return outcomes
 
