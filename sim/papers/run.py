@@ -14,10 +14,10 @@ import math
 from pathlib import Path
 
 from ..hardware import load_deployment
-from . import contract, kvdirect, sweep
+from . import cacheopt, contract, kvdirect, sweep
 from .plot import plot
 
-PAPERS = {"kvdirect": kvdirect}
+PAPERS = {"kvdirect": kvdirect, "cacheopt": cacheopt}
 
 
 def run(name: str, quick: bool, rates: str | None, requests: int | None, seed: int, profile: str | None,

@@ -1,0 +1,100 @@
+"""CacheOpt's requests for the simulator: Table 1's length shapes, a length predictor's error model,
+and the output length each compared method allots for (its estimated length).
+
+Shapes. Table 1 gives each trace's mean, min and max lengths over its N requests, not a distribution.
+A length is log-normal of the table's mean, its log's standard deviation the larger of the two that
+put the expected extremes of N draws at the table's max and min (z = the N-th quantile of a normal:
+ln(max / mean) = z sigma - sigma^2 / 2, ln(mean / min) = z sigma + sigma^2 / 2), then clipped to
+[min, max]: the wider one of the two, so both ends are reached, the clip keeping the other.
+
+Predictor. CacheOpt's own predictor (a fine-tuned OPT-13B, Fig. 10) is not published beyond Fig. 17h;
+RLP reports 67% accuracy and S^3 79% (section 3.2). The model here: the predicted length is the actual
+one times exp(e), e ~ N(0, log_sigma), at least 1; the deviation direction (Fig. 10's classifier) is
+the true one with probability direction_accuracy. Every method reads the same predicted lengths (as
+the paper's RLP and S^3 run its own fine-tuned model), and differs in the padding:
+
+- cacheopt: Eq. 3's padding at Eq. 4's confidence for the arrival rate (policies/length/padding.py),
+  with (b - a) as kvmesh's embedding predictor sets it: (1 + p)(e^hi - e^lo), [lo, hi] the central
+  90% of its log errors (here +-1.645 log_sigma), added or subtracted by the direction;
+- cka (CacheOpt /CKA): a fixed padding of 10% of the prediction, added;
+- rlp: the prediction plus 100 tokens (RLP_PADDING);
+- s3: the upper bound of its 50-token bucket (S3_BUCKET);
+- none (vLLM): no estimate.
+Each is capped at the request's max_tokens as the policies see it (the trace's longest output).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from statistics import NormalDist
+
+import numpy as np
+
+from kvmesh.policies.length.padding import Direction, adaptive_confidence, confidence_padding, padded_length
+from kvmesh.policies.length.predictors import RLP_PADDING, S3_BUCKET, s3_bucket_upper_bound
+
+RULES = ("none", "cacheopt", "cka", "rlp", "s3")
+CENTRAL = 0.9        # the share of log errors (b - a) spans, as the embedding predictor's range
+CKA_PADDING = 0.1    # /CKA: "a fixed padding of 10% of the predicted output length" (section 5.2)
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """One column of Table 1: mean, min and max over `count` requests."""
+
+    mean: float
+    low: int
+    high: int
+    count: int
+
+    @property
+    def sigma(self) -> float:
+        """The log-normal sigma that reaches the farther of the two extremes (see the module's doc)."""
+        z = NormalDist().inv_cdf(1 - 1 / self.count)
+        from_max = z - math.sqrt(max(0.0, z * z - 2 * math.log(self.high / self.mean)))
+        from_min = -z + math.sqrt(z * z + 2 * math.log(self.mean / self.low))
+        return max(from_max, from_min)
+
+    def draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        sigma = self.sigma
+        drawn = rng.lognormal(math.log(self.mean) - sigma ** 2 / 2, sigma, n)
+        return np.clip(np.rint(drawn), self.low, self.high).astype(int)
+
+
+@dataclass(frozen=True, slots=True)
+class PredictorModel:
+    log_sigma: float = 0.5             # the raw prediction's log error, N(0, log_sigma)
+    direction_accuracy: float = 0.75   # how often the classifier names the way the prediction misses
+
+    def predict(self, rng: np.random.Generator, actual: np.ndarray) -> tuple[np.ndarray, list[Direction]]:
+        """Each request's predicted length and direction."""
+        predicted = np.maximum(1, np.rint(actual * np.exp(rng.normal(0.0, self.log_sigma, len(actual))))).astype(int)
+        right = rng.random(len(actual)) < self.direction_accuracy
+        truth = [Direction.UNDER if a > p else Direction.OVER for a, p in zip(actual, predicted)]
+        flipped = {Direction.UNDER: Direction.OVER, Direction.OVER: Direction.UNDER}
+        return predicted, [d if ok else flipped[d] for d, ok in zip(truth, right)]
+
+    def error_range(self, predicted: int) -> float:
+        """(b - a) for a request predicted at `predicted` tokens: (1 + p)(e^hi - e^lo)."""
+        hi = NormalDist().inv_cdf((1 + CENTRAL) / 2) * self.log_sigma
+        return (1 + predicted) * (math.exp(hi) - math.exp(-hi))
+
+
+def estimated(rule: str, predicted: np.ndarray, directions: list[Direction], max_tokens: list[int], rate: float,
+              model: PredictorModel) -> list[int | None]:
+    """Each request's estimated output length under a method's `rule` (RULES), at most its max_tokens,
+    at an arrival rate in req/s (Eq. 4 reads it; the other rules do not)."""
+    each = list(zip(predicted.tolist(), directions, max_tokens))
+    if rule == "none":
+        return [None] * len(each)
+    if rule == "cacheopt":
+        c = adaptive_confidence(rate)
+        return [padded_length(p, confidence_padding(c, model.error_range(p)), d, cap) for p, d, cap in each]
+    if rule == "cka":
+        return [padded_length(p, CKA_PADDING * p, Direction.UNDER, cap) for p, _, cap in each]
+    if rule == "rlp":
+        return [padded_length(p, RLP_PADDING, Direction.UNDER, cap) for p, _, cap in each]
+    if rule == "s3":
+        return [min(s3_bucket_upper_bound(p, S3_BUCKET), cap) for p, _, cap in each]
+    raise ValueError(f"unknown estimate rule {rule!r}; rules: {', '.join(RULES)}")

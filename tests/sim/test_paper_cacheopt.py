@@ -1,0 +1,128 @@
+"""`kvmesh sim paper cacheopt`: the paper's experiment end to end through the CLI (the benchmark
+contract's JSON and the plot, in two stages: the baselines, then CacheOpt with the SLOs they set), and
+its pure parts with exact values: Table 1's shapes, the predictor's error range, each method's
+estimated length (Eq. 3-4, RLP, S^3, /CKA), the SLOs and attainment, and the headlines' rules."""
+
+import json
+import math
+from dataclasses import replace
+from statistics import NormalDist
+
+import numpy as np
+import pytest
+
+from kvmesh.bench.report import BenchResult
+from kvmesh.cli import main
+from kvmesh.policies.length.padding import Direction
+from kvmesh.sim.hardware import load_deployment
+from kvmesh.sim.papers import cacheopt
+from kvmesh.sim.papers.predicted_lengths import PredictorModel, Shape, estimated
+from kvmesh.sim.papers.sweep import Outcome
+
+CONTRACT = {"bench", "quick", "ratios", "targets", "directions", "meets", "ceilings", "config", "rows", "headline",
+            "plots"}
+
+
+def test_paper_cacheopt_quick_writes_the_contract_and_the_plot(tmp_path, capsys):
+    out = tmp_path / "cacheopt.json"
+    assert main(["sim", "paper", "cacheopt", "--quick", "--requests", "6", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    body = json.loads(out.read_text())
+    assert set(body) == CONTRACT and body["bench"] == "sim paper cacheopt" and body["quick"] is True
+    keys = {h.key for h in cacheopt.headlines_at({}, {}, {})}
+    assert len(keys) == 6 + 2 + 1 + 12 and set(body["targets"]) == {f"{key}_factor" for key in keys}
+    assert {f"sim_{key}" for key in keys} <= set(body["ratios"])
+    # Three traces at two rates: the three baselines first, then CacheOpt, then its six ablations at 1.0.
+    assert len(body["rows"]) == 3 * 2 * 3 + 3 * 2 + 3 * 6
+    assert [row["compared"] for row in body["rows"][:3]] == ["alpaca vllm", "alpaca rlp", "alpaca s3"]
+    assert {row["compared"] for row in body["rows"][-18:]} == {f"{w} {a} (ablation)" for w in cacheopt.TRACES
+                                                               for a in cacheopt.ABLATIONS}
+    assert all(row["cells"]["unfinished"] == 0 for row in body["rows"])
+    ratios = {key: math.nan if value is None else value for key, value in body["ratios"].items()}
+    judged = BenchResult(**{**{key: body[key] for key in CONTRACT - {"meets", "ratios"}}, "ratios": ratios})
+    assert judged.meets == body["meets"]
+    assert body["plots"] == [str(out.with_suffix(".png"))] and out.with_suffix(".png").stat().st_size > 0
+    assert "P99 TBT, vllm over CacheOpt" in printed and "slo_ttft_ms_sharegpt" in printed
+
+
+def test_a_shape_reaches_the_farther_extreme_of_table_1():
+    z = NormalDist().inv_cdf(1 - 1 / 90_000)
+    out = Shape(337.99, 19, 991, 90_000)  # ShareGPT's output: its min is the farther end
+    assert z * out.sigma + out.sigma ** 2 / 2 == pytest.approx(math.log(337.99 / 19))
+    prompt = Shape(19.31, 9, 2_470, 52_000)  # Alpaca's input: its max is
+    z = NormalDist().inv_cdf(1 - 1 / 52_000)
+    assert z * prompt.sigma - prompt.sigma ** 2 / 2 == pytest.approx(math.log(2_470 / 19.31))
+    drawn = out.draw(np.random.default_rng(0), 10_000)
+    assert drawn.min() >= 19 and drawn.max() == 991 and abs(drawn.mean() - 337.99) < 0.05 * 337.99
+
+
+def test_each_method_estimates_by_its_rule():
+    model = PredictorModel(log_sigma=0.5)
+    spread = math.exp(1.6448536 * 0.5) - math.exp(-1.6448536 * 0.5)
+    assert model.error_range(99) == pytest.approx(100 * spread)
+    predicted, under, over = np.array([100]), [Direction.UNDER], [Direction.OVER]
+    c = 0.9 / (1 + 100 * 28 / 1e3)  # Eq. 4 at 28 req/s, lambda per ms
+    t = math.sqrt(-(101 * spread) ** 2 / 2 * math.log(1 - c))  # Eq. 3
+    assert estimated("cacheopt", predicted, under, [1000], 28.0, model) == [math.ceil(100 + t)]
+    assert estimated("cacheopt", predicted, over, [1000], 28.0, model) == [math.ceil(100 - t)]
+    assert estimated("rlp", predicted, over, [1000], 28.0, model) == [200]
+    assert estimated("rlp", predicted, over, [150], 28.0, model) == [150]
+    assert estimated("s3", predicted, over, [1000], 28.0, model) == [150]
+    assert estimated("cka", predicted, over, [1000], 28.0, model) == [110]
+    assert estimated("none", predicted, over, [1000], 28.0, model) == [None]
+    exact, directions = PredictorModel(0.0, 1.0).predict(np.random.default_rng(0), np.array([5, 300]))
+    assert exact.tolist() == [5, 300] and directions == [Direction.OVER, Direction.OVER]
+
+
+def test_requests_carry_the_same_lengths_and_predictions_for_every_method_and_slos_by_their_scale():
+    deployment = load_deployment(cacheopt.PROFILE)
+    vllm = cacheopt._point(deployment, cacheopt.VLLM, "sharegpt", 0.5, 50, 3)
+    ours = cacheopt._point(deployment, cacheopt.CACHEOPT, "sharegpt", 1.0, 50, 3, slo=(1000.0, 40.0))
+    a, b = cacheopt.requests(vllm), cacheopt.requests(ours)
+    assert [(r.prompt_len, r.max_tokens, r.cap) for r in a] == [(r.prompt_len, r.max_tokens, r.cap) for r in b]
+    assert b[-1].arrival == pytest.approx(a[-1].arrival / 2)  # twice the rate, the same gaps halved
+    assert all(r.predicted_output_len is None and r.ttft_slo_ms is None for r in a)
+    assert all(r.ttft_slo_ms == pytest.approx(1000.0 * r.slo_scale * r.chunks) and
+               r.tbt_slo_ms == pytest.approx(40.0 * r.slo_scale) and 0.5 <= r.slo_scale <= 2.5 for r in b)
+    # The policies see the trace's longest output (within the context) as max_tokens, not the length.
+    r = max(b, key=lambda r: r.cap - r.max_tokens)
+    assert r.view().max_tokens == r.cap == min(991, cacheopt.MAX_CONTEXT - r.prompt_len) > r.max_tokens
+
+
+def test_slos_and_attainment_follow_section_5():
+    def outcome(series, workload, ttft_sum, gap_sum, variant=""):
+        point = replace(cacheopt._point(load_deployment(cacheopt.PROFILE), series, workload, 1.0, 4, 0),
+                        variant=variant)
+        return Outcome(point, {"ttft_sum_s": ttft_sum, "ttft_count": 4, "gap_sum_s": gap_sum, "gap_count": 10})
+
+    found = [outcome("vllm", "alpaca", 4.0, 0.5), outcome("s3", "alpaca", 8.0, 1.5),
+             outcome("cacheopt", "alpaca", 100.0, 100.0), outcome("rlp", "alpaca", 100.0, 100.0, "exact predictions")]
+    assert cacheopt.slo_unit_ms(found, "alpaca") == pytest.approx((1500.0, 100.0))
+    figures = {"ttft_per_slo_unit": [1.0, 2.0, math.inf, 0.5], "gap_per_slo_unit": [0.05, 0.05, math.inf, 0.2],
+               "mean_gap_per_slo_unit": [0.05, 0.05, math.inf, 0.05]}
+    assert cacheopt.attainment(figures, (1500.0, 100.0)) == {"ttft": 0.5, "tbt": 0.5, "both": 0.25}
+    assert cacheopt.attainment(figures, (1500.0, 100.0), "mean_gap_per_slo_unit")["tbt"] == 0.75
+
+
+def test_the_headlines_follow_the_stated_rules():
+    # Made-up figures: at each rate every trace has the same P99s; vLLM's P99 TBT is 3x CacheOpt's at 1.0
+    # and 2x at 0.5, RLP's P99 TTFT twice CacheOpt's; each ablation's P99s are CacheOpt's over 0.6.
+    everyone = {"ttft_per_slo_unit": [0.0] * 9 + [math.inf], "gap_per_slo_unit": [0.0] * 10}
+
+    def figures(series, load):
+        tbt = {cacheopt.VLLM: 3.0 if load == 1.0 else 2.0}.get(series, 1.0)
+        ttft = {cacheopt.RLP: 2.0}.get(series, 1.0)
+        latency = {cacheopt.VLLM: 1.0 if load == 0.5 else 3.0}.get(series, 1.0)
+        return everyone | {"tbt_p99_s": tbt, "ttft_p99_s": ttft, "normalised_latency_s": latency}
+
+    at = {(w, s, load): figures(s, load) for w in cacheopt.TRACES for s in (*cacheopt.BASELINES, cacheopt.CACHEOPT)
+          for load in (0.5, 1.0)}
+    ablated = {(w, a, 1.0): {"tbt_p99_s": 1 / 0.6, "ttft_p99_s": 1 / 0.6} for w in cacheopt.TRACES
+               for a in cacheopt.ABLATIONS}
+    found = {h.key: h.simulated for h in cacheopt.headlines_at(at, ablated, dict.fromkeys(cacheopt.TRACES, (1.0, 1.0)))}
+    assert found["p99_tbt_vllm_over_cacheopt"] == pytest.approx(3.0)
+    assert found["p99_ttft_rlp_over_cacheopt"] == pytest.approx(2.0) and found["p99_tbt_s3_over_cacheopt"] == 1.0
+    assert found["ttft_slo_attainment_cacheopt"] == pytest.approx(0.9) and found["tbt_slo_attainment_cacheopt"] == 1.0
+    assert found["sustained_rate_cacheopt_over_vllm"] == pytest.approx(2.0)  # vLLM's latency 3x its own at 1.0
+    assert found["p99_ttft_reduction_vs_pss"] == pytest.approx(0.4) and found["p99_tbt_reduction_vs_cka"] == \
+        pytest.approx(0.4)
