@@ -4,20 +4,17 @@ Two of serve's configurations, each its own `kvmesh up` (the `tiny` preset, one 
 engine): (3) one colocated engine (`colocated`, the simulator's `colocated:1`) and (1) 1P1D pull, a
 prefill and a decode engine (`1p1d`, the simulator's `pd:1:1` with sim.link's loopback defaults).
 On each, one run calibrates, measures and then simulates:
-  0. calibration: the cluster first serves a load of its own (`arxiv` at CALIBRATION_RATE, requests
-     and arrivals of CALIBRATION_SEED, none of the validated loads'; serve's window). The profile is
-     fitted to it (`calibrate()`): each engine's step cost to the steps it recorded while serving it
-     (`GET /v1/steps`, each the wall time of its loop's turn: sim.fit.fit_engine_steps), and the
-     request's path outside the engines to the client's timings against the engines' own
-     (sim.request_path.measure over the admission's per-request `timings_ms`);
+  0. calibration (bench/sim_serve_calibration.py): the cluster first serves a load of its own
+     (`arxiv` at CALIBRATION_RATE, requests and arrivals of CALIBRATION_SEED, none of the validated
+     loads'; serve's window), and the profile is fitted to it: each engine's step cost to the steps
+     it recorded, and the request's path outside the engines;
   1. measured: the same cluster driven by bench/serve.py's own `measured_load` on `arxiv` at 1, 4, 8
      and 12 req/s (serve's colocated sweep up to 12 req/s, the same in `--quick` and the full run;
      `--quick` has serve's quick windows, 8 s of arrivals, the full run serve's 20 s);
   2. simulated: every request each load sent, with its prompt and output length and its scheduled
      arrival (`RequestResult`), replayed through a `sim.cluster.Cluster` of the same engines with the
-     calibrated profile, each engine configured as the real one (device blocks and policies from its
-     `GET /v1/state`, layers from the preset, block size, sequence limit and its role's token budget
-     as EngineConfig and its defaults leave them), the tokens delivered through the measured path.
+     calibrated profile, each engine configured as the real one (bench/sim_serving.py), the tokens
+     delivered through the measured path.
 Keys, for each configuration c and rate r, each a relative error |simulated - measured| / measured of
 the completed requests' figures:
   sim_error_p90_ttft_<c>_<r>, sim_error_mean_tpot_<c>_<r>, sim_error_p90_e2e_<c>_<r>: target <= 0.15
@@ -37,38 +34,31 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import math
 import tempfile
 import time
-import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
-import matplotlib
 import numpy as np
 import uvloop
 from rich.progress import Progress
 
-from kvmesh.infra.local.state import read_state
-from kvmesh.sim.served_steps import engine_steps
 from kvmesh.sim.cluster import Cluster
 from kvmesh.sim.engine import EngineSpec, SimEngine
 from kvmesh.sim.fit import fit_engine_steps
 from kvmesh.sim.metrics import summarise
 from kvmesh.sim.request import SimRequest
-from kvmesh.sim.request_path import RequestPath, delivered, measure, profile_entry
-from kvmesh.sim.step_cost import TERMS, StepCost, load_profile, profile_path, write_profile
-from kvmesh.sim.topology import Topology
+from kvmesh.sim.request_path import RequestPath, delivered
+from kvmesh.sim.step_cost import StepCost, load_profile, profile_path
 from kvmesh.sim.workload import replay
 
 from . import serve
-from .loadgen import STAGES, LoadResult, breakdown, run_load, served_model, summarize
-from .report import BenchResult, Row, save_figure
-from .workloads import WORKLOADS
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from .loadgen import STAGES, LoadResult, breakdown, summarize
+from .report import BenchResult, Row
+from .sim_serve_calibration import (CALIBRATION_RATE, CALIBRATION_SEED, WORKLOAD, Calibration, calibrate,
+                                    calibration_load, measured_path, served_profile_path, write_served_profiles)
+from .sim_serving import Steps, serving_engines, sim_engines
+from .sim_validation import TARGET, TARGETED, plot, relative_error, step_time_ratio
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,19 +70,12 @@ class Configuration:
 
 CONFIGURATIONS = (Configuration("colocated", serve.COLOCATED, "colocated:1"),
                   Configuration("1p1d", serve.PULL, "pd:1:1"))
-WORKLOAD = "arxiv"
 RATES = (1, 4, 8, 12)            # serve's arxiv sweep up to 12 req/s, about 3/4 of one engine's capacity
-CALIBRATION_RATE = 6             # req/s: between the validated rates, so its steps range from one request to batches
-CALIBRATION_SEED = 11            # the calibration load's requests and arrivals (serve's loads: serve.SEED)
 PROFILE = "tiny-cpu-bfloat16-1t"  # the in-process profile (kvmesh sim calibrate), the `_in_process` variation's
-TARGET = 0.15                    # issue 31: relative error at most 15%
-TARGETED = ("p90_ttft", "mean_tpot", "p90_e2e")
 FIGURES = {  # key part: (sim.metrics.summarise's key in s, loadgen.summarize's key in ms)
     "p50_ttft": ("ttft_p50_s", "ttft_p50_ms"), "p90_ttft": ("ttft_p90_s", "ttft_p90_ms"),
     "mean_tpot": ("tpot_mean_s", None), "p90_e2e": ("e2e_p90_s", "e2e_p90_ms")}
 PLOT = Path("bench-results/sim_validation.png")
-SERVED_PROFILES = Path("bench-results")  # sim_profile_<configuration>_<engine>.json: the profiles the run calibrated
-Steps = dict[str, list[dict]]  # engine id -> the steps it recorded (GET /v1/steps)
 
 
 def run(quick: bool) -> BenchResult:
@@ -105,7 +88,7 @@ def run(quick: bool) -> BenchResult:
     replayed = []
     for m in measured:
         calibration = calibrate(m.calibration_load, m.calibration_steps)
-        write_served_profiles(m.configuration, calibration)
+        write_served_profiles(m.configuration.key, m.configuration.setup.label, calibration)
         replayed.append((m, calibration, variations(calibration, m, in_process)))
     return _result(quick, plan, replayed, in_process)
 
@@ -144,69 +127,6 @@ def measure_configuration(configuration: Configuration, cluster: serve.LocalClus
 # -- the calibration ------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class Calibration:
-    """The profile this run fits, before it validates: to the calibration load's steps and path."""
-
-    costs: dict[str, StepCost]   # engine id -> its step cost
-    fits: dict[str, dict]        # engine id -> sim.fit's summary of the fit to its steps
-    path: RequestPath
-    load: LoadResult
-    steps: Steps
-
-
-def calibrate(load: LoadResult, steps: Steps) -> Calibration:
-    fitted = {engine_id: fit_engine_steps(engine_steps) for engine_id, engine_steps in steps.items()}
-    return Calibration({e: cost for e, (cost, _) in fitted.items()}, {e: fit for e, (_, fit) in fitted.items()},
-                       measured_path(load), load, steps)
-
-
-def measured_path(load: LoadResult) -> RequestPath:
-    """The path outside the engines over a load's completed requests: the client's TTFT and end to
-    end against the engines' arrival-to-first-token and their transfer and decode (the admission's
-    timings_ms). For a split request the hop through the admission to the decode engine, and its
-    wait there (decode_queue), fall to the path: the simulator has no hop, and its decode engine's
-    wait for a step (part of decode_queue) is counted twice."""
-    timed = [r for r in load.results if r.ok and r.kvmesh and r.kvmesh.get("timings_ms")]
-    engine = [r.kvmesh["timings_ms"] for r in timed]
-    return measure([r.ttft for r in timed], [r.e2e for r in timed],
-                   [(t["prefill_queue"] + t["prefill"]) / 1e3 for t in engine],
-                   [(t.get("transfer", 0.0) + t["decode"]) / 1e3 for t in engine])
-
-
-async def calibration_load(url: str, api_key: str, plan: serve.Plan, progress: Progress, label: str,
-                           warmed: Callable[[], object]) -> LoadResult:
-    """The calibration load: serve's four unmeasured warm-up requests (then `warmed()`), and
-    CALIBRATION_RATE's Poisson load of its own requests, as serve.measured_load sends its loads."""
-    spec, model = WORKLOADS[WORKLOAD], await served_model(url, api_key)
-    await run_load(url, spec.requests(4, CALIBRATION_SEED + 1), 100.0, model=model, api_key=api_key, time_limit_s=60)
-    warmed()
-    count = max(plan.min_requests, round(CALIBRATION_RATE * plan.window_s))
-    return await run_load(url, spec.requests(count, CALIBRATION_SEED), CALIBRATION_RATE, model=model, api_key=api_key,
-                          seed=CALIBRATION_SEED, concurrency=serve.CONCURRENCY,
-                          time_limit_s=count / CALIBRATION_RATE + plan.drain_s, progress=progress,
-                          label=f"{label} · calibration · {WORKLOAD} @ {CALIBRATION_RATE} req/s")
-
-
-def served_profile_path(configuration: Configuration, engine_id: str) -> Path:
-    return SERVED_PROFILES / f"sim_profile_{configuration.key}_{engine_id}.json"
-
-
-def write_served_profiles(configuration: Configuration, calibration: Calibration) -> None:
-    """Each engine's calibrated profile as a file sim/ loads (step cost and the request path), for
-    `kvmesh sim run`."""
-    load = calibration.load
-    path_origin = f"mean over the calibration load's {sum(r.ok for r in load.results)} completed requests of " \
-                  f"the client's timings minus the engines' own (timings_ms), kvmesh bench sim"
-    for engine_id, cost in calibration.costs.items():
-        origin = f"least-squares fit to the {len(calibration.steps[engine_id])} steps {engine_id} recorded " \
-                 f"(GET /v1/steps) while serving bench sim's calibration load ({WORKLOAD} at {load.rate:g} req/s, " \
-                 f"seed {CALIBRATION_SEED}) in bench serve's {configuration.setup.label}"
-        write_profile(served_profile_path(configuration, engine_id), cost, dict.fromkeys(TERMS, origin),
-                      {"model": serve.MODEL, "threads": 1, "source": "engine service (kvmesh bench sim)",
-                       "request_path": profile_entry(calibration.path, path_origin)}, calibration.fits[engine_id])
-
-
 # -- the variations -------------------------------------------------------------------------------
 
 
@@ -225,7 +145,7 @@ def variations(calibration: Calibration, measured: Measured, in_process: StepCos
     cost or own path measured on that load instead of the calibration's (how far the calibration
     load's figures carry to other rates), and both: the best the model's form reaches."""
     loads, n, none = measured.loads, len(measured.loads), RequestPath()
-    engines = sim_engines(measured)
+    engines = sim_engines(measured.configuration.topology, measured.states)
     own_costs = [{e: fit_engine_steps(s)[0] for e, s in steps.items()} for steps in measured.load_steps]
     own_paths = [measured_path(load) for load in loads]
     plans = [("", "simulated", [calibration.costs] * n, [calibration.path] * n),
@@ -239,71 +159,6 @@ def variations(calibration: Calibration, measured: Measured, in_process: StepCos
                       [simulated(load, engines, cost, path)
                        for load, cost, path in zip(loads, costs, paths)])
             for suffix, label, costs, paths in plans]
-
-
-def step_time_ratio(cost: StepCost, steps: list[dict]) -> float:
-    """How long steps took, all together, against what `cost` says of their shapes."""
-    predicted = sum(cost.seconds(s["prefill_tokens"], s["decode_tokens"], s["decode_context"], s["prefill_context"])
-                    for s in steps)
-    return sum(s["seconds"] for s in steps) / predicted if predicted > 0 else math.nan
-
-
-# -- the real engines -----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class ServingEngine:
-    """An engine's REST API, and the steps it recorded, taken a load at a time."""
-
-    url: str
-    token: str
-    since: int = 0
-
-    def get(self, path: str) -> dict:
-        request = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {self.token}"})
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return json.loads(response.read())
-
-    def take(self) -> list[dict]:
-        """The steps since the last take."""
-        steps = engine_steps(self.url, self.since, self.token)
-        self.since = steps[-1]["index"] if steps else self.since
-        return steps
-
-
-def serving_engines(run_dir: Path) -> dict[str, ServingEngine]:
-    """A cluster's engines by id, with its service token."""
-    cluster = read_state(run_dir)
-    token = Path(cluster.token_file).read_text().strip()
-    return {c.name: ServingEngine(c.url.rstrip("/"), token) for c in cluster.children if c.name.startswith("engine-")}
-
-
-def sim_engines(measured: Measured) -> dict[str, tuple[str, EngineSpec, dict[str, str]]]:
-    """The simulated engines as the real ones: engine id -> (role, spec, policies)."""
-    roles = Topology.parse(measured.configuration.topology).roles()
-    return {engine_id: (role, engine_spec(measured.states[engine_id], role), sim_policies(measured.states[engine_id]))
-            for engine_id, role in roles.items()}
-
-
-def engine_spec(state: dict, role: str = "both") -> EngineSpec:
-    """The simulated engine as the real one: device blocks from its state, layers from the preset it
-    runs, block size, sequence limit and its role's token budget as EngineConfig and its defaults
-    leave them (`kvmesh up` sets none of them)."""
-    from kvmesh.services.engine.config import EngineConfig
-    from kvmesh.services.engine.defaults import token_budget
-    from kvmesh.services.engine.native.models.presets import PRESETS
-
-    config = EngineConfig(model=serve.MODEL)
-    return EngineSpec(block_size=config.block_size, num_layers=PRESETS[serve.MODEL].num_layers,
-                      device_blocks=int(state["total_blocks"]["device"]), max_num_seqs=config.max_num_seqs,
-                      token_budget=config.token_budget or token_budget(role))
-
-
-def sim_policies(state: dict) -> dict[str, str]:
-    """The engine's policies for the hooks the simulator runs."""
-    from kvmesh.sim.engine import HOOKS
-
-    return {hook: name for hook, name in state.get("policies", {}).items() if hook in HOOKS}
 
 
 # -- the replay -----------------------------------------------------------------------------------
@@ -358,12 +213,6 @@ def sim_figures(summary: dict) -> dict[str, float]:
     return {name: math.nan if summary[key] is None else summary[key] for name, (key, _) in FIGURES.items()}
 
 
-def relative_error(simulated_value: float, measured_value: float) -> float:
-    if math.isnan(simulated_value) or math.isnan(measured_value) or measured_value == 0:
-        return math.nan
-    return abs(simulated_value - measured_value) / measured_value
-
-
 # -- the result -----------------------------------------------------------------------------------
 
 
@@ -403,7 +252,9 @@ def _result(quick: bool, plan: serve.Plan, replayed: list[Replayed], in_process:
                                    for n in FIGURES}))
         tables[c.setup.label] = table
         configs[c.key] = _configuration_config(measured, calibration, found, stages, in_process)
-    plot = _plot([float(r) for r in RATES], tables)
+    plotted = plot([float(r) for r in RATES], "offered requests/s", tables,
+                   f"tiny, 1 thread an engine, {WORKLOAD}: measured vs simulated "
+                   f"(calibrated in service at {CALIBRATION_RATE} req/s)", PLOT)
     worst = max(targets, key=lambda k: ratios[k] if not math.isnan(ratios[k]) else math.inf)
     met = sum(1 for k in targets if not math.isnan(ratios[k]) and ratios[k] <= TARGET)
     config = {"workload": WORKLOAD, "rates_rps": list(RATES), "window_s": plan.window_s, "drain_s": plan.drain_s,
@@ -413,7 +264,7 @@ def _result(quick: bool, plan: serve.Plan, replayed: list[Replayed], in_process:
               "in_process_step_cost": dataclasses.asdict(in_process), "configurations": configs}
     return BenchResult(
         bench="sim", quick=quick, ratios=ratios, targets=targets, ceilings={},
-        directions=dict.fromkeys(targets, "<="), config=config, rows=rows, plots=[plot],
+        directions=dict.fromkeys(targets, "<="), config=config, rows=rows, plots=[plotted],
         headline=f"the simulator, calibrated on the engines in service ({WORKLOAD} at {CALIBRATION_RATE} req/s), "
                  f"against {' and '.join(c.key for c in CONFIGURATIONS)} at {', '.join(map(str, RATES))} req/s: "
                  f"{met} of {len(targets)} errors within {TARGET:.0%}; the largest {worst} = {ratios[worst]:.2f}")
@@ -421,7 +272,7 @@ def _result(quick: bool, plan: serve.Plan, replayed: list[Replayed], in_process:
 
 def _configuration_config(measured: Measured, calibration: Calibration, found: list[Variation], stages: dict,
                           in_process: StepCost) -> dict:
-    engines = sim_engines(measured)
+    engines = sim_engines(measured.configuration.topology, measured.states)
     plain = found[0].summaries
     return {
         "topology": measured.configuration.topology, "up_args": list(measured.configuration.setup.up_args),
@@ -430,7 +281,7 @@ def _configuration_config(measured: Measured, calibration: Calibration, found: l
             "steps": {e: len(s) for e, s in calibration.steps.items()},
             "step_costs": {e: dataclasses.asdict(cost) for e, cost in calibration.costs.items()},
             "fits": calibration.fits, "request_path": dataclasses.asdict(calibration.path),
-            "profile_paths": [str(served_profile_path(measured.configuration, e)) for e in calibration.costs]},
+            "profile_paths": [str(served_profile_path(measured.configuration.key, e)) for e in calibration.costs]},
         "engines": {e: {"role": role, **dataclasses.asdict(spec), "policies": policies}
                     for e, (role, spec, policies) in engines.items()},
         "engines_from": {"device_blocks": "GET /v1/state total_blocks.device",
@@ -472,22 +323,3 @@ def _spread(steps: list[dict]) -> dict[str, float]:
     if not tokens:
         return {}
     return {"mean": float(np.mean(tokens)), "p90": float(np.percentile(tokens, 90)), "max": float(max(tokens))}
-
-
-def _plot(rates: list[float], tables: dict[str, dict[str, dict[str, list[float]]]]) -> str:
-    fig, axes = plt.subplots(len(tables), len(FIGURES), figsize=(4.2 * len(FIGURES), 3.8 * len(tables)),
-                             squeeze=False)
-    markers = ("o", "s", "^", "v", "D", "x", "P")
-    for row, (configuration, table) in zip(axes, tables.items()):
-        for ax, name in zip(row, FIGURES):
-            for (label, figures), marker in zip(table.items(), markers):
-                ax.plot(rates, np.asarray(figures[name]) * 1e3, label=label, marker=marker,
-                        linestyle="-" if label in ("measured", "simulated") else ":")
-            ax.set_title(f"{configuration}: {name.replace('_', ' ')}", fontsize=9)
-            ax.set_xlabel("offered requests/s")
-            ax.set_ylabel("ms")
-            ax.grid(True, alpha=0.3)
-        row[0].legend(fontsize=7)
-    fig.suptitle(f"tiny, 1 thread an engine, {WORKLOAD}: measured vs simulated "
-                 f"(calibrated in service at {CALIBRATION_RATE} req/s)")
-    return save_figure(fig, PLOT)

@@ -16,6 +16,9 @@ from kvmesh.bench import serve
 from kvmesh.bench import sim as bench_sim
 from kvmesh.bench.loadgen import LoadResult, RequestResult, poisson_arrivals
 from kvmesh.bench.report import BenchResult, save
+from kvmesh.bench.sim_serve_calibration import calibrate, served_profile_path, write_served_profiles
+from kvmesh.bench.sim_serving import sim_engines
+from kvmesh.bench.sim_validation import step_time_ratio
 from kvmesh.bench.workloads import WORKLOADS
 from kvmesh.sim.engine import EngineSpec
 from kvmesh.sim.request_path import RequestPath
@@ -96,7 +99,7 @@ def test_the_path_counts_in_the_simulated_latencies():
 
 
 def test_the_calibration_is_its_own_loads_steps_and_path():
-    calibration = bench_sim.calibrate(fake_load(6, 16, ttft=0.05, engine_ttft=0.041, timed=True),
+    calibration = calibrate(fake_load(6, 16, ttft=0.05, engine_ttft=0.041, timed=True),
                                       {"engine-p0": recorded_steps(80), "engine-d0": recorded_steps(60, seed=1)})
     for cost in calibration.costs.values():
         for term in ("a", "b", "c", "d", "e"):
@@ -107,7 +110,7 @@ def test_the_calibration_is_its_own_loads_steps_and_path():
 
 def test_each_variation_changes_one_assumption():
     run = measured(bench_sim.CONFIGURATIONS[0])
-    calibration = bench_sim.calibrate(run.calibration_load, run.calibration_steps)
+    calibration = calibrate(run.calibration_load, run.calibration_steps)
     in_process = load_profile(bench_sim.PROFILE)
     found = {v.suffix: v for v in bench_sim.variations(calibration, run, in_process)}
     assert list(found) == ["", "_in_process", "_no_path", "_own_steps", "_own_path", "_own"]
@@ -119,11 +122,12 @@ def test_each_variation_changes_one_assumption():
     assert [p.first_token_s for p in found["_own_path"].paths] == \
         pytest.approx([0.05 - 0.03 - 0.001 * rate for rate in bench_sim.RATES])
     assert found["_own"].costs == found["_own_steps"].costs and found["_own"].paths == found["_own_path"].paths
-    assert bench_sim.step_time_ratio(TRUTH, run.load_steps[2]["engine-c0"]) == pytest.approx(1.2)
+    assert step_time_ratio(TRUTH, run.load_steps[2]["engine-c0"]) == pytest.approx(1.2)
 
 
 def test_1p1d_is_a_prefill_and_a_decode_engine_each_with_its_roles_budget():
-    engines = bench_sim.sim_engines(measured(bench_sim.CONFIGURATIONS[1]))
+    run = measured(bench_sim.CONFIGURATIONS[1])
+    engines = sim_engines(run.configuration.topology, run.states)
     assert {e: (role, spec.token_budget) for e, (role, spec, _) in engines.items()} == \
         {"engine-p0": ("prefill", 512), "engine-d0": ("decode", 2048)}
     load = fake_load(4, 16)
@@ -138,11 +142,11 @@ def test_the_result_has_every_configurations_and_rates_keys_and_keeps_the_contra
     replayed = []
     for configuration in bench_sim.CONFIGURATIONS:
         run = measured(configuration)
-        calibration = bench_sim.calibrate(run.calibration_load, run.calibration_steps)
+        calibration = calibrate(run.calibration_load, run.calibration_steps)
         replayed.append((run, calibration, bench_sim.variations(calibration, run, in_process)))
-        bench_sim.write_served_profiles(configuration, calibration)
+        write_served_profiles(configuration.key, configuration.setup.label, calibration)
         for engine_id, cost in calibration.costs.items():
-            assert load_profile(str(bench_sim.served_profile_path(configuration, engine_id))) == cost
+            assert load_profile(str(served_profile_path(configuration.key, engine_id))) == cost
     result = bench_sim._result(True, serve.QUICK, replayed, in_process)
     assert isinstance(result, BenchResult)
     suffixes = [v.suffix for v in replayed[0][2]]

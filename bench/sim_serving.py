@@ -1,0 +1,73 @@
+"""bench sim's engines in service: each one's REST API (its state, the steps it recorded), and the
+simulated engines configured as the real ones are."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import urllib.request
+from pathlib import Path
+
+from kvmesh.infra.local.state import read_state
+from kvmesh.sim.engine import EngineSpec
+from kvmesh.sim.served_steps import engine_steps
+from kvmesh.sim.topology import Topology
+
+from . import serve
+
+Steps = dict[str, list[dict]]  # engine id -> the steps it recorded (GET /v1/steps)
+
+
+@dataclasses.dataclass
+class ServingEngine:
+    """An engine's REST API, and the steps it recorded, taken a load at a time."""
+
+    url: str
+    token: str
+    since: int = 0
+
+    def get(self, path: str) -> dict:
+        request = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {self.token}"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.loads(response.read())
+
+    def take(self) -> list[dict]:
+        """The steps since the last take."""
+        steps = engine_steps(self.url, self.since, self.token)
+        self.since = steps[-1]["index"] if steps else self.since
+        return steps
+
+
+def serving_engines(run_dir: Path) -> dict[str, ServingEngine]:
+    """A cluster's engines by id, with its service token."""
+    cluster = read_state(run_dir)
+    token = Path(cluster.token_file).read_text().strip()
+    return {c.name: ServingEngine(c.url.rstrip("/"), token) for c in cluster.children if c.name.startswith("engine-")}
+
+
+def sim_engines(topology: str, states: dict[str, dict]) -> dict[str, tuple[str, EngineSpec, dict[str, str]]]:
+    """The simulated engines of `topology` as the real ones are (`states`: engine id -> its GET
+    /v1/state): engine id -> (role, spec, policies)."""
+    return {engine_id: (role, engine_spec(states[engine_id], role), sim_policies(states[engine_id]))
+            for engine_id, role in Topology.parse(topology).roles().items()}
+
+
+def engine_spec(state: dict, role: str = "both") -> EngineSpec:
+    """The simulated engine as the real one: device blocks from its state, layers from the preset it
+    runs, block size, sequence limit and its role's token budget as EngineConfig and its defaults
+    leave them (`kvmesh up` sets none of them)."""
+    from kvmesh.services.engine.config import EngineConfig
+    from kvmesh.services.engine.defaults import token_budget
+    from kvmesh.services.engine.native.models.presets import PRESETS
+
+    config = EngineConfig(model=serve.MODEL)
+    return EngineSpec(block_size=config.block_size, num_layers=PRESETS[serve.MODEL].num_layers,
+                      device_blocks=int(state["total_blocks"]["device"]), max_num_seqs=config.max_num_seqs,
+                      token_budget=config.token_budget or token_budget(role))
+
+
+def sim_policies(state: dict) -> dict[str, str]:
+    """The engine's policies for the hooks the simulator runs."""
+    from kvmesh.sim.engine import HOOKS
+
+    return {hook: name for hook, name in state.get("policies", {}).items() if hook in HOOKS}
