@@ -10,10 +10,10 @@ says, with its staged layers' copies overlapped, plus the copies of its swaps an
 With `prefix_caching` the count is prefix_count.py's: the prefix cache's nodes, evicted by the
 cache_policy hook, and with `cache_cxl` CaR's cxl tier of nodes and its Shuffled Window and
 prefetcher (policies/iteration/reuse.py, as the native engine runs them). A step then also waits
-for the nodes evicted to the cxl tier to make its room, and the nodes its requests reload at their
-turn load layer by layer while it computes (CaR III-C.1): it lasts at least their copy. The
-asynchronous offload past the high-water mark (III-C.2) and the prefetches (III-B.2) overlap the
-steps and are not waited for.
+for the nodes evicted to the cxl tier to make its room, and the copies into the device begun as it
+was scheduled (its requests' nodes reloaded at their turn, layer by layer under its compute, CaR
+III-C.1, and the prefetches, III-B.2) run on the copy engine while it computes: it lasts at least
+them. The asynchronous offload past the high-water mark (III-C.2) is not waited for.
 
 For disaggregation (sim/cluster.py moves the KV): a request with `hold_kv` keeps its blocks when it
 ends, until `release_held`; one with `kv_elsewhere` is given blocks for that KV when admitted,
@@ -101,7 +101,7 @@ class Step:
     swap_s: float = 0.0  # the copies of this step's swaps and layer moves between tiers, which it waits for
     staged: dict[int, tuple[float, float]] = field(default_factory=dict)  # LayerKV: staged layer -> (load, write) s
     cache_offload_s: float = 0.0  # the copies of prefix-cache nodes evicted to the cxl tier for its room
-    cache_load_s: float = 0.0     # the copies of nodes its requests reload at their turn, layer by layer
+    cache_load_s: float = 0.0     # the copies of nodes reloaded at their turn (layer by layer) and prefetched
 
     def add(self, request: SimRequest, n: int) -> None:
         self.chunks.append((request, n))
@@ -215,7 +215,7 @@ class SimEngine:
         nothing makes its reloads at once, as the native engine's flush_loads."""
         copied = self.blocks.copied - before
         step.cache_offload_s = copied["offload"] / self.spec.swap_out_bytes_per_s
-        step.cache_load_s = copied["load"] / self.spec.swap_in_bytes_per_s
+        step.cache_load_s = (copied["load"] + copied["prefetch"]) / self.spec.swap_in_bytes_per_s
         if not step.chunks:
             self.blocks.loads_done()
 

@@ -90,13 +90,15 @@ def test_car_moves_evicted_nodes_to_the_cxl_tier_and_a_hit_brings_them_back():
     assert blocks.free_blocks["cxl"] == 4 and blocks.hit_blocks["cxl"] == 2
 
 
-def test_a_step_waits_for_its_offloads_and_for_its_reloads_beyond_its_compute():
-    """The reload at a request's turn runs layer by layer inside its step (CaR III-C.1): the step lasts
-    its compute or the copy, the longer; no prefetch here (fcfs admission)."""
+@pytest.mark.parametrize("admission", ["fcfs", "car"])
+def test_a_step_lasts_at_least_the_reloads_begun_with_it(admission):
+    """The reload at a request's turn runs layer by layer inside its step (CaR III-C.1), and CaR's
+    prefetcher (with nothing running, it loads at once) copies while the step computes: the step
+    lasts its compute or the copy, the longer."""
     spec = EngineSpec(block_size=BLOCK, num_layers=LAYERS, device_blocks=12, max_num_seqs=4, token_budget=64,
                       cxl_blocks=8, block_bytes=BYTES, swap_out_bytes_per_s=1e3, swap_in_bytes_per_s=2e3,
                       prefix_caching=True, cache_cxl=True, cache_high_water=0.5)
-    engine = SimEngine(spec, StepCost(a=0.5, b=0.0, c=0.0), {"cache_policy": "car"})
+    engine = SimEngine(spec, StepCost(a=0.5, b=0.0, c=0.0), {"cache_policy": "car", "prefill_admission": admission})
     first = SimRequest("a", 0.0, 16, 1, block_names=tuple("abcd"))
     engine.add(first)
     step = engine.schedule(0.0)
@@ -111,6 +113,7 @@ def test_a_step_waits_for_its_offloads_and_for_its_reloads_beyond_its_compute():
     step = engine.schedule(1.0)
     assert second.num_cached == 16 and step.cache_load_s == pytest.approx(LAYERS * BYTES / 2e3) == 1.0
     assert step.cache_offload_s == 0.0 and engine.seconds(step) == pytest.approx(1.0)
+    assert engine.scheduler.reuse.prefetched == (admission == "car")
 
 
 def test_the_engine_runs_the_cache_policy_hook_only_with_the_prefix_cache():
