@@ -140,19 +140,7 @@ def run(quick: bool) -> BenchResult:
                              repeats, lambda: progress.advance(task))
             rates = [per_s * f for f in fractions]
             slos = Slos(trace, requests)
-            runs: dict[tuple[str, float], RunStats] = {}
-            # The SLO-unaware methods first: their mean TTFT and TBT set everyone's SLOs (section 5).
-            for method in sorted(methods, key=lambda m: m.name not in SLO_UNAWARE):
-                for rate in rates:
-                    progress.update(task, description=f"{name}: {method.name} at {rate:.1f} req/s")
-                    lengths = estimates(method.estimate, trace, requests, predicted, rate)
-                    targets = [Targets(ttft_slo_ms=t, tbt_slo_ms=b, predicted_output_len=e)
-                               for e, t, b in zip(lengths, *slos.ms())]
-                    arrivals = poisson_arrivals(len(requests), rate, seed=2)
-                    runs[(method.name, rate)] = replay(_engine(trace, method), requests, arrivals, targets,
-                                                       trace.output.high, lambda: progress.advance(task))
-                if method.name == SLO_UNAWARE[-1]:
-                    slos.calibrate([runs[(m, r)] for m in SLO_UNAWARE for r in rates])
+            runs = sweep(trace, requests, predicted, methods, rates, slos, progress, task)
             progress.update(task, description=f"{name}: each request alone")
             alone = metrics_of(replay(_engine(trace, MAIN[0]), requests, ALONE_GAP_S * np.arange(len(requests)),
                                       [Targets()] * len(requests), trace.output.high, lambda: progress.advance(task)), slos)
@@ -192,6 +180,25 @@ def run(quick: bool) -> BenchResult:
                   f"{ratios['slo_attainment_cacheopt']:.2f} vs {ratios['slo_attainment_block']:.2f} "
                   f"(each request alone: {np.mean([t['alone'].slo_attainment for t in per_trace.values()]):.2f}); "
                   f"estimated-length MAE {ratios['predictor_mae_ratio_rlp_vs_ours']:.2f}x lower than RLP's"))
+
+
+def sweep(trace: InstructionTrace, requests: list[TraceRequest], predicted: Predicted, methods, rates: list[float],
+          slos: Slos, progress: Progress, task) -> dict[tuple[str, float], RunStats]:
+    """Every method serving the requests at every rate, the SLO-unaware methods first: their mean TTFT
+    and TBT set everyone's SLOs (section 5)."""
+    runs: dict[tuple[str, float], RunStats] = {}
+    for method in sorted(methods, key=lambda m: m.name not in SLO_UNAWARE):
+        for rate in rates:
+            progress.update(task, description=f"{trace.name}: {method.name} at {rate:.1f} req/s")
+            lengths = estimates(method.estimate, trace, requests, predicted, rate)
+            targets = [Targets(ttft_slo_ms=t, tbt_slo_ms=b, predicted_output_len=e)
+                       for e, t, b in zip(lengths, *slos.ms())]
+            arrivals = poisson_arrivals(len(requests), rate, seed=2)
+            runs[(method.name, rate)] = replay(_engine(trace, method), requests, arrivals, targets,
+                                               trace.output.high, lambda: progress.advance(task))
+        if method.name == SLO_UNAWARE[-1]:
+            slos.calibrate([runs[(m, r)] for m in SLO_UNAWARE for r in rates])
+    return runs
 
 
 # -- prediction -----------------------------------------------------------------------------------

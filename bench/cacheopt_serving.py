@@ -10,11 +10,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
 from kvmesh.libs.messages.engine import SamplingParams, Targets
 from kvmesh.services.engine.native.engine import Engine
 from kvmesh.services.engine.native.request import Request
+from kvmesh.services.engine.steps import StepLog
 
 from .instruction_trace import TraceRequest
 
@@ -57,6 +59,10 @@ class RunStats:
     served: list[Served]
     preemptions: dict[str, int]
     busy_s: float    # the run's real seconds: the engine busy, the idle gaps skipped before arrivals not counted
+    # What the run was given and what its steps took, for the simulator to replay it (bench/sim_cacheopt.py):
+    arrivals: list[float]       # seconds from the start
+    targets: list[Targets]
+    steps: list[dict]           # each turn of the replay's loop that stepped, as GET /v1/steps lists them
 
 
 def replay(engine: Engine, requests: list[TraceRequest], arrivals: np.ndarray, targets: list[Targets],
@@ -69,10 +75,12 @@ def replay(engine: Engine, requests: list[TraceRequest], arrivals: np.ndarray, t
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     live: dict[str, tuple[int, Request]] = {}
     served: dict[int, Served] = {}
+    steps = StepLog(capacity=None)
     nxt = 0
     while nxt < len(requests) or live:
         if not engine.scheduler.has_work() and nxt < len(requests):
             clock.skip_to(start + arrivals[nxt])
+        turn, stepped = time.perf_counter(), engine.steps
         while nxt < len(requests) and start + arrivals[nxt] <= clock():
             request = requests[nxt]
             live[str(nxt)] = (nxt, engine.add(str(nxt), request.prompt_ids, params, arrival=start + arrivals[nxt],
@@ -86,8 +94,11 @@ def replay(engine: Engine, requests: list[TraceRequest], arrivals: np.ndarray, t
                 served[index] = Served(request.arrival, list(request.output_times), request.preemptions)
                 del live[request_id]
                 advance()
+        if engine.steps != stepped:  # the turn's time, as the engine service's loop records its own
+            steps.record(engine.steps, float(clock()), time.perf_counter() - turn, engine.last_shape)
     return RunStats([served[i] for i in range(len(requests))],
-                    {k: v - before.get(k, 0) for k, v in engine.preemptions.items()}, clock() - start - clock.offset)
+                    {k: v - before.get(k, 0) for k, v in engine.preemptions.items()}, clock() - start - clock.offset,
+                    [float(a) for a in arrivals], list(targets), msgspec.to_builtins(steps.read().steps))
 
 
 def capacity(engine: Engine, requests: list[TraceRequest], targets: list[Targets], max_tokens: int, repeats: int,

@@ -1,0 +1,347 @@
+"""`kvmesh bench sim_cacheopt`: the simulator (sim/) against `bench cacheopt`'s runs, issue 31 item 2.
+
+bench cacheopt serves the instruction trace with kvmesh's native engine in process
+(bench/cacheopt_serving.py: the `tiny` model computes every step; idle time before an arrival is
+skipped), each allocation method at fractions of the block baseline's capacity, every request with
+its SLOs and its method's estimated output length. This bench runs the same sweep (bench cacheopt's
+own functions; `--quick` its quick shape: 40 requests, block, rlp, s3 and cacheopt at 0.6 and 1.2
+of capacity, one torch thread; the full run its full shape, the ablations too), and:
+  0. calibration: before the sweep, the block baseline serves a load of its own (CALIBRATION_SEED's
+     requests and arrivals at CALIBRATION_FRACTION of capacity, no estimate, no SLO). Each turn of
+     the replay's loop that computed a step is recorded as the engine service records its own
+     (services/engine/steps.py: the step's shape, the turn's seconds), and the step cost is fitted
+     to them (sim.fit.fit_engine_steps, as bench sim fits an engine in service);
+  1. measured: bench cacheopt's sweep (bench.cacheopt.sweep), each run with the arrivals and
+     targets it gave its requests and the steps it took;
+  2. simulated: each run's requests replayed through one SimEngine configured as the method's
+     engine (one is built to read it: pools, block size and bytes, token budget, sequence limit, the
+     policies of the hooks the simulator runs, the allocation ledger's parameters), each request
+     with its arrival, prompt and output length, SLOs and estimated length as it was given them. It
+     ends at its trace length while its policies read the max_tokens it was sent with (the trace's
+     longest), as in the measured run. A swap copies at the rate the engine's swap profile measured
+     (CacheOpt 3.5's L_s; the engines whose strategy reads no curve never swap). The profile's sweet
+     spot on this CPU is 0 tokens, so `sweet_spot` swaps every victim the cxl tier has room for,
+     which is what it does in the simulator, whose pools give no curves.
+Keys, for each method m and rate r (the fraction of capacity), each a relative error
+|simulated - measured| / measured over the run's requests:
+  sim_error_{p90_ttft,mean_tpot,p90_e2e}_<m>_<r>: target <= 0.15 each;
+  sim_error_p50_ttft_<m>_<r>: reported, no target.
+Information, the same keys with a suffix, one assumption varied at a time: `_own_steps`, each run's
+step cost fitted to its own steps (the best the cost's form reaches); `_in_process`, the in-process
+profile (PROFILE: Engine.step timed alone at a few shapes). CacheOpt's own figures beside them:
+P99 TBT and SLO attainment, measured and simulated, and each method's preemptions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import torch
+from rich.progress import Progress
+
+from kvmesh.libs.messages.engine import Targets
+from kvmesh.policies.allocation import AllocationParams
+from kvmesh.policies.views import RequestView
+from kvmesh.services.engine.native.engine import Engine
+from kvmesh.services.predictor.encoder import encoder
+from kvmesh.sim.cluster import Cluster
+from kvmesh.sim.engine import HOOKS, EngineSpec, SimEngine
+from kvmesh.sim.fit import fit_engine_steps
+from kvmesh.sim.request import SimRequest
+from kvmesh.sim.step_cost import TERMS, StepCost, load_profile
+
+from . import cacheopt
+from .cacheopt_serving import RunStats, Served, capacity, replay
+from .instruction_trace import TraceRequest
+from .loadgen import poisson_arrivals
+from .report import BenchResult, Row
+from .sim_validation import FIGURES, TARGET, TARGETED, plot, relative_error, step_time_ratio
+
+CALIBRATION_FRACTION = 0.9  # of capacity: between the validated rates, so its steps range from one request to batches
+CALIBRATION_SEED = 11       # its requests and arrivals (the sweep's: requests seed 1, arrivals seed 2)
+PROFILE = "tiny-cpu-bfloat16-1t"  # the in-process profile (kvmesh sim calibrate), the `_in_process` variation's
+PLOT = Path("bench-results/sim_cacheopt.png")
+ENGINE = "engine-c0"
+SENSITIVITY = 0.05          # the own-steps cost this much faster and slower: each figure's elasticity to the step cost
+PLOTTED = ("measured", "simulated", "calibrated, rescaled to the run", "the run's own steps")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """bench cacheopt's run: --quick or full."""
+
+    requests: int
+    train: int | None
+    fractions: tuple[float, ...]
+    methods: tuple[cacheopt.Method, ...]
+    threads: int
+    capacity_runs: int
+
+
+QUICK = Shape(40, 200, cacheopt.RATE_FRACTIONS[::2], cacheopt.MAIN, 1, 1)
+FULL = Shape(150, None, cacheopt.RATE_FRACTIONS, cacheopt.MAIN + cacheopt.ABLATIONS, 2, cacheopt.CAPACITY_RUNS)
+
+
+def run(quick: bool) -> BenchResult:
+    shape = QUICK if quick else FULL
+    torch.set_num_threads(shape.threads)
+    measured = measure(shape)
+    calibrated, fit = fit_engine_steps(measured.calibration.steps)
+    in_process = load_profile(PROFILE)
+    replays = []
+    for (method, rate), stats in measured.runs.items():
+        fraction = shape.fractions[measured.rates.index(rate)]
+        replays.append(Replayed(method, fraction, stats,
+                                simulate_variations(measured, method, stats, calibrated, in_process)))
+    return _result(quick, shape, measured, replays, calibrated, fit)
+
+
+# -- the measured runs ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Measured:
+    trace: cacheopt.InstructionTrace
+    requests: list[TraceRequest]
+    capacity_rps: float
+    rates: list[float]
+    calibration: RunStats
+    runs: dict[tuple[str, float], RunStats]   # (method, rate) -> the run
+    engines: dict[str, Configured]            # method -> its engine, as the simulator configures it
+    slos: cacheopt.Slos
+
+
+def measure(shape: Shape) -> Measured:
+    """bench cacheopt's sweep, its steps recorded, after a calibration run of the block baseline."""
+    trace = cacheopt.TRACES["instructions"]
+    high = trace.output.high
+    with Progress(transient=True) as progress:
+        task = progress.add_task("predictor", total=None)
+        requests = trace.requests(shape.requests, seed=1)
+        predicted = cacheopt.predictions(trace, requests, shape.train, encoder())
+        progress.update(task, description="capacity",
+                        total=(len(shape.methods) * len(shape.fractions) + shape.capacity_runs + 1) * len(requests))
+        block = cacheopt.MAIN[0]
+        per_s = capacity(cacheopt._engine(trace, block), requests, [Targets()] * len(requests), high,
+                         shape.capacity_runs, lambda: progress.advance(task))
+        progress.update(task, description="calibration")
+        own = trace.requests(shape.requests, seed=CALIBRATION_SEED)
+        calibration = replay(cacheopt._engine(trace, block), own,
+                             poisson_arrivals(len(own), CALIBRATION_FRACTION * per_s, seed=CALIBRATION_SEED),
+                             [Targets()] * len(own), high, lambda: progress.advance(task))
+        rates = [per_s * f for f in shape.fractions]
+        slos = cacheopt.Slos(trace, requests)
+        runs = cacheopt.sweep(trace, requests, predicted, shape.methods, rates, slos, progress, task)
+    engines = {m.name: configured(cacheopt._engine(trace, m)) for m in shape.methods}
+    return Measured(trace, requests, per_s, rates, calibration, runs, engines, slos)
+
+
+# -- the simulated engine -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Configured:
+    spec: EngineSpec
+    policies: dict[str, str]
+    allocation: AllocationParams
+
+
+def configured(engine: Engine) -> Configured:
+    """The simulated engine as `engine` is: its pools, block size and bytes, token budget and
+    sequence limit, the policies of the hooks the simulator runs, the ledger's parameters; a swap
+    copies each way at half the round trip's rate the engine's swap profile fitted (L_s's slope)."""
+    blocks, scheduler = engine.blocks, engine.scheduler
+    device, cxl = blocks.pools["device"], blocks.pools.get("cxl")
+    curves = engine.swap_profile.curves if engine.swap_profile else None
+    swap = {}
+    if curves is not None and curves.swap.g > 0:
+        per_s = 2 * device.shape.bytes * blocks.num_layers / blocks.block_size / curves.swap.g
+        swap = {"swap_out_bytes_per_s": per_s, "swap_in_bytes_per_s": per_s}
+    spec = EngineSpec(block_size=blocks.block_size, num_layers=blocks.num_layers, device_blocks=device.num_blocks,
+                      max_num_seqs=scheduler.max_num_seqs, token_budget=scheduler.token_budget,
+                      cxl_blocks=cxl.num_blocks if cxl else 0, block_bytes=device.shape.bytes, **swap)
+    return Configured(spec, {h: n for h, n in scheduler.policies.names.items() if h in HOOKS}, scheduler.ledger.params)
+
+
+@dataclasses.dataclass(eq=False)
+class TraceSimRequest(SimRequest):
+    """A request of the trace: it ends at its trace length (`max_tokens`, where the simulator ends
+    it) while the policies read the max_tokens it was sent with, the trace's longest (no policy can
+    read its true length from it, as in bench cacheopt's replay)."""
+
+    sent_max_tokens: int = 0
+
+    def view(self) -> RequestView:
+        return msgspec.structs.replace(super().view(), max_tokens=self.sent_max_tokens)
+
+
+def sim_requests(stats: RunStats, requests: list[TraceRequest], sent_max_tokens: int) -> list[TraceSimRequest]:
+    """The run's requests as it gave them: arrival, prompt and output length, SLOs, estimated length."""
+    return [TraceSimRequest(f"r{i}", arrival, len(r.prompt_ids), r.output_len, ttft_slo_ms=t.ttft_slo_ms,
+                            tbt_slo_ms=t.tbt_slo_ms, predicted_output_len=t.predicted_output_len,
+                            sent_max_tokens=sent_max_tokens)
+            for i, (r, arrival, t) in enumerate(zip(requests, stats.arrivals, stats.targets))]
+
+
+def simulated(stats: RunStats, requests: list[TraceRequest], sent_max_tokens: int, engine: Configured,
+              cost: StepCost) -> tuple[RunStats, dict]:
+    """The run replayed through one simulated engine: its requests' token times (an unfinished one
+    has none of its last), its preemptions by strategy, the simulated seconds; and the simulated
+    steps, wall seconds and unfinished requests."""
+    replayed = sim_requests(stats, requests, sent_max_tokens)
+    sim = SimEngine(engine.spec, cost, engine.policies, engine.allocation)
+    start = time.perf_counter()
+    seconds = Cluster({ENGINE: ("both", sim)}).run(replayed)
+    wall = time.perf_counter() - start
+    preemptions = {"recompute": 0, "swap": 0}
+    for _, _, strategy in sim.preemptions:
+        preemptions[strategy] += 1
+    served = [Served(r.arrival, list(r.token_times), r.preemptions) for r in replayed]
+    return (RunStats(served, preemptions, seconds, stats.arrivals, stats.targets, []),
+            {"steps": sim.steps, "wall_s": wall, "unfinished": sum(r.finished_at is None for r in replayed)})
+
+
+@dataclasses.dataclass
+class Variation:
+    suffix: str     # of its keys
+    label: str
+    cost: StepCost
+    stats: RunStats
+    info: dict      # simulated steps, wall seconds, unfinished requests
+
+
+def simulate_variations(measured: Measured, method: str, stats: RunStats, calibrated: StepCost,
+                        in_process: StepCost) -> list[Variation]:
+    """The replay with the calibrated step cost, then with one assumption varied at a time: the
+    calibrated cost scaled to the run's own steps' total (the machine's speed in that run, the
+    calibration's shape), the run's own steps' cost (the best the cost's form reaches), the
+    in-process profile's; and the run's own cost SENSITIVITY faster and slower (what a figure's
+    error does with a small error in the step cost)."""
+    own, _ = fit_engine_steps(stats.steps)
+    plans = [("", "simulated", calibrated),
+             ("_rescaled", "calibrated, rescaled to the run",
+              scaled(calibrated, step_time_ratio(calibrated, stats.steps))),
+             ("_own_steps", "the run's own steps", own), ("_in_process", "in-process steps", in_process),
+             *((f"_own_steps_x{f:g}", f"the run's own steps x {f:g}", scaled(own, f))
+               for f in (1 - SENSITIVITY, 1 + SENSITIVITY))]
+    high, engine = measured.trace.output.high, measured.engines[method]
+    return [Variation(suffix, label, cost, *simulated(stats, measured.requests, high, engine, cost))
+            for suffix, label, cost in plans]
+
+
+def scaled(cost: StepCost, factor: float) -> StepCost:
+    return StepCost(*(factor * getattr(cost, term) for term in TERMS))
+
+
+# -- the figures ----------------------------------------------------------------------------------
+
+
+def figures(stats: RunStats) -> dict[str, float]:
+    """P50 and P90 TTFT, mean TPOT (each request's first to last token over its gaps, averaged) and
+    P90 end to end, in seconds, over the requests that finished (all, measured)."""
+    done = [s for s in stats.served if s.times]
+    ttft = [s.ttft for s in done]
+    tpot = [(s.times[-1] - s.times[0]) / (len(s.times) - 1) for s in done if len(s.times) > 1]
+    e2e = [s.times[-1] - s.arrival for s in done]
+    if not done:
+        return dict.fromkeys(FIGURES, math.nan)
+    return {"p50_ttft": float(np.percentile(ttft, 50)), "p90_ttft": float(np.percentile(ttft, 90)),
+            "mean_tpot": float(np.mean(tpot)) if tpot else math.nan, "p90_e2e": float(np.percentile(e2e, 90))}
+
+
+def key_name(method: str) -> str:
+    """A method's name in keys: the ablations' `/CKA` as `no_cka`, `+VG` as `with_vg`."""
+    return method.replace("/", "no_").replace("+", "with_").lower()
+
+
+# -- the result -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Replayed:
+    method: str
+    fraction: float
+    stats: RunStats
+    variations: list[Variation]
+
+
+def _result(quick: bool, shape: Shape, measured: Measured, replays: list[Replayed], calibrated: StepCost,
+            fit: dict) -> BenchResult:
+    rows, ratios, targets, tables, runs = [], {}, {}, {}, {}
+    for r in replays:
+        rate = measured.rates[shape.fractions.index(r.fraction)]
+        where = f"{r.method} at {r.fraction:g} x capacity ({rate:.1f} req/s)"
+        name = f"{key_name(r.method)}_{r.fraction:g}"
+        real, found = figures(r.stats), {v.suffix: figures(v.stats) for v in r.variations}
+        metrics = {"measured": cacheopt.metrics_of(r.stats, measured.slos),
+                   **{v.label: _metrics(v.stats, measured.slos) for v in r.variations}}
+        table = tables.setdefault(r.method, {label: {n: [] for n in FIGURES} for label in PLOTTED})
+        for label, values, stats in (("measured", real, r.stats),
+                                     *((v.label, found[v.suffix], v.stats) for v in r.variations)):
+            if label in PLOTTED:
+                rows.append(Row(compared=label, path=where, cells=_cells(values, metrics[label], stats)))
+                for n in FIGURES:
+                    table[label][n].append(values[n])
+        low, high = (found[f"_own_steps_x{f:g}"] for f in (1 - SENSITIVITY, 1 + SENSITIVITY))
+        for n in FIGURES:
+            key = f"sim_error_{n}_{name}"
+            ratios |= {f"{key}{suffix}": relative_error(values[n], real[n]) for suffix, values in found.items()}
+            ratios[f"sim_elasticity_{n}_{name}"] = (high[n] - low[n]) / found["_own_steps"][n] / (2 * SENSITIVITY)
+            if n in TARGETED:
+                targets[key] = TARGET
+        rows.append(Row(compared="relative error", path=where,
+                        cells={f"{n.replace('_', ' ')} ms": ratios[f"sim_error_{n}_{name}"] for n in FIGURES}))
+        runs[name] = _run_config(r, calibrated, metrics)
+    worst = max(targets, key=lambda k: ratios[k] if not math.isnan(ratios[k]) else math.inf)
+    met = sum(1 for k in targets if not math.isnan(ratios[k]) and ratios[k] <= TARGET)
+    engines = {m: {**dataclasses.asdict(c.spec), "policies": c.policies, "allocation": dataclasses.asdict(c.allocation)}
+               for m, c in measured.engines.items()}
+    config = {"requests_per_run": shape.requests, "train_requests": shape.train, "torch_threads": shape.threads,
+              "rate_fractions_of_capacity": list(shape.fractions), "capacity_rps": measured.capacity_rps,
+              "rates_rps": measured.rates, "methods": [m.name for m in shape.methods], "engines": engines,
+              "slos": {"mean_ttft_ms": measured.slos.mean_ttft_ms, "mean_tbt_ms": measured.slos.mean_tbt_ms},
+              "calibration": {"fraction_of_capacity": CALIBRATION_FRACTION, "seed": CALIBRATION_SEED,
+                              "steps": len(measured.calibration.steps), "step_cost": dataclasses.asdict(calibrated),
+                              "fit": fit, "preemptions": measured.calibration.preemptions},
+              "in_process_profile": PROFILE, "sensitivity": SENSITIVITY, "runs": runs}
+    plot_path = plot(list(shape.fractions), "offered rate / block baseline's capacity", tables,
+                     f"tiny, {shape.threads} thread(s), bench cacheopt's runs: measured vs simulated "
+                     f"(calibrated on the block baseline at {CALIBRATION_FRACTION:g} x capacity)", PLOT)
+    return BenchResult(
+        bench="sim_cacheopt", quick=quick, ratios=ratios, targets=targets, ceilings={},
+        directions=dict.fromkeys(targets, "<="), config=config, rows=rows, plots=[plot_path],
+        headline=f"the simulator, calibrated on the in-process engine's steps, against bench cacheopt's "
+                 f"{', '.join(m.name for m in shape.methods)} at {', '.join(f'{f:g}' for f in shape.fractions)} x "
+                 f"capacity: {met} of {len(targets)} errors within {TARGET:.0%}; the largest {worst} = "
+                 f"{ratios[worst]:.2f}")
+
+
+def _metrics(stats: RunStats, slos: cacheopt.Slos) -> cacheopt.Metrics | None:
+    """CacheOpt's figures of a run, unless a request of it did not finish."""
+    return cacheopt.metrics_of(stats, slos) if all(s.times for s in stats.served) else None
+
+
+def _cells(values: dict[str, float], metrics: cacheopt.Metrics | None, stats: RunStats) -> dict[str, float]:
+    return {**{f"{n.replace('_', ' ')} ms": values[n] * 1e3 for n in FIGURES},
+            "p99 TBT ms": metrics.p99_tbt_ms if metrics else math.nan,
+            "SLO": metrics.slo_attainment if metrics else math.nan,
+            "preempt": float(sum(stats.preemptions.values()))}
+
+
+def _run_config(r: Replayed, calibrated: StepCost, metrics: dict[str, cacheopt.Metrics | None]) -> dict:
+    steps = r.stats.steps
+    return {
+        "measured_steps": len(steps),
+        "step_ms_mean_measured": float(np.mean([s["seconds"] for s in steps])) * 1e3 if steps else math.nan,
+        "step_time_ratio_calibrated": step_time_ratio(calibrated, steps),
+        "preemptions_measured": r.stats.preemptions,
+        "variations": {v.suffix or "calibrated": {"label": v.label, "step_cost": dataclasses.asdict(v.cost),
+                                                  "preemptions": v.stats.preemptions, **v.info}
+                       for v in r.variations},
+        "cacheopt_figures": {label: None if m is None else dataclasses.asdict(m) for label, m in metrics.items()},
+    }
