@@ -26,6 +26,8 @@ class SimRequest:
     ttft_slo_ms: float | None = None
     tbt_slo_ms: float | None = None
     predicted_output_len: int | None = None
+    predicted_output_low: int | None = None     # the predicted range's lower bound (LayerKV Eq. 1)
+    predicted_output_median: int | None = None  # and its median (LayerKV Eq. 5)
     kv_elsewhere: int = 0            # decode role: leading tokens whose KV another engine holds, to pull
     hold_kv: bool = False            # prefill role: its KV stays held for a decode engine when it ends
     num_computed: int = 0            # tokens whose KV is in the cache
@@ -85,6 +87,8 @@ class SimRequest:
                            num_generated=self.num_generated, max_tokens=self.max_tokens,
                            blocks_per_layer=self.blocks_per_layer, tier=self.tier, preemptions=self.preemptions,
                            tbt_slo_ms=self.tbt_slo_ms, predicted_output_len=self.predicted_output_len,
+                           predicted_output_low=self.predicted_output_low,
+                           predicted_output_median=self.predicted_output_median,
                            ttft_slo_ms=self.ttft_slo_ms, allocation=self.allocation,
                            last_token_at=times[-1] if times else None,
                            last_token_gap_s=times[-1] - times[-2] if len(times) > 1 else None,

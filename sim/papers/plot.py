@@ -3,7 +3,7 @@ the papers draw them. Only the experiment's own points (no variation) are drawn.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -11,11 +11,17 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from .sweep import Outcome  # noqa: E402
+from .sweep import Outcome, Point  # noqa: E402
 
 
-def plot(outcomes: Sequence[Outcome], panels: Sequence[tuple[str, str, float]], title: str, path: Path) -> str:
-    """`panels`: (figure key, axis label, scale: 1e3 for seconds shown in ms); a row each."""
+def by_rate(point: Point) -> tuple[float, str]:
+    return point.rate, "rate per engine (req/s)"
+
+
+def plot(outcomes: Sequence[Outcome], panels: Sequence[tuple[str, str, float]], title: str, path: Path,
+         axis: Callable[[Point], tuple[float, str]] = by_rate) -> str:
+    """`panels`: (figure key, axis label, scale: 1e3 for seconds shown in ms); a row each. `axis`: a
+    point's x and its label (a paper's own, e.g. LayerKV's context length)."""
     own = [o for o in outcomes if not o.point.variant]
     workloads = list(dict.fromkeys(o.point.workload for o in own))
     series = list(dict.fromkeys(o.point.series for o in own))
@@ -25,12 +31,12 @@ def plot(outcomes: Sequence[Outcome], panels: Sequence[tuple[str, str, float]], 
         for column, workload in enumerate(workloads):
             ax = axes[row][column]
             for name in series:
-                points = sorted((o.point.rate, o.figures[key] * scale) for o in own if o.point.workload == workload
-                                and o.point.series == name and o.figures[key] is not None)
+                points = sorted((axis(o.point)[0], o.figures[key] * scale) for o in own if o.point.workload ==
+                                workload and o.point.series == name and o.figures.get(key) is not None)
                 if points:
                     ax.plot(*zip(*points), marker="o", label=name)
             ax.set_title(f"{workload}: {label}", fontsize=10)
-            ax.set_xlabel("rate per engine (req/s)")
+            ax.set_xlabel(next(axis(o.point)[1] for o in own if o.point.workload == workload))
             ax.set_ylabel(label)
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7)

@@ -14,10 +14,10 @@ import math
 from pathlib import Path
 
 from ..hardware import load_deployment
-from . import cacheopt, contract, kvdirect, sweep
-from .plot import plot
+from . import cacheopt, contract, kvdirect, layerkv, sweep
+from .plot import by_rate, plot
 
-PAPERS = {"kvdirect": kvdirect, "cacheopt": cacheopt}
+PAPERS = {"kvdirect": kvdirect, "cacheopt": cacheopt, "layerkv": layerkv}
 
 
 def run(name: str, quick: bool, rates: str | None, requests: int | None, seed: int, profile: str | None,
@@ -46,7 +46,8 @@ def run(name: str, quick: bool, rates: str | None, requests: int | None, seed: i
           f"({speed['sim_per_wall']:.0f} simulated s per wall s)")
     if plot_path is None and json_path is not None:
         plot_path = json_path.with_suffix(".png")
-    plots = [plot(outcomes, paper.PANELS, paper.TITLE, plot_path)] if plot_path is not None else []
+    plots = [plot(outcomes, paper.PANELS, paper.TITLE, plot_path, getattr(paper, "axis", by_rate))] \
+        if plot_path is not None else []
     if json_path is not None:
         config = {"paper": name, "profile": deployment.name, "rates_per_engine": list(chosen),
                   "requests_per_point": per_point, "seed": seed, "speed": speed,
