@@ -14,10 +14,10 @@ import math
 from pathlib import Path
 
 from ..hardware import load_deployment
-from . import cacheopt, contract, kvdirect, layerkv, sweep
+from . import cacheopt, car, contract, kvdirect, layerkv, sweep
 from .plot import by_rate, plot
 
-PAPERS = {"kvdirect": kvdirect, "cacheopt": cacheopt, "layerkv": layerkv}
+PAPERS = {"kvdirect": kvdirect, "cacheopt": cacheopt, "layerkv": layerkv, "car": car}
 
 
 def run(name: str, quick: bool, rates: str | None, requests: int | None, seed: int, profile: str | None,
