@@ -65,7 +65,10 @@ def result(name: str, quick: bool, headlines: Sequence[Headline], outcomes: Sequ
 def row(outcome: Outcome) -> dict:
     point, figures = outcome.point, outcome.figures
     cells = {"rate per engine": point.rate, "p90 e2e s": figures["e2e_p90_s"], "mean e2e s": figures["e2e_mean_s"],
-             "p90 ttft s": figures["ttft_p90_s"], "p90 tbt ms": _ms(figures["tbt_p90_s"]),
+             "p90 ttft s": figures["ttft_p90_s"], "mean ttft s": figures["ttft_mean_s"],
+             "p99 ttft s": figures.get("ttft_p99_s"), "p90 tbt ms": _ms(figures["tbt_p90_s"]),
+             "tpot mean ms": _ms(figures["tpot_mean_s"]), "slo violations": figures.get("slo_violation"),
+             "tokens per s": figures["throughput_tok_s"],
              "transfer share": figures["transfer_share"], "unfinished": figures["unfinished"],
              "sim per wall": figures["sim_per_wall"]}
     variant = f" ({point.variant})" if point.variant else ""
