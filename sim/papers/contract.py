@@ -67,6 +67,8 @@ def row(outcome: Outcome) -> dict:
     cells = {"rate per engine": point.rate, "p90 e2e s": figures["e2e_p90_s"], "mean e2e s": figures["e2e_mean_s"],
              "p90 ttft s": figures["ttft_p90_s"], "mean ttft s": figures["ttft_mean_s"],
              "p99 ttft s": figures.get("ttft_p99_s"), "p90 tbt ms": _ms(figures["tbt_p90_s"]),
+             "p99 tbt ms": _ms(figures.get("tbt_p99_s")), "p99 longest gap ms": _ms(figures.get("tbt_max_p99_s")),
+             "normalised latency ms": _ms(figures.get("normalised_latency_s")), "preemptions": figures.get("preemptions"),
              "tpot mean ms": _ms(figures["tpot_mean_s"]), "slo violations": figures.get("slo_violation"),
              "tokens per s": figures["throughput_tok_s"],
              "transfer share": figures["transfer_share"], "unfinished": figures["unfinished"],
