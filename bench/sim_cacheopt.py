@@ -36,38 +36,29 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from pathlib import Path
 
-import msgspec
 import numpy as np
 import torch
 from rich.progress import Progress
 
 from kvmesh.libs.messages.engine import Targets
-from kvmesh.policies.allocation import AllocationParams
-from kvmesh.policies.views import RequestView
-from kvmesh.services.engine.native.engine import Engine
 from kvmesh.services.predictor.encoder import encoder
-from kvmesh.sim.cluster import Cluster
-from kvmesh.sim.engine import HOOKS, EngineSpec, SimEngine
 from kvmesh.sim.fit import fit_engine_steps
-from kvmesh.sim.request import SimRequest
-from kvmesh.sim.step_cost import TERMS, StepCost, load_profile
+from kvmesh.sim.step_cost import StepCost, load_profile
 
 from . import cacheopt
-from .cacheopt_serving import RunStats, Served, capacity, replay
+from .cacheopt_serving import RunStats, capacity, replay
 from .instruction_trace import TraceRequest
 from .loadgen import poisson_arrivals
 from .report import BenchResult, Row
-from .sim_validation import FIGURES, TARGET, TARGETED, plot, relative_error, step_time_ratio
+from .sim_replay import SENSITIVITY, Configured, Variation, configured, figures, keys, variations
+from .sim_validation import FIGURES, TARGET, plot, step_time_ratio
 
 CALIBRATION_FRACTION = 0.9  # of capacity: between the validated rates, so its steps range from one request to batches
 CALIBRATION_SEED = 11       # its requests and arrivals (the sweep's: requests seed 1, arrivals seed 2)
 PROFILE = "tiny-cpu-bfloat16-1t"  # the in-process profile (kvmesh sim calibrate), the `_in_process` variation's
 PLOT = Path("bench-results/sim_cacheopt.png")
-ENGINE = "engine-c0"
-SENSITIVITY = 0.05          # the own-steps cost this much faster and slower: each figure's elasticity to the step cost
 PLOTTED = ("measured", "simulated", "calibrated, rescaled to the run", "the run's own steps")
 
 
@@ -97,7 +88,8 @@ def run(quick: bool) -> BenchResult:
     for (method, rate), stats in measured.runs.items():
         fraction = shape.fractions[measured.rates.index(rate)]
         replays.append(Replayed(method, fraction, stats,
-                                simulate_variations(measured, method, stats, calibrated, in_process)))
+                                variations(stats, measured.requests, measured.trace.output.high,
+                                           measured.engines[method], calibrated, in_process)))
     return _result(quick, shape, measured, replays, calibrated, fit)
 
 
@@ -141,119 +133,6 @@ def measure(shape: Shape) -> Measured:
     return Measured(trace, requests, per_s, rates, calibration, runs, engines, slos)
 
 
-# -- the simulated engine -------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Configured:
-    spec: EngineSpec
-    policies: dict[str, str]
-    allocation: AllocationParams
-
-
-def configured(engine: Engine) -> Configured:
-    """The simulated engine as `engine` is: its pools, block size and bytes, token budget and
-    sequence limit, the policies of the hooks the simulator runs, the ledger's parameters; a swap
-    copies each way at half the round trip's rate the engine's swap profile fitted (L_s's slope)."""
-    blocks, scheduler = engine.blocks, engine.scheduler
-    device, cxl = blocks.pools["device"], blocks.pools.get("cxl")
-    curves = engine.swap_profile.curves if engine.swap_profile else None
-    swap = {}
-    if curves is not None and curves.swap.g > 0:
-        per_s = 2 * device.shape.bytes * blocks.num_layers / blocks.block_size / curves.swap.g
-        swap = {"swap_out_bytes_per_s": per_s, "swap_in_bytes_per_s": per_s}
-    spec = EngineSpec(block_size=blocks.block_size, num_layers=blocks.num_layers, device_blocks=device.num_blocks,
-                      max_num_seqs=scheduler.max_num_seqs, token_budget=scheduler.token_budget,
-                      cxl_blocks=cxl.num_blocks if cxl else 0, block_bytes=device.shape.bytes, **swap)
-    return Configured(spec, {h: n for h, n in scheduler.policies.names.items() if h in HOOKS}, scheduler.ledger.params)
-
-
-@dataclasses.dataclass(eq=False)
-class TraceSimRequest(SimRequest):
-    """A request of the trace: it ends at its trace length (`max_tokens`, where the simulator ends
-    it) while the policies read the max_tokens it was sent with, the trace's longest (no policy can
-    read its true length from it, as in bench cacheopt's replay)."""
-
-    sent_max_tokens: int = 0
-
-    def view(self) -> RequestView:
-        return msgspec.structs.replace(super().view(), max_tokens=self.sent_max_tokens)
-
-
-def sim_requests(stats: RunStats, requests: list[TraceRequest], sent_max_tokens: int) -> list[TraceSimRequest]:
-    """The run's requests as it gave them: arrival, prompt and output length, SLOs, estimated length."""
-    return [TraceSimRequest(f"r{i}", arrival, len(r.prompt_ids), r.output_len, ttft_slo_ms=t.ttft_slo_ms,
-                            tbt_slo_ms=t.tbt_slo_ms, predicted_output_len=t.predicted_output_len,
-                            sent_max_tokens=sent_max_tokens)
-            for i, (r, arrival, t) in enumerate(zip(requests, stats.arrivals, stats.targets))]
-
-
-def simulated(stats: RunStats, requests: list[TraceRequest], sent_max_tokens: int, engine: Configured,
-              cost: StepCost) -> tuple[RunStats, dict]:
-    """The run replayed through one simulated engine: its requests' token times (an unfinished one
-    has none of its last), its preemptions by strategy, the simulated seconds; and the simulated
-    steps, wall seconds and unfinished requests."""
-    replayed = sim_requests(stats, requests, sent_max_tokens)
-    sim = SimEngine(engine.spec, cost, engine.policies, engine.allocation)
-    start = time.perf_counter()
-    seconds = Cluster({ENGINE: ("both", sim)}).run(replayed)
-    wall = time.perf_counter() - start
-    preemptions = {"recompute": 0, "swap": 0}
-    for _, _, strategy in sim.preemptions:
-        preemptions[strategy] += 1
-    served = [Served(r.arrival, list(r.token_times), r.preemptions) for r in replayed]
-    return (RunStats(served, preemptions, seconds, stats.arrivals, stats.targets, []),
-            {"steps": sim.steps, "wall_s": wall, "unfinished": sum(r.finished_at is None for r in replayed)})
-
-
-@dataclasses.dataclass
-class Variation:
-    suffix: str     # of its keys
-    label: str
-    cost: StepCost
-    stats: RunStats
-    info: dict      # simulated steps, wall seconds, unfinished requests
-
-
-def simulate_variations(measured: Measured, method: str, stats: RunStats, calibrated: StepCost,
-                        in_process: StepCost) -> list[Variation]:
-    """The replay with the calibrated step cost, then with one assumption varied at a time: the
-    calibrated cost scaled to the run's own steps' total (the machine's speed in that run, the
-    calibration's shape), the run's own steps' cost (the best the cost's form reaches), the
-    in-process profile's; and the run's own cost SENSITIVITY faster and slower (what a figure's
-    error does with a small error in the step cost)."""
-    own, _ = fit_engine_steps(stats.steps)
-    plans = [("", "simulated", calibrated),
-             ("_rescaled", "calibrated, rescaled to the run",
-              scaled(calibrated, step_time_ratio(calibrated, stats.steps))),
-             ("_own_steps", "the run's own steps", own), ("_in_process", "in-process steps", in_process),
-             *((f"_own_steps_x{f:g}", f"the run's own steps x {f:g}", scaled(own, f))
-               for f in (1 - SENSITIVITY, 1 + SENSITIVITY))]
-    high, engine = measured.trace.output.high, measured.engines[method]
-    return [Variation(suffix, label, cost, *simulated(stats, measured.requests, high, engine, cost))
-            for suffix, label, cost in plans]
-
-
-def scaled(cost: StepCost, factor: float) -> StepCost:
-    return StepCost(*(factor * getattr(cost, term) for term in TERMS))
-
-
-# -- the figures ----------------------------------------------------------------------------------
-
-
-def figures(stats: RunStats) -> dict[str, float]:
-    """P50 and P90 TTFT, mean TPOT (each request's first to last token over its gaps, averaged) and
-    P90 end to end, in seconds, over the requests that finished (all, measured)."""
-    done = [s for s in stats.served if s.times]
-    ttft = [s.ttft for s in done]
-    tpot = [(s.times[-1] - s.times[0]) / (len(s.times) - 1) for s in done if len(s.times) > 1]
-    e2e = [s.times[-1] - s.arrival for s in done]
-    if not done:
-        return dict.fromkeys(FIGURES, math.nan)
-    return {"p50_ttft": float(np.percentile(ttft, 50)), "p90_ttft": float(np.percentile(ttft, 90)),
-            "mean_tpot": float(np.mean(tpot)) if tpot else math.nan, "p90_e2e": float(np.percentile(e2e, 90))}
-
-
 def key_name(method: str) -> str:
     """A method's name in keys: the ablations' `/CKA` as `no_cka`, `+VG` as `with_vg`."""
     return method.replace("/", "no_").replace("+", "with_").lower()
@@ -287,13 +166,9 @@ def _result(quick: bool, shape: Shape, measured: Measured, replays: list[Replaye
                 rows.append(Row(compared=label, path=where, cells=_cells(values, metrics[label], stats)))
                 for n in FIGURES:
                     table[label][n].append(values[n])
-        low, high = (found[f"_own_steps_x{f:g}"] for f in (1 - SENSITIVITY, 1 + SENSITIVITY))
-        for n in FIGURES:
-            key = f"sim_error_{n}_{name}"
-            ratios |= {f"{key}{suffix}": relative_error(values[n], real[n]) for suffix, values in found.items()}
-            ratios[f"sim_elasticity_{n}_{name}"] = (high[n] - low[n]) / found["_own_steps"][n] / (2 * SENSITIVITY)
-            if n in TARGETED:
-                targets[key] = TARGET
+        run_ratios, run_targets = keys(name, r.stats, r.variations)
+        ratios |= run_ratios
+        targets |= run_targets
         rows.append(Row(compared="relative error", path=where,
                         cells={f"{n.replace('_', ' ')} ms": ratios[f"sim_error_{n}_{name}"] for n in FIGURES}))
         runs[name] = _run_config(r, calibrated, metrics)

@@ -13,13 +13,16 @@ import pytest
 
 from kvmesh.bench import cacheopt
 from kvmesh.bench import sim_cacheopt as bench
+from kvmesh.bench import sim_replay
 from kvmesh.bench.cacheopt_serving import RunStats, Served
 from kvmesh.bench.loadgen import poisson_arrivals
 from kvmesh.bench.report import BenchResult, save
+from kvmesh.bench.sim_validation import FIGURES, TARGETED
 from kvmesh.libs.messages.engine import Targets
 from kvmesh.policies.allocation import AllocationParams
 from kvmesh.sim.engine import HOOKS, EngineSpec
-from kvmesh.sim.step_cost import StepCost
+from kvmesh.sim.fit import fit_engine_steps
+from kvmesh.sim.step_cost import StepCost, load_profile
 
 from .quick import BENCH_TIMEOUT, quick_bench
 
@@ -27,7 +30,7 @@ TRACE = cacheopt.TRACES["instructions"]
 REQUESTS = TRACE.requests(12, seed=1)
 HIGH = TRACE.output.high
 TRUTH = StepCost(a=2e-3, b=5e-5, c=8e-5, d=3e-7, e=1e-7)
-ENGINE = bench.Configured(EngineSpec(block_size=16, num_layers=4, device_blocks=4096, token_budget=2048),
+ENGINE = sim_replay.Configured(EngineSpec(block_size=16, num_layers=4, device_blocks=4096, token_budget=2048),
                           {"kv_allocation": "block_at_a_time"}, AllocationParams(reserved_blocks=0))
 
 
@@ -56,7 +59,7 @@ def fake_run(rate: float, factor: float = 1.0, targets: list[Targets] | None = N
 
 def test_a_replayed_request_is_the_runs_request_as_it_was_given():
     run = fake_run(8)
-    replayed = bench.sim_requests(run, REQUESTS, HIGH)
+    replayed = sim_replay.sim_requests(run, REQUESTS, HIGH)
     assert [(r.request_id, r.arrival, r.prompt_len, r.max_tokens) for r in replayed] == \
         [(f"r{i}", a, len(q.prompt_ids), q.output_len) for i, (q, a) in enumerate(zip(REQUESTS, run.arrivals))]
     assert [(r.ttft_slo_ms, r.tbt_slo_ms, r.predicted_output_len) for r in replayed] == \
@@ -66,13 +69,13 @@ def test_a_replayed_request_is_the_runs_request_as_it_was_given():
 
 
 def test_every_request_runs_to_its_trace_length():
-    simulated, info = bench.simulated(fake_run(8), REQUESTS, HIGH, ENGINE, TRUTH)
+    simulated, info = sim_replay.simulated(fake_run(8), REQUESTS, HIGH, ENGINE, TRUTH)
     assert [len(s.times) for s in simulated.served] == [r.output_len for r in REQUESTS]
     assert info["unfinished"] == 0 and info["steps"] > 0
 
 
 def test_the_simulated_engine_is_the_methods_engine():
-    coopt = bench.configured(cacheopt._engine(TRACE, cacheopt.MAIN[3]))
+    coopt = sim_replay.configured(cacheopt._engine(TRACE, cacheopt.MAIN[3]))
     blocks = cacheopt.pool_blocks(TRACE, cacheopt.BLOCK_SIZE)
     assert (coopt.spec.device_blocks, coopt.spec.cxl_blocks, coopt.spec.block_size, coopt.spec.num_layers) == \
         (4 * blocks, 8 * blocks, cacheopt.BLOCK_SIZE, 4)
@@ -97,21 +100,21 @@ def measured() -> bench.Measured:
 def test_the_result_has_every_methods_and_rates_keys_and_keeps_the_contract(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run = measured()
-    calibrated, fit = bench.fit_engine_steps(run.calibration.steps)
+    calibrated, fit = fit_engine_steps(run.calibration.steps)
     assert calibrated.a == pytest.approx(TRUTH.a, rel=1e-6)
-    in_process = bench.load_profile(bench.PROFILE)
+    in_process = load_profile(bench.PROFILE)
     replays = [bench.Replayed(m, bench.QUICK.fractions[run.rates.index(rate)], stats,
-                              bench.simulate_variations(run, m, stats, calibrated, in_process))
+                              sim_replay.variations(stats, REQUESTS, HIGH, ENGINE, calibrated, in_process))
                for (m, rate), stats in run.runs.items()]
     result = bench._result(True, bench.QUICK, run, replays, calibrated, fit)
     assert isinstance(result, BenchResult)
     for method in ("block", "rlp", "s3", "cacheopt"):
         for fraction in bench.QUICK.fractions:
-            for name in bench.FIGURES:
+            for name in FIGURES:
                 key = f"sim_error_{name}_{method}_{fraction:g}"
                 assert {key, f"{key}_rescaled", f"{key}_own_steps", f"{key}_in_process",
                         f"sim_elasticity_{name}_{method}_{fraction:g}"} <= result.ratios.keys()
-                assert (key in result.targets) is (name in bench.TARGETED)
+                assert (key in result.targets) is (name in TARGETED)
     assert set(result.directions.values()) == {"<="}
     assert all(not math.isnan(v) for v in result.ratios.values())
     runs = result.config["runs"].values()
