@@ -120,41 +120,11 @@ class Slos:
 
 def run(quick: bool) -> BenchResult:
     torch.set_num_threads(1 if quick else THREADS)  # quick: the suite's smoke run, beside another worker
-    contexts = (LONGEST,) if quick else CONTEXTS
-    rates_b = RATES_B[2:3] if quick else RATES_B
-    n_a, n_b = (4, 12) if quick else (32, 96)
-    repeats = 1 if quick else CAPACITY_RUNS
-    slo = _slos(probes=1 if quick else 3)
-    embed = encoder()
-    a: dict[tuple[str, int], Metrics] = {}
-    b: dict[tuple[str, float], Metrics] = {}
-    profile: list[LayerProfile] = []
-    with Progress(transient=True) as progress:
-        runs = n_a * len(contexts) + n_b * len(rates_b)
-        task = progress.add_task("layerkv: capacity", total=repeats * (n_a + n_b) + len(METHODS) * runs)
-        advance = lambda: progress.advance(task)  # noqa: E731
-        longest = fixed(n_a, LONGEST, seed=1)
-        rate_a = RATE_A * _capacity(longest, advance, repeats)
-        trace = instruction_trace("serve", n_b, output_scale=B_OUTPUT_SCALE, seed=2)
-        b_max = max(r.output_len for r in trace)
-        b_predictor = trained_predictor(instruction_trace("train", output_scale=B_OUTPUT_SCALE), embed)
-        capacity_b = _capacity(trace, advance, repeats)
-        for context in contexts:
-            requests = longest if context == LONGEST else fixed(n_a, context, seed=1)
-            a_predictor = trained_predictor(fixed(n_a, context, seed=100), embed)
-            told = targets(predict(a_predictor, requests, OUTPUT_LEN, rate_a), OUTPUT_LEN, slo.ttft_ms, slo.tpot_ms)
-            arrivals = poisson_arrivals(n_a, rate_a, seed=3)
-            for method in METHODS:
-                progress.update(task, description=f"A: {method}, {context}-token prompts at {rate_a:.2f} req/s")
-                a[(method, context)] = _serve(method, requests, arrivals, told, slo, profile, advance)
-        predicted_b: dict[float, list[Prediction]] = {}
-        for share in rates_b:
-            predicted_b[share] = predict(b_predictor, trace, b_max, share * capacity_b)
-            told = targets(predicted_b[share], b_max, slo.ttft_ms, slo.tpot_ms)
-            arrivals = poisson_arrivals(n_b, share * capacity_b, seed=4)
-            for method in METHODS:
-                progress.update(task, description=f"B: {method} at {share * capacity_b:.2f} req/s")
-                b[(method, share)] = _serve(method, trace, arrivals, told, slo, profile, advance)
+    served = sweep(quick)
+    contexts, rates_b, slo, rate_a, capacity_b = (served.contexts, served.rates_b, served.slo, served.rate_a,
+                                                  served.capacity_b)
+    a, b, trace, predicted_b, profile = served.a, served.b, served.trace, served.predicted_b, served.profile
+    n_a, n_b = served.n_a, served.n_b
     at = next((s for s in rates_b if b[("fcfs", s)].violation_rate >= 0.5), rates_b[-1])
     ratios = {}
     for method, suffix in (("layerkv", ""), ("layerkv-noslo", "_noslo")):
@@ -203,6 +173,69 @@ def run(quick: bool) -> BenchResult:
                   f"{at * capacity_b:.2f} req/s: {ratios['violation_rate_drop']:.0f} points fewer SLO violations"))
 
 
+@dataclass
+class Sweep:
+    """What run() serves and measures: A at each context and B at each rate, every method; each run's
+    requests and what the replay recorded of it (for bench sim_layerkv) by (method, "A <context>" or
+    "B <share>x")."""
+
+    contexts: tuple[int, ...]
+    rates_b: tuple[float, ...]
+    n_a: int                  # requests in each run of A
+    n_b: int                  # and of B
+    slo: Slos
+    rate_a: float
+    capacity_b: float
+    trace: list[TraceRequest]
+    predicted_b: dict[float, list[Prediction]]
+    profile: list[LayerProfile]
+    a: dict[tuple[str, int], Metrics]
+    b: dict[tuple[str, float], Metrics]
+    runs: dict[tuple[str, str], Run]
+
+
+def sweep(quick: bool) -> Sweep:
+    contexts = (LONGEST,) if quick else CONTEXTS
+    rates_b = RATES_B[2:3] if quick else RATES_B
+    n_a, n_b = (4, 12) if quick else (32, 96)
+    repeats = 1 if quick else CAPACITY_RUNS
+    slo = _slos(probes=1 if quick else 3)
+    embed = encoder()
+    a: dict[tuple[str, int], Metrics] = {}
+    b: dict[tuple[str, float], Metrics] = {}
+    runs: dict[tuple[str, str], Run] = {}
+    profile: list[LayerProfile] = []
+    with Progress(transient=True) as progress:
+        served = n_a * len(contexts) + n_b * len(rates_b)
+        task = progress.add_task("layerkv: capacity", total=repeats * (n_a + n_b) + len(METHODS) * served)
+        advance = lambda: progress.advance(task)  # noqa: E731
+        longest = fixed(n_a, LONGEST, seed=1)
+        rate_a = RATE_A * _capacity(longest, advance, repeats)
+        trace = instruction_trace("serve", n_b, output_scale=B_OUTPUT_SCALE, seed=2)
+        b_max = max(r.output_len for r in trace)
+        b_predictor = trained_predictor(instruction_trace("train", output_scale=B_OUTPUT_SCALE), embed)
+        capacity_b = _capacity(trace, advance, repeats)
+        for context in contexts:
+            requests = longest if context == LONGEST else fixed(n_a, context, seed=1)
+            a_predictor = trained_predictor(fixed(n_a, context, seed=100), embed)
+            told = targets(predict(a_predictor, requests, OUTPUT_LEN, rate_a), OUTPUT_LEN, slo.ttft_ms, slo.tpot_ms)
+            arrivals = poisson_arrivals(n_a, rate_a, seed=3)
+            for method in METHODS:
+                progress.update(task, description=f"A: {method}, {context}-token prompts at {rate_a:.2f} req/s")
+                a[(method, context)], runs[(method, f"A {context}")] = \
+                    _serve(method, requests, arrivals, told, slo, profile, advance)
+        predicted_b: dict[float, list[Prediction]] = {}
+        for share in rates_b:
+            predicted_b[share] = predict(b_predictor, trace, b_max, share * capacity_b)
+            told = targets(predicted_b[share], b_max, slo.ttft_ms, slo.tpot_ms)
+            arrivals = poisson_arrivals(n_b, share * capacity_b, seed=4)
+            for method in METHODS:
+                progress.update(task, description=f"B: {method} at {share * capacity_b:.2f} req/s")
+                b[(method, share)], runs[(method, f"B {share:g}x")] = \
+                    _serve(method, trace, arrivals, told, slo, profile, advance)
+    return Sweep(contexts, rates_b, n_a, n_b, slo, rate_a, capacity_b, trace, predicted_b, profile, a, b, runs)
+
+
 # -- engines --------------------------------------------------------------------------------------
 
 def _config(method: str) -> EngineConfig:
@@ -234,8 +267,11 @@ def _engine(method: str, profile: list[LayerProfile]) -> Engine:
     return engine
 
 
+Run = tuple[list[TraceRequest], RunStats]  # a run's requests, and what the replay recorded of it
+
+
 def _serve(method: str, requests: list[TraceRequest], arrivals: np.ndarray, told: list[Targets], slo: Slos,
-           profile: list[LayerProfile], advance: Callable[[], None]) -> Metrics:
+           profile: list[LayerProfile], advance: Callable[[], None]) -> tuple[Metrics, Run]:
     engine = _engine(method, profile)
     try:
         stats = replay(engine, requests, arrivals, told, max(r.output_len for r in requests), advance)
@@ -244,7 +280,7 @@ def _serve(method: str, requests: list[TraceRequest], arrivals: np.ndarray, told
         if engine.runner.staging is not None:
             engine.runner.staging.close()
     offloaded = engine.scheduler.layers_offloaded
-    return _metrics(stats, slo, offloaded["admitted"] + offloaded["forecast"], offloaded["restored"])
+    return _metrics(stats, slo, offloaded["admitted"] + offloaded["forecast"], offloaded["restored"]), (requests, stats)
 
 
 def _assert_all_blocks_free(engine: Engine, method: str) -> None:
