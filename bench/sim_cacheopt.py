@@ -26,10 +26,13 @@ Keys, for each method m and rate r (the fraction of capacity), each a relative e
 |simulated - measured| / measured over the run's requests:
   sim_error_{p90_ttft,mean_tpot,p90_e2e}_<m>_<r>: target <= 0.15 each;
   sim_error_p50_ttft_<m>_<r>: reported, no target.
-Information, the same keys with a suffix, one assumption varied at a time: `_own_steps`, each run's
-step cost fitted to its own steps (the best the cost's form reaches); `_in_process`, the in-process
-profile (PROFILE: Engine.step timed alone at a few shapes). CacheOpt's own figures beside them:
-P99 TBT and SLO attainment, measured and simulated, and each method's preemptions.
+Information, the same keys with a suffix, one assumption varied at a time (bench/sim_replay.py):
+`_rescaled`, the calibrated cost scaled to the run's own steps' total (the machine's speed in that
+run); `_own_steps`, each run's step cost fitted to its own steps (the best the cost's form
+reaches); `_relative_fit`, the calibration fitted in relative error; `_in_process`, the in-process
+profile (PROFILE: Engine.step timed alone at a few shapes); and sim_elasticity_<figure>_<m>_<r>,
+a figure's relative change over the step cost's. CacheOpt's own figures beside them: P99 TBT and
+SLO attainment, measured and simulated, and each method's preemptions.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ from .cacheopt_serving import RunStats, capacity, replay
 from .instruction_trace import TraceRequest
 from .loadgen import poisson_arrivals
 from .report import BenchResult, Row
-from .sim_replay import SENSITIVITY, Configured, Variation, configured, figures, keys, variations
+from .sim_replay import (SENSITIVITY, Configured, Variation, configured, figures, keys, relative_fit,
+                         variations)
 from .sim_validation import FIGURES, TARGET, plot, step_time_ratio
 
 CALIBRATION_FRACTION = 0.9  # of capacity: between the validated rates, so its steps range from one request to batches
@@ -83,13 +87,14 @@ def run(quick: bool) -> BenchResult:
     torch.set_num_threads(shape.threads)
     measured = measure(shape)
     calibrated, fit = fit_engine_steps(measured.calibration.steps)
-    in_process = load_profile(PROFILE)
+    others = [("_relative_fit", "calibration fitted in relative error", relative_fit(measured.calibration.steps)),
+              ("_in_process", "in-process steps", load_profile(PROFILE))]
     replays = []
     for (method, rate), stats in measured.runs.items():
         fraction = shape.fractions[measured.rates.index(rate)]
         replays.append(Replayed(method, fraction, stats,
                                 variations(stats, measured.requests, measured.trace.output.high,
-                                           measured.engines[method], calibrated, in_process)))
+                                           measured.engines[method], calibrated, others)))
     return _result(quick, shape, measured, replays, calibrated, fit)
 
 

@@ -18,8 +18,11 @@ This bench runs the same sweep (bench.layerkv.sweep; `--quick` its quick shape: 
      compute (a side stream, as on a GPU); the CPU engine here copies them inline, in its steps.
 Keys, for each method m (fcfs, layerkv_noslo, layerkv) and run (a<context>, b<share>x):
   sim_error_{p90_ttft,mean_tpot,p90_e2e}_<m>_<run>: target <= 0.15; sim_error_p50_ttft_...: no target.
-Information: `_rescaled`, `_own_steps` (as bench sim_cacheopt's), sim_elasticity_...; the layers
-each run offloaded, measured and simulated. With 4 and 12 requests a run, a P90 is one request's.
+Information, one assumption varied at a time: `_rescaled`, `_own_steps` (as bench sim_cacheopt's),
+`_relative_fit` (the calibration's steps fitted in relative error, each step alike: short prefills
+weigh as much as the 1536-token ones), `_inline_copies` (LayerKV's engines: a staged layer's copies
+in its step, as the CPU engine copies, not overlapped); sim_elasticity_...; the layers each run
+offloaded, measured and simulated. With 4 and 12 requests a run, a P90 is one request's.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ from .cacheopt_serving import RunStats, replay
 from .instruction_trace import instruction_trace
 from .layerkv_traces import fixed
 from .report import BenchResult, Row
-from .sim_replay import SENSITIVITY, Configured, Variation, configured, figures, keys, variations
+from .sim_replay import (SENSITIVITY, Configured, Variation, configured, figures, keys, relative_fit,
+                         variations)
 from .sim_validation import FIGURES, TARGET, plot, step_time_ratio
 
 CALIBRATION_SEED = 11   # its requests (the sweep's: A seed 1, B seed 2)
@@ -54,8 +58,9 @@ def run(quick: bool) -> BenchResult:
     served = layerkv.sweep(quick)
     engines = {method: configured_engine(method, served.profile) for method in layerkv.METHODS}
     calibrated, fit = fit_engine_steps(calibration.steps)
+    others = [("_relative_fit", "calibration fitted in relative error", relative_fit(calibration.steps))]
     replays = {(method, name): (stats, variations(stats, requests, max(r.output_len for r in requests),
-                                                  engines[method], calibrated))
+                                                  engines[method], calibrated, others))
                for (method, name), (requests, stats) in served.runs.items()}
     return _result(quick, served, engines, calibration, calibrated, fit, replays)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Sequence
 
 import msgspec
 import numpy as np
@@ -16,8 +17,8 @@ from kvmesh.policies.allocation import AllocationParams
 from kvmesh.policies.views import RequestView
 from kvmesh.services.engine.native.engine import Engine
 from kvmesh.sim.cluster import Cluster
-from kvmesh.sim.engine import HOOKS, EngineSpec, SimEngine
-from kvmesh.sim.fit import fit_engine_steps
+from kvmesh.sim.engine import HOOKS, EngineSpec, SimEngine, Step
+from kvmesh.sim.fit import fit_engine_steps, fit_step_cost
 from kvmesh.sim.request import SimRequest
 from kvmesh.sim.step_cost import TERMS, StepCost
 
@@ -96,13 +97,23 @@ def sim_requests(stats: RunStats, requests: list[TraceRequest], sent_max_tokens:
             for i, (r, arrival, t) in enumerate(zip(requests, stats.arrivals, stats.targets))]
 
 
+class InlineCopies(SimEngine):
+    """The simulated engine copying a staged layer's KV within its step, before and after the
+    layer's compute, as the native engine on a CPU does (layer_copy_thread off): the copies add to
+    the step rather than overlap it (sim/staging_time.py, a GPU's side stream)."""
+
+    def seconds(self, step: Step) -> float:
+        copies = sum(load + write for load, write in step.staged.values())
+        return super().seconds(dataclasses.replace(step, staged={})) + copies
+
+
 def simulated(stats: RunStats, requests: list[TraceRequest], sent_max_tokens: int, engine: Configured,
-              cost: StepCost) -> tuple[RunStats, dict]:
-    """The run replayed through one simulated engine: its requests' token times (an unfinished one
-    has none of its last), its preemptions by strategy, the simulated seconds; and the simulated
-    steps, wall seconds, unfinished requests and layers offloaded (LayerKV)."""
+              cost: StepCost, kind: type[SimEngine] = SimEngine) -> tuple[RunStats, dict]:
+    """The run replayed through one simulated engine (of `kind`): its requests' token times (an
+    unfinished one has none of its last), its preemptions by strategy, the simulated seconds; and
+    the simulated steps, wall seconds, unfinished requests and layers offloaded (LayerKV)."""
     replayed = sim_requests(stats, requests, sent_max_tokens)
-    sim = SimEngine(engine.spec, cost, engine.policies, engine.allocation)
+    sim = kind(engine.spec, cost, engine.policies, engine.allocation)
     start = time.perf_counter()
     seconds = Cluster({ENGINE: ("both", sim)}).run(replayed)
     wall = time.perf_counter() - start
@@ -125,22 +136,31 @@ class Variation:
 
 
 def variations(stats: RunStats, requests: list[TraceRequest], sent_max_tokens: int, engine: Configured,
-               calibrated: StepCost, in_process: StepCost | None = None) -> list[Variation]:
+               calibrated: StepCost, others: Sequence[tuple[str, str, StepCost]] = ()) -> list[Variation]:
     """The replay with the calibrated step cost, then with one assumption varied at a time: the
     calibrated cost scaled to the run's own steps' total (the machine's speed in that run, the
-    calibration's shape), the run's own steps' cost (the best the cost's form reaches), the
-    in-process profile's (when there is one); and the run's own cost SENSITIVITY faster and slower
-    (what a figure's error does with a small error in the step cost)."""
+    calibration's shape), the run's own steps' cost (the best the cost's form reaches), each of
+    `others` (suffix, label, cost), and with layer-wise offloading the staged layers' copies
+    inline, not overlapped; and the run's own cost SENSITIVITY faster and slower (what a figure's
+    error does with a small error in the step cost)."""
     own, _ = fit_engine_steps(stats.steps)
-    plans = [("", "simulated", calibrated),
+    plans = [("", "simulated", calibrated, SimEngine),
              ("_rescaled", "calibrated, rescaled to the run",
-              scaled(calibrated, step_time_ratio(calibrated, stats.steps))),
-             ("_own_steps", "the run's own steps", own),
-             *([("_in_process", "in-process steps", in_process)] if in_process is not None else []),
-             *((f"_own_steps_x{f:g}", f"the run's own steps x {f:g}", scaled(own, f))
+              scaled(calibrated, step_time_ratio(calibrated, stats.steps)), SimEngine),
+             ("_own_steps", "the run's own steps", own, SimEngine),
+             *((suffix, label, cost, SimEngine) for suffix, label, cost in others),
+             *([("_inline_copies", "copies inline", calibrated, InlineCopies)] if engine.spec.staging_cap else []),
+             *((f"_own_steps_x{f:g}", f"the run's own steps x {f:g}", scaled(own, f), SimEngine)
                for f in (1 - SENSITIVITY, 1 + SENSITIVITY))]
-    return [Variation(suffix, label, cost, *simulated(stats, requests, sent_max_tokens, engine, cost))
-            for suffix, label, cost in plans]
+    return [Variation(suffix, label, cost, *simulated(stats, requests, sent_max_tokens, engine, cost, kind))
+            for suffix, label, cost, kind in plans]
+
+
+def relative_fit(steps: list[dict]) -> StepCost:
+    """The step cost fitted to `steps` minimising the relative error (each step counts alike), not
+    the error in seconds: the short steps' shape weighs as much as the long ones'."""
+    shapes = [(s["prefill_tokens"], s["decode_tokens"], s["decode_context"], s["prefill_context"]) for s in steps]
+    return fit_step_cost(shapes, [s["seconds"] for s in steps], relative=True)[0]
 
 
 def scaled(cost: StepCost, factor: float) -> StepCost:

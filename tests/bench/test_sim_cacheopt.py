@@ -102,9 +102,9 @@ def test_the_result_has_every_methods_and_rates_keys_and_keeps_the_contract(tmp_
     run = measured()
     calibrated, fit = fit_engine_steps(run.calibration.steps)
     assert calibrated.a == pytest.approx(TRUTH.a, rel=1e-6)
-    in_process = load_profile(bench.PROFILE)
+    others = [("_in_process", "in-process steps", load_profile(bench.PROFILE))]
     replays = [bench.Replayed(m, bench.QUICK.fractions[run.rates.index(rate)], stats,
-                              sim_replay.variations(stats, REQUESTS, HIGH, ENGINE, calibrated, in_process))
+                              sim_replay.variations(stats, REQUESTS, HIGH, ENGINE, calibrated, others))
                for (m, rate), stats in run.runs.items()]
     result = bench._result(True, bench.QUICK, run, replays, calibrated, fit)
     assert isinstance(result, BenchResult)

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvmesh.bench import layerkv
 from kvmesh.bench import sim_layerkv as bench
 from kvmesh.bench.cacheopt_serving import RunStats, Served
 from kvmesh.bench.layerkv_traces import fixed
-from kvmesh.bench.sim_replay import sim_requests
+from kvmesh.bench.sim_replay import InlineCopies, sim_requests
 from kvmesh.libs.messages.engine import Targets
+from kvmesh.sim.engine import EngineSpec, SimEngine, Step
+from kvmesh.sim.step_cost import StepCost
 
 from .quick import BENCH_TIMEOUT, quick_bench
 
@@ -40,6 +43,14 @@ def test_a_replayed_request_carries_its_predicted_range():
     views = [r.view() for r in sim_requests(stats, requests, 128)]
     assert [(v.predicted_output_low, v.predicted_output_median, v.max_tokens) for v in views] == \
         [(80, 90, 128), (81, 91, 128)]
+
+
+def test_inline_copies_add_to_the_step_instead_of_overlapping_it():
+    spec = EngineSpec(num_layers=4, device_blocks=512, cxl_blocks=1024, block_bytes=1024, staging_cap=64)
+    cost = StepCost(a=0.04, b=0.0, c=0.0, d=0.0, e=0.0)  # 10 ms a layer
+    step = Step(staged={0: (0.002, 0.001), 2: (0.002, 0.001)})
+    assert SimEngine(spec, cost).seconds(step) < 0.04 + 0.006  # the copies hide behind the compute but the ends
+    assert InlineCopies(spec, cost).seconds(step) == pytest.approx(0.04 + 0.006)
 
 
 def test_a_runs_name_in_keys():
