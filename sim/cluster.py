@@ -18,9 +18,10 @@ last frame comes after the writes); then the prefill engine frees its blocks and
 runs from its last prompt token. `transfer_s` is then what the writes add after the prefill.
 
 An engine whose next steps are all decodes that change nothing but the requests' lengths (and end
-some) takes them as one decode run (decode_run.py), cut short when a request is added to it, a pull
-lands or routing reads its load;
-`max_run_steps` 0 steps every engine one step at a time (the same events, slower)."""
+some) takes them as one decode run (decode_run.py): an arrival joins it when the scheduler's decision
+about it is known, anything else added to the engine (or a pull landing) cuts it short, and a
+heartbeat reads the load it has reached without cutting it; `max_run_steps` 0 steps every engine one
+step at a time (the same events, slower)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,6 @@ class Member:
     report: EngineLoad | None = None  # its load at its last heartbeat
     routed: int = 0                   # routes sent here since then
     routed_blocks: int = 0            # device blocks their prompts take
-    view: EngineView | None = None    # as routing last saw it: kept until a report or a route changes it
     run: DecodeRun | None = None      # the decode run it is in
 
 
@@ -87,6 +87,10 @@ class Cluster:
         self.events = EventQueue()
         self.reported_at: float | None = None  # the heartbeat the engines' reports are from (all alike)
         self.members = {engine_id: Member(role, engine) for engine_id, (role, engine) in engines.items()}
+        # Each engine as routing last saw it, in the members' order: a report renews them all, a route
+        # the one it went to.
+        self.views: list[EngineView] = []
+        self.slots = {engine_id: i for i, engine_id in enumerate(self.members)}
         self.routing = routing
         self.route = registry.resolve(routing)
         self.routing_state = RoutingState()
@@ -127,10 +131,11 @@ class Cluster:
             raise RuntimeError(f"routing policy {self.routing!r} found no engine for {request.request_id}")
         for engine_id in (decision.prefill, decision.decode, decision.engine):
             if engine_id is not None:
-                self._routed(self.members[engine_id], request.prompt_len)
+                self._routed(engine_id, request.prompt_len)
         if decision.mode == "colocated" or request.max_tokens == 1:
             engine_id = decision.engine or decision.prefill
-            self._settled(engine_id).add(request)
+            if not self._joined(engine_id, request):
+                self._settled(engine_id).add(request)
             return [engine_id]
         part = SimRequest(request.request_id, request.arrival, request.prompt_len, 1, request.ttft_slo_ms,
                           request.tbt_slo_ms, request.predicted_output_len, hold_kv=True)
@@ -230,7 +235,7 @@ class Cluster:
             run = decode_run.plan(member.engine, events.now, self.max_run_steps) if self.max_run_steps else None
             if run is not None:
                 member.run, member.busy = run, True
-                events.schedule(run.end, RUN_DONE, (engine_id, run, len(run.ends)))
+                events.schedule(run.end, RUN_DONE, (engine_id, run, run.version))
                 break
             step = member.engine.schedule(events.now)
             for part in step.pulls:
@@ -248,32 +253,52 @@ class Cluster:
                 break
         return prefills
 
-    def _run_done(self, engine_id: str, run: DecodeRun, steps: int) -> list[str]:
-        """The last step a decode run has costed out ended (unless the run was cut since: then its new
-        end is due): it goes on, or it is applied and the engine schedules as usual."""
+    def _run_done(self, engine_id: str, run: DecodeRun, version: int) -> list[str]:
+        """The last step a decode run has costed out ended (unless the run was cut or joined since: then
+        its new end is due): it goes on, or it is applied and the engine schedules as usual."""
         member = self.members[engine_id]
-        if member.run is not run or len(run.ends) != steps:
+        if member.run is not run or run.version != version:
             return []
-        if run.more:  # uncut so far: cost out twice as many steps again
-            run.extend(run.end, steps)
-            self.events.schedule(run.end, RUN_DONE, (engine_id, run, len(run.ends)))
+        if run.more:  # uncut so far: cost out more steps
+            run.go_on()
+            self.events.schedule(run.end, RUN_DONE, (engine_id, run, run.version))
             return []
+        steps = len(run.ends)
         self._ended(decode_run.apply(member.engine, run, steps, steps))
         member.run, member.busy = None, False
         return [engine_id]
+
+    def _joined(self, engine_id: str, request: SimRequest) -> bool:
+        """Whether the request joined the engine's decode run (decode_run.py: the common arrival)."""
+        run = self.members[engine_id].run
+        if run is None:
+            return False
+        version = run.version
+        joined = run.join(self.members[engine_id].engine, request, self.events.now)
+        if run.version != version:  # costed again, or further: its end is due at its new last step
+            self.events.schedule(run.end, RUN_DONE, (engine_id, run, run.version))
+        return joined
 
     def _settled(self, engine_id: str) -> SimEngine:
         """The engine, its decode run (if any) cut after the step in progress and applied through it
         (those the step ends leave at its end): what it is about to be told changes its batch from the
         next step on."""
-        member = self.members[engine_id]
-        run = member.run
+        run = self.members[engine_id].run
         if run is not None:
             steps = run.in_progress(self.events.now)
             shorter = steps < len(run.ends)
             run.cut(steps)  # it ends with the step in progress, whatever it could have gone on to
             if shorter:
-                self.events.schedule(run.end, RUN_DONE, (engine_id, run, steps))
+                self.events.schedule(run.end, RUN_DONE, (engine_id, run, run.version))
+        return self._caught_up(engine_id)
+
+    def _caught_up(self, engine_id: str) -> SimEngine:
+        """The engine as a single step would have it now: its decode run (if any) applied through the
+        step in progress, and not cut (a heartbeat reads the engine's load and changes nothing)."""
+        member = self.members[engine_id]
+        run = member.run
+        if run is not None:
+            steps = run.in_progress(self.events.now)
             self._ended(decode_run.apply(member.engine, run, steps, steps - 1))
         return member.engine
 
@@ -298,35 +323,33 @@ class Cluster:
         since counted as waiting and their prompts' blocks as taken."""
         if self.reported_at is None or now - self.reported_at >= self.heartbeat_s:
             self._report(now)
-        views = []
-        for engine_id, member in self.members.items():
-            if member.view is None:
-                engine, report = member.engine, member.report
-                load = EngineLoad(free_device_blocks=max(0, report.free_device_blocks - member.routed_blocks),
-                                  total_device_blocks=report.total_device_blocks,
-                                  waiting=report.waiting + member.routed, running=report.running)
-                member.view = EngineView(id=engine_id, role=member.role, model=MODEL, load=load,
-                                         block_size=engine.spec.block_size,
-                                         kv_layout=(engine.spec.block_size, engine.spec.num_layers))
-            views.append(member.view)
-        return views
+        return self.views.copy()  # the policy's own: routes change the cluster's in place
+
+    def _view(self, engine_id: str) -> EngineView:
+        member = self.members[engine_id]
+        engine, report = member.engine, member.report
+        load = EngineLoad(free_device_blocks=max(0, report.free_device_blocks - member.routed_blocks),
+                          total_device_blocks=report.total_device_blocks,
+                          waiting=report.waiting + member.routed, running=report.running)
+        return EngineView(id=engine_id, role=member.role, model=MODEL, load=load, block_size=engine.spec.block_size,
+                          kv_layout=(engine.spec.block_size, engine.spec.num_layers))
 
     def _report(self, now: float) -> None:
         """The engines' heartbeats, every `heartbeat_s` from 0, all at once: each new report replaces
         an engine's last and the routes counted since it."""
         for engine_id, member in self.members.items():
-            engine = self._settled(engine_id)
+            engine = self._caught_up(engine_id)
             member.report = EngineLoad(engine.free, engine.spec.device_blocks, len(engine.waiting), len(engine.running))
             member.routed = member.routed_blocks = 0
-            member.view = None
+        self.views = [self._view(engine_id) for engine_id in self.members]
         self.reported_at = now - (now % self.heartbeat_s if self.heartbeat_s > 0 else 0.0)
 
-    @staticmethod
-    def _routed(member: Member, prompt_tokens: int) -> None:
+    def _routed(self, engine_id: str, prompt_tokens: int) -> None:
+        member = self.members[engine_id]
         spec = member.engine.spec
         member.routed += 1
         member.routed_blocks += blocks_for(prompt_tokens, spec.block_size) * spec.num_layers
-        member.view = None
+        self.views[self.slots[engine_id]] = self._view(engine_id)
 
 
 def build(topology: Topology, spec: EngineSpec, cost: StepCost, policies: Mapping[str, str] | None = None,

@@ -9,16 +9,27 @@ cost summed step by step (in the event loop's own arithmetic, so the times are t
 the requests' tokens, KV, blocks and ends are applied when the run is. This is where a cluster of
 many engines spends most of its steps; taking them together is what makes it fast.
 
-A run is cut by anything that would change the batch (sim/cluster.py): a request added to the
-engine, a pull landing, or a load report routing reads. It is then applied through the step in
-progress, which ends as planned (those it ends leave at its end), and the engine schedules as usual
-after it."""
+A request that arrives during a run joins it (`join`) when the scheduler's one decision about it is
+known too: with FCFS admission and nobody else waiting it is admitted at the next step, its whole
+prompt in that step when the token budget left by the decodes holds it, under the sequence limit,
+and with blocks the run leaves spare for its prompt and its growth. The steps from its admission on
+are costed again with its prefill, then its decodes. This is the common arrival at a busy engine;
+it then costs no scheduler step, and the run goes on.
+
+A run is cut by anything else that would change the batch (sim/cluster.py): a request added to the
+engine that cannot join, or a pull landing. It is then applied through the step in progress, which
+ends as planned (those it ends leave at its end), and the engine schedules as usual after it; a
+request that had joined at a later step is still waiting there, and the scheduler admits it. A load
+report applies a run through the step in progress without cutting it."""
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 
+from kvmesh.policies.iteration import Status
+from kvmesh.policies.prefill_admission import fcfs
+from kvmesh.policies.step_shape import chunk_shape
 from kvmesh.policies.views import blocks_for
 
 from .request import SimRequest
@@ -30,18 +41,36 @@ FIRST_STEPS = 8  # the steps a run's plan costs out at first; it doubles them as
 @dataclass
 class DecodeRun:
     """A run's requests and its steps' ends so far. The ends are costed out as they are needed: most
-    runs are cut after a few steps, so a plan costs what is run of it, not what could be."""
+    runs are cut or joined after a few steps, so a plan costs what is run of it, not what could be.
 
-    requests: list[SimRequest]
-    left: list[int]        # each request's steps in the run: the last one samples its last token
+    Steps are numbered from 0, the run's first. A request decodes at each step from its first decode
+    to its `stop`, exclusive; one that joined is admitted at its `start` and prefills its prompt then.
+    A decode at step j reads its context `base` + j (the base counts back from the step it starts at)."""
+
+    # (request, start, stop) of each request it has not ended: its admission step (0 but for those that
+    # joined) and the step after its last, which samples its last token
+    members: list[tuple[SimRequest, int, int]]
     limit: int             # the steps it may take
     cost: object           # the engine's step cost
-    leaving: list[tuple[int, int]]  # (steps left, context at the first step) of each request, by steps left
+    leaving: list[tuple[int, int]]  # (stop, base) of each request, by stop
+    slack: int             # free blocks, all layers, that its steps leave: what requests joining it may take
+    entering: list[tuple[int, int]] = field(default_factory=list)  # (first decode, base) of those that joined
+    prefills: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # step -> joined prompts' tokens,
+    #                                                                            their context, how many
     ends: list[float] = field(default_factory=list)     # each step's end time, so far
     seconds: list[float] = field(default_factory=list)  # each step's cost, so far
+    batches: list[int] = field(default_factory=list)    # each step's decodes, so far
     applied: int = 0       # steps whose tokens and blocks the requests have
+    version: int = 0       # moves on whenever the steps costed out change: an end event of an older one is stale
+    since: int = 0         # the step the costing last started again from (the plan, a join)
+    _planned: int = 0      # requests decoding from the first step
+    _entered: int = 0      # joined requests decoding by the next step to cost
     _gone: int = 0         # requests that ended before the next step to cost
-    _context: int = 0      # the context of the requests still in it, at the run's first step
+    _context: int = 0      # the bases of the requests decoding at the next step to cost
+
+    def __post_init__(self) -> None:
+        self._planned = len(self.members)
+        self._context = sum(base for _, base in self.leaving)
 
     @property
     def end(self) -> float:
@@ -54,16 +83,31 @@ class DecodeRun:
 
     def extend(self, start: float, steps: int) -> None:
         """Cost out `steps` more steps (within the limit), the first from `start`."""
-        n, t = len(self.leaving), start
+        t, entering, leaving, prefills, seconds = start, self.entering, self.leaving, self.prefills, self.cost.seconds
+        entered, gone, context = self._entered, self._gone, self._context
         for j in range(len(self.ends), min(self.limit, len(self.ends) + steps)):
-            while self.leaving[self._gone][0] <= j:  # it ended at the step before: no longer in the batch
-                self._context -= self.leaving[self._gone][1]
-                self._gone += 1
-            batch = n - self._gone  # each decode reads its whole context; no swaps: nobody is preempted
-            cost = self.cost.seconds(0, batch, self._context + batch * j, 0)
+            while entered < len(entering) and entering[entered][0] <= j:
+                context += entering[entered][1]
+                entered += 1
+            while leaving[gone][0] <= j:  # it ended at the step before: no longer in the batch
+                context -= leaving[gone][1]
+                gone += 1
+            batch = self._planned + entered - gone  # no swaps: nobody is preempted
+            if j in prefills:
+                prompt, pairs, _ = prefills[j]
+                cost = seconds(prompt, batch, context + batch * j, pairs)
+            else:
+                cost = seconds(0, batch, context + batch * j, 0)
             t = t + cost
             self.ends.append(t)
             self.seconds.append(cost)
+            self.batches.append(batch)
+        self._entered, self._gone, self._context = entered, gone, context
+        self.version += 1
+
+    def go_on(self) -> None:
+        """Cost out as many steps again as have passed since the costing last started."""
+        self.extend(self.end, max(FIRST_STEPS, len(self.ends) - self.since))
 
     def in_progress(self, now: float) -> int:
         """How many steps have started by `now` (one ending at `now` counts: what happens at a step's
@@ -72,8 +116,51 @@ class DecodeRun:
 
     def cut(self, steps: int) -> None:
         """Keep only the first `steps` steps."""
-        del self.ends[steps:], self.seconds[steps:]
+        if steps < len(self.ends):
+            self.version += 1
+        del self.ends[steps:], self.seconds[steps:], self.batches[steps:]
         self.limit = steps
+
+    def join(self, engine, request: SimRequest, now: float) -> bool:
+        """Queue the request on the engine to be admitted at the next step, if that step's decision
+        about it is known (the module's docstring), and cost the steps again from there; False (nothing
+        changed) if not."""
+        j = self.in_progress(now)
+        spec, scheduler = engine.spec, engine.scheduler
+        if j >= self.limit or scheduler.policies.prefill_admission is not fcfs or request.hold_kv or \
+                request.awaits_kv or not engine.fits(request):
+            return False
+        if len(self.ends) <= j:
+            self.extend(self.end, j + 1 - len(self.ends))
+        decodes, (prompts, pairs, joining) = self.batches[j], self.prefills.get(j, (0, 0, 0))
+        prompt, stop = request.prompt_len, j + request.max_tokens
+        blocks = blocks_for(prompt + min(self.limit, stop) - j - 1, spec.block_size) * spec.num_layers
+        if spec.token_budget - decodes - prompts < prompt or decodes + joining >= spec.max_num_seqs or \
+                blocks > self.slack:
+            return False
+        engine.add(request)
+        self.slack -= blocks
+        self.members.append((request, j, stop))
+        self._restart(j)
+        base = prompt - j  # its first decode, at j + 1, reads the prompt and its first token
+        insort(self.entering, (j + 1, base))
+        insort(self.leaving, (stop, base))
+        shape = chunk_shape(prompt, 0, prompt)
+        self.prefills[j] = (prompts + shape[0], pairs + shape[3], joining + 1)
+        self.extend(self.ends[j - 1], FIRST_STEPS)
+        return True
+
+    def _restart(self, steps: int) -> None:
+        """Forget the steps costed from `steps` on, to cost them again: the batch goes back to what it
+        was before the first of them."""
+        del self.ends[steps:], self.seconds[steps:], self.batches[steps:]
+        self.since = steps
+        while self._entered and self.entering[self._entered - 1][0] >= steps:
+            self._entered -= 1
+            self._context -= self.entering[self._entered][1]
+        while self._gone and self.leaving[self._gone - 1][0] >= steps:
+            self._gone -= 1
+            self._context += self.leaving[self._gone][1]
 
 
 def plan(engine, now: float, max_steps: int) -> DecodeRun | None:
@@ -87,46 +174,58 @@ def plan(engine, now: float, max_steps: int) -> DecodeRun | None:
     if any(r.num_computed != r.num_tokens - 1 or r.num_computed < r.prompt_len for r in running):
         return None  # someone computes a prompt chunk, or its last prompt token: not a decode
     left = [r.max_tokens - r.num_generated for r in running]
-    steps = _covered(running, left, min(max_steps, max(left)), spec.block_size, spec.num_layers, engine.free)
+    steps, need = _covered(running, left, min(max_steps, max(left)), spec.block_size, spec.num_layers, engine.free)
     if steps < 2:
         return None
     leaving = sorted((steps_left, r.num_computed + 1) for steps_left, r in zip(left, running))
-    run = DecodeRun(list(running), left, steps, engine.cost, leaving, _context=sum(base for _, base in leaving))
+    run = DecodeRun([(r, 0, n) for r, n in zip(running, left)], steps, engine.cost, leaving, engine.free - need)
     run.extend(now, FIRST_STEPS)
     return run
 
 
 def apply(engine, run: DecodeRun, through: int, ended: int) -> list[SimRequest]:
-    """Give the requests the tokens, KV and blocks of the run's steps up to `through`, and end those
-    whose last token came by step `ended` (<= through); the requests it ended."""
-    done, block_size = [], engine.spec.block_size
-    for request, left in zip(run.requests, run.left):
-        first, last = min(run.applied, left), min(through, left)
+    """Give the requests the tokens, KV and blocks of the run's steps up to `through` (admitting those
+    that joined at them), and end those whose last token came by step `ended` (<= through); the
+    requests it ended."""
+    done, block_size, scheduler = [], engine.spec.block_size, engine.scheduler
+    for request, start, stop in run.members:
+        first, last = max(start, min(run.applied, stop)), min(through, stop)
         if last > first:
-            request.num_computed += last - first
+            tokens = last - first
+            if first == start and start:  # it joined: admitted at its start, its prompt computed then
+                scheduler.waiting.remove(request)
+                request.status = Status.RUNNING
+                scheduler.running.append(request)
+                request.scheduled_at = run.ends[start - 1] if request.scheduled_at is None else request.scheduled_at
+                tokens += request.prompt_len - 1
+            request.num_computed += tokens
             request.token_times.extend(run.ends[first:last])
             blocks = blocks_for(request.num_computed, block_size)
-            if blocks > request.blocks_per_layer and not engine.blocks.reserve(request, blocks, last - first):
+            if blocks > request.blocks_per_layer and not engine.blocks.reserve(request, blocks, tokens):
                 raise AssertionError("a decode run's blocks were counted before it started")
-        if left <= ended and request.finished_at is None:
-            engine.finish(request, run.ends[left - 1])
+        if stop <= ended and request.finished_at is None:
+            engine.finish(request, run.ends[stop - 1])
             done.append(request)
-    engine.scheduler.iteration_s.extend(run.seconds[run.applied:through])
+    if done:
+        run.members = [member for member in run.members if member[0].finished_at is None]
+    scheduler.iteration_s.extend(run.seconds[run.applied:through])
     engine.steps += through - run.applied
     run.applied = through
     return done
 
 
 def _covered(running: list[SimRequest], left: list[int], steps: int, block_size: int, num_layers: int,
-             free: int) -> int:
+             free: int) -> tuple[int, int]:
     """The most of `steps` steps whose blocks the free ones cover, counting none that an ending
-    request gives back (so it may stop early, never late: the steps after run one at a time)."""
+    request gives back (so it may stop early, never late: the steps after run one at a time), and the
+    blocks they take."""
     def need(k: int) -> int:
         return num_layers * sum(max(0, blocks_for(r.num_computed + min(k, n), block_size) - r.blocks_per_layer)
                                 for r, n in zip(running, left))
 
-    if need(steps) <= free:
-        return steps
+    total = need(steps)
+    if total <= free:
+        return steps, total
     low, high = 0, steps
     while low < high:
         mid = (low + high + 1) // 2
@@ -134,4 +233,4 @@ def _covered(running: list[SimRequest], left: list[int], steps: int, block_size:
             low = mid
         else:
             high = mid - 1
-    return low
+    return low, need(low)

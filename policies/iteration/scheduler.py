@@ -30,6 +30,7 @@ from ..views import RequestView, blocks_for
 from .hooks import Policies
 from .seams import Blocks, LayeredBlocks, LayeredRequest, Reuse, Schedulable
 from .status import Status
+from .view_list import ViewList
 
 
 @dataclass(frozen=True)
@@ -271,7 +272,7 @@ class Scheduler:
         if not self.waiting:
             return []
         views = {r.request_id: r.view() for r in self.waiting}
-        order = self.policies.prefill_admission(list(views.values()), [r.view() for r in self.running],
+        order = self.policies.prefill_admission(list(views.values()), ViewList(self.running),
                                                 self.blocks.pool_view(), now)
         return [views[i] for i in order]
 

@@ -7,37 +7,52 @@ restarting), colocated. `both` engines never join a pair."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 
 from .views import EngineView, RouteDecision, RouteQuery
 
 Pick = Callable[[Sequence[EngineView], str], EngineView]  # (candidates of one role, role) -> one of them
+ROLES = ("prefill", "decode", "both")
+_by_id = attrgetter("id")
 
 
 def candidates(query: RouteQuery, engines: Sequence[EngineView], role: str) -> list[EngineView]:
     """Engines of `role` that serve the model and are not excluded, by id."""
-    serving = (e for e in engines if e.role == role and e.model == query.model and e.id not in query.exclude)
-    return sorted(serving, key=lambda e: e.id)
+    return _serving(query, engines).get(role, [])
+
+
+def _serving(query: RouteQuery, engines: Sequence[EngineView]) -> dict[str, list[EngineView]]:
+    """Each role's `candidates`, in one pass over the engines (routing runs per request, over every engine)."""
+    roles: dict[str, list[EngineView]] = {role: [] for role in ROLES}
+    model, exclude = query.model, query.exclude
+    for e in engines:
+        if e.model == model and e.id not in exclude:
+            roles.setdefault(e.role, []).append(e)
+    for serving in roles.values():
+        serving.sort(key=_by_id)
+    return roles
 
 
 def choose(query: RouteQuery, engines: Sequence[EngineView], pick_prefill: Pick,
            pick_decode: Pick) -> RouteDecision | None:
     """A pair when the model has prefill and decode engines, else one colocated engine (picked like a
     prefill engine: it prefills too): a `both` engine, else one of a pair's surviving side; else None."""
-    decode = candidates(query, engines, "decode")
+    serving = _serving(query, engines)
+    decode = serving["decode"]
     layouts = {e.kv_layout for e in decode}
-    prefill = [e for e in candidates(query, engines, "prefill") if e.kv_layout in layouts]
+    prefill = [e for e in serving["prefill"] if e.kv_layout in layouts]
     if prefill:
         chosen = pick_prefill(prefill, "prefill")
         partners = [e for e in decode if e.kv_layout == chosen.kv_layout]
         return RouteDecision(prefill=chosen.id, decode=pick_decode(partners, "decode").id,
                              cached_blocks=chosen.cached_blocks)
-    both = candidates(query, engines, "both")
+    both = serving["both"]
     if both:
         engine = pick_prefill(both, "both")
         return RouteDecision(engine=engine.id, cached_blocks=engine.cached_blocks)
     # Every engine can prefill and decode: while a pair's other side is down (its only decode engine
     # restarting, say) the side left serves requests whole, late rather than not at all.
-    left = candidates(query, engines, "prefill") + decode
+    left = serving["prefill"] + decode
     if left:
         engine = pick_prefill(left, "left")
         return RouteDecision(engine=engine.id, cached_blocks=engine.cached_blocks)

@@ -100,3 +100,51 @@ def test_one_engine_alone_is_the_same_with_runs():
     cluster = build(Topology.parse("colocated:1"), EngineSpec(), COST, routing="round_robin", max_run_steps=0)
     cluster.run(again)
     assert [r.token_times for r in requests] == [r.token_times for r in again]
+
+
+def decoding(spec: EngineSpec, *requests: SimRequest) -> SimEngine:
+    """An engine whose requests computed their prompts at 0.01 (one step) and decode from there."""
+    engine = SimEngine(spec, COST)
+    for request in requests:
+        engine.add(request)
+    engine.complete(engine.schedule(0.0), 0.01)
+    return engine
+
+
+def test_an_arrival_joins_a_run_at_the_next_step_and_prefills_its_whole_prompt_then():
+    """Two requests decode (contexts 9 and 9 at the run's first step); c, a prompt of 6 and 3 tokens,
+    arrives during the second step: the third computes its prompt (6 tokens, 21 query-key pairs)
+    beside the two decodes, and it decodes in the fourth and fifth (reading 7, then 8)."""
+    first, second, late = SimRequest("a", 0.0, 8, 12), SimRequest("b", 0.0, 8, 10), SimRequest("c", 0.015, 6, 3)
+    engine = decoding(EngineSpec(block_size=4, device_blocks=64), first, second)
+    run = decode_run.plan(engine, 0.01, max_steps=100)
+    assert run.join(engine, late, run.ends[1] - 1e-4)
+    assert late in engine.waiting and run.limit == 11
+    run.extend(run.end, 100)
+    costs = [COST.seconds(0, 2, 18, 0), COST.seconds(0, 2, 20, 0), COST.seconds(6, 2, 22, 21),
+             COST.seconds(0, 3, 24 + 7, 0), COST.seconds(0, 3, 26 + 8, 0)] + \
+        [COST.seconds(0, 2, 18 + 2 * j, 0) if j < 9 else COST.seconds(0, 1, 9 + j, 0) for j in range(5, 11)]
+    t, ends = 0.01, []
+    for cost in costs:
+        t = t + cost
+        ends.append(t)
+    assert run.ends == ends
+
+    assert decode_run.apply(engine, run, 2, 2) == [] and late in engine.waiting  # not admitted yet
+    assert decode_run.apply(engine, run, 5, 5) == [late]
+    assert late.scheduled_at == ends[1] and late.token_times == ends[2:5] and late.finished_at == ends[4]
+    assert late.num_computed == 8 and late not in engine.waiting and late not in engine.running
+    assert engine.steps == 6 and list(engine.scheduler.iteration_s) == [engine.scheduler.iteration_s[0], *costs[:5]]
+
+
+def test_an_arrival_the_step_cannot_take_whole_does_not_join():
+    """A token budget of 8 leaves 6 beside two decodes: a prompt of 7 would be chunked, which is the
+    scheduler's to do (the run is cut instead); nor does one join past the sequence limit."""
+    engine = decoding(EngineSpec(block_size=4, device_blocks=64, token_budget=8, max_num_seqs=3),
+                      SimRequest("a", 0.0, 4, 12), SimRequest("b", 0.0, 4, 10))
+    run = decode_run.plan(engine, 0.01, max_steps=100)
+    ends, version = list(run.ends), run.version
+    assert not run.join(engine, SimRequest("c", 0.01, 7, 3), 0.012)
+    assert run.ends == ends and run.version == version and not engine.waiting
+    assert run.join(engine, SimRequest("d", 0.01, 5, 3), 0.012)
+    assert not run.join(engine, SimRequest("e", 0.01, 1, 3), 0.012)  # a, b and d: the limit of 3
