@@ -25,7 +25,7 @@ step at a time (the same events, slower)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from kvmesh.policies.routing import registry
@@ -98,9 +98,11 @@ class Cluster:
         self.links: dict[tuple[str, str], Link] = {}
         self.handoffs: dict[str, Handoff] = {}
 
-    def run(self, requests: Iterable[SimRequest]) -> float:
+    def run(self, requests: Iterable[SimRequest], routed: Callable[[SimRequest], None] | None = None) -> float:
         """Route and serve every request; the simulated time when the last event happened. A request
-        an engine can never hold stays unfinished (its finished_at None)."""
+        an engine can never hold stays unfinished (its finished_at None). `routed`, if given, is
+        called with each request once it is routed and handed to its engine (bench sim_scale times
+        the arrival window with it)."""
         self.events = events = EventQueue()
         self.reported_at = None
         for request in requests:
@@ -109,6 +111,8 @@ class Cluster:
             event = events.pop()
             if event.kind == ARRIVAL:
                 touched = self._arrive(event.payload)
+                if routed is not None:
+                    routed(event.payload)
             elif event.kind == STEP_DONE:
                 touched = self._step_done(*event.payload, events)
             elif event.kind == RUN_DONE:
