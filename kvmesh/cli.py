@@ -125,9 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     sim_run.add_argument("--json", dest="json_path", type=Path, help="also write the results here")
     paper = sim_commands.add_parser("paper", help="a paper's main experiment at its own scale, its headlines beside "
                                                   "the simulated ones (docs/sim.md)")
-    paper.add_argument("name", help="the paper: kvdirect")
+    paper.add_argument("name", help="the paper: kvdirect, cacheopt, layerkv or car")
     paper.add_argument("--quick", action="store_true", help="few requests, two rates, no variations")
-    paper.add_argument("--rates", help="rates per engine, req/s, comma-separated (default: the paper's)")
+    paper.add_argument("--rates", help="rates per engine, req/s, comma-separated (cacheopt: fractions of its "
+                                       "Table 1's rates; default: the paper's)")
     paper.add_argument("--requests", type=_positive, help="requests a simulation (default: the paper's)")
     paper.add_argument("--seed", type=int, default=0, help="arrivals and lengths (%(default)s)")
     paper.add_argument("--profile", help="the deployment profile in sim/profiles (default: the paper's)")

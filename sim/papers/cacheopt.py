@@ -42,11 +42,11 @@ from kvmesh.policies.allocation import AllocationParams
 
 from ..engine import SimEngine
 from ..hardware import Deployment
+from ..link import KVGeometry
 from ..metrics import summarise
 from ..request import SimRequest
 from ..simulate import simulate as simulate_engine
 from ..step_cost import StepCost
-from ..link import KVGeometry
 from ..topology import Topology
 from ..workload import Lengths
 from . import sweep
