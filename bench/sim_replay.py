@@ -45,6 +45,8 @@ def configured(engine: Engine) -> Configured:
     slope), else sim's default. With layer-wise offloading on, the staging area and Eq. 5's
     parameters are the scheduler's, and Eq. 3 and 4's fits the engine's profile."""
     blocks, scheduler = engine.blocks, engine.scheduler
+    if blocks.prefix_caching:  # the simulator's prefix cache names blocks by content; the replay gives none
+        raise ValueError("a replayed request carries no block names: an engine with a prefix cache is not replayed")
     device, cxl = blocks.pools["device"], blocks.pools.get("cxl")
     spec = EngineSpec(block_size=blocks.block_size, num_layers=blocks.num_layers, device_blocks=device.num_blocks,
                       max_num_seqs=scheduler.max_num_seqs, token_budget=scheduler.token_budget,
@@ -54,6 +56,7 @@ def configured(engine: Engine) -> Configured:
 
 
 def copy_rates(engine: Engine) -> dict[str, float]:
+    """The spec's copy bandwidths each way, as configured() says; none (sim's default) unmeasured."""
     layers, swap = engine.layer_profile, engine.swap_profile
     if layers is not None and layers.offload_cost is not None:
         per_s = layers.offload_cost.bandwidth_bytes_per_s

@@ -19,6 +19,8 @@ from kvmesh.bench.loadgen import poisson_arrivals
 from kvmesh.bench.report import BenchResult, save
 from kvmesh.bench.sim_validation import FIGURES, TARGETED
 from kvmesh.libs.messages.engine import Targets
+from kvmesh.services.engine.config import EngineConfig
+from kvmesh.services.engine.native.factory import build_engine
 from kvmesh.policies.allocation import AllocationParams
 from kvmesh.sim.engine import HOOKS, EngineSpec
 from kvmesh.sim.fit import fit_engine_steps
@@ -140,3 +142,9 @@ def test_sim_cacheopt_bench_replays_bench_cacheopts_runs_and_writes_the_contract
     assert all(run["measured_steps"] > 0 for run in result["config"]["runs"].values())
     assert {row["compared"] for row in result["rows"]} >= {"measured", "simulated", "relative error"}
     assert Path(tmp_path / result["plots"][0]).stat().st_size > 0
+
+
+def test_an_engine_with_a_prefix_cache_is_refused_not_replayed_without_it():
+    engine = build_engine(EngineConfig(model="tiny", device_blocks=256, prefix_caching=True))
+    with pytest.raises(ValueError, match="prefix cache"):
+        sim_replay.configured(engine)
