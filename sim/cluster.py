@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from kvmesh.policies.routing import registry
+from kvmesh.policies.routing.table import EngineTable
 from kvmesh.policies.routing.views import EngineLoad, EngineView, RouteQuery, RoutingState
 from kvmesh.policies.views import blocks_for
 
@@ -87,10 +88,8 @@ class Cluster:
         self.events = EventQueue()
         self.reported_at: float | None = None  # the heartbeat the engines' reports are from (all alike)
         self.members = {engine_id: Member(role, engine) for engine_id, (role, engine) in engines.items()}
-        # Each engine as routing last saw it, in the members' order: a report renews them all, a route
-        # the one it went to.
-        self.views: list[EngineView] = []
-        self.slots = {engine_id: i for i, engine_id in enumerate(self.members)}
+        # Each engine as routing last saw it: a report renews them all, a route the one it went to.
+        self.table = EngineTable()
         self.routing = routing
         self.route = registry.resolve(routing)
         self.routing_state = RoutingState()
@@ -321,13 +320,13 @@ class Cluster:
     def _link(self, handoff: Handoff) -> Link:
         return self.links.setdefault((handoff.prefill, handoff.decode), Link())
 
-    def _views(self, now: float) -> list[EngineView]:
+    def _views(self, now: float) -> EngineTable:
         """Each engine as the scheduler sees it (services/scheduler/cluster.py): its load at its last
         heartbeat (free device blocks, waiting and running requests), with the routes sent to it
         since counted as waiting and their prompts' blocks as taken."""
         if self.reported_at is None or now - self.reported_at >= self.heartbeat_s:
             self._report(now)
-        return self.views.copy()  # the policy's own: routes change the cluster's in place
+        return self.table.snapshot()  # the policy's own: routes change the cluster's table
 
     def _view(self, engine_id: str) -> EngineView:
         member = self.members[engine_id]
@@ -345,7 +344,7 @@ class Cluster:
             engine = self._caught_up(engine_id)
             member.report = EngineLoad(engine.free, engine.spec.device_blocks, len(engine.waiting), len(engine.running))
             member.routed = member.routed_blocks = 0
-        self.views = [self._view(engine_id) for engine_id in self.members]
+        self.table.reset(self._view(engine_id) for engine_id in self.members)
         self.reported_at = now - (now % self.heartbeat_s if self.heartbeat_s > 0 else 0.0)
 
     def _routed(self, engine_id: str, prompt_tokens: int) -> None:
@@ -353,7 +352,7 @@ class Cluster:
         spec = member.engine.spec
         member.routed += 1
         member.routed_blocks += blocks_for(prompt_tokens, spec.block_size) * spec.num_layers
-        self.views[self.slots[engine_id]] = self._view(engine_id)
+        self.table.update(self._view(engine_id))
 
 
 def build(topology: Topology, spec: EngineSpec, cost: StepCost, policies: Mapping[str, str] | None = None,

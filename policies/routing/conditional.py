@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .least_loaded import least_loaded
+from .table import EngineTable
 from .views import EngineView, RouteDecision, RouteQuery, RoutingState
 
 # Requests waiting on the prefill engine (reported, plus routed there since) from which a decode
@@ -26,8 +27,8 @@ def conditional(query: RouteQuery, engines: Sequence[EngineView],
     decision, state = least_loaded(query, engines, state)
     if decision is None or decision.mode == "colocated":
         return decision, state
-    views = {e.id: e for e in engines}
-    prefill, decode = views[decision.prefill], views[decision.decode]
+    find = engines.get if isinstance(engines, EngineTable) else {e.id: e for e in engines}.__getitem__
+    prefill, decode = find(decision.prefill), find(decision.decode)
     if prefill.load.waiting >= MAX_PREFILL_QUEUE and decode.load.waiting == 0:
         return RouteDecision(engine=decode.id, cached_blocks=decode.cached_blocks), state
     return decision, state

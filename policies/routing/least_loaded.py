@@ -6,13 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .roles import choose
+from .table import EngineTable, load_key
 from .views import EngineView, RouteDecision, RouteQuery, RoutingState
 
-
-def load_key(engine: EngineView) -> tuple[int, int, int, str]:
-    """Sort key: least loaded first."""
-    load = engine.load
-    return -load.free_device_blocks, load.waiting, load.running, engine.id
+__all__ = ["least_loaded", "load_key", "pick_least_loaded"]
 
 
 def pick_least_loaded(candidates: Sequence[EngineView], role: str) -> EngineView:
@@ -21,4 +18,18 @@ def pick_least_loaded(candidates: Sequence[EngineView], role: str) -> EngineView
 
 def least_loaded(query: RouteQuery, engines: Sequence[EngineView],
                  state: RoutingState) -> tuple[RouteDecision | None, RoutingState]:
+    if isinstance(engines, EngineTable) and engines.indexes(query):
+        return _from_table(engines), state
     return choose(query, engines, pick_least_loaded, pick_least_loaded), state
+
+
+def _from_table(table: EngineTable) -> RouteDecision | None:
+    """roles.choose's rule with both picks least loaded, each read off the table's heap (one model,
+    one KV layout: every prefill engine pairs with every decode engine)."""
+    prefill, decode = table.least("prefill"), table.least("decode")
+    if prefill is not None and decode is not None:
+        return RouteDecision(prefill=prefill.id, decode=decode.id, cached_blocks=prefill.cached_blocks)
+    engine = table.least("both")
+    if engine is None:  # a pair's surviving side
+        engine = min((e for e in (prefill, decode) if e is not None), key=load_key, default=None)
+    return None if engine is None else RouteDecision(engine=engine.id, cached_blocks=engine.cached_blocks)

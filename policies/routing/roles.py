@@ -23,13 +23,14 @@ def candidates(query: RouteQuery, engines: Sequence[EngineView], role: str) -> l
 
 def _serving(query: RouteQuery, engines: Sequence[EngineView]) -> dict[str, list[EngineView]]:
     """Each role's `candidates`, in one pass over the engines (routing runs per request, over every engine)."""
-    roles: dict[str, list[EngineView]] = {role: [] for role in ROLES}
     model, exclude = query.model, query.exclude
-    for e in engines:
-        if e.model == model and e.id not in exclude:
-            roles.setdefault(e.role, []).append(e)
-    for serving in roles.values():
-        serving.sort(key=_by_id)
+    serving = [e for e in engines if e.model == model and e.id not in exclude]
+    serving.sort(key=_by_id)
+    roles: dict[str, list[EngineView]] = {role: [] for role in ROLES}
+    for e in serving:
+        group = roles.get(e.role)
+        if group is not None:  # another role is no candidate for any
+            group.append(e)
     return roles
 
 

@@ -1,0 +1,76 @@
+"""An engine table: the views a routing policy reads, kept by a caller that changes few of them
+between two requests (the simulator: a route changes one engine's load, a heartbeat renews them all),
+with each role's engines in a heap by load. A policy takes it as any sequence of views; least_loaded
+(and conditional through it) read the least loaded engine of a role off its heap, in O(log N) instead
+of a scan of every engine, when the scan could not pick another: every engine serves the model asked
+about, all share one KV layout, and none is excluded."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+
+from .views import EngineView, RouteQuery
+
+
+def load_key(engine: EngineView) -> tuple[int, int, int, str]:
+    """Sort key: least loaded first (the most free device blocks, then the shortest waiting queue, then
+    the fewest running requests, then the smallest id)."""
+    load = engine.load
+    return -load.free_device_blocks, load.waiting, load.running, engine.id
+
+
+class EngineTable(Sequence[EngineView]):
+    def __init__(self, views: Iterable[EngineView] = ()):
+        self.reset(views)
+
+    def reset(self, views: Iterable[EngineView]) -> None:
+        """Every engine's view anew."""
+        self._views = list(views)
+        self._slots = {view.id: i for i, view in enumerate(self._views)}
+        self._models = {view.model for view in self._views}
+        self._layouts = {view.kv_layout for view in self._views}
+        self._heaps: dict[str, list[tuple[int, int, int, str]]] = {}
+        for view in self._views:
+            self._heaps.setdefault(view.role, []).append(load_key(view))
+        for heap in self._heaps.values():
+            heapq.heapify(heap)
+
+    def update(self, view: EngineView) -> None:
+        """A new view of an engine in the table (its id, role, model and layout as before)."""
+        self._views[self._slots[view.id]] = view
+        heapq.heappush(self._heaps[view.role], load_key(view))  # its older key goes when it comes up
+
+    def snapshot(self) -> EngineTable:
+        """The table as it is now, for a policy to keep: later updates leave it as it is (it shares the
+        heaps, whose entries each table checks against its own views)."""
+        copy = object.__new__(EngineTable)
+        copy.__dict__.update(self.__dict__, _views=self._views.copy())
+        return copy
+
+    def get(self, engine_id: str) -> EngineView:
+        return self._views[self._slots[engine_id]]
+
+    def indexes(self, query: RouteQuery) -> bool:
+        """Whether `least` answers for this query as a scan of the engines would."""
+        return not query.exclude and self._models == {query.model} and len(self._layouts) == 1
+
+    def least(self, role: str) -> EngineView | None:
+        """The least loaded engine of `role` (by load_key), or None without one."""
+        heap = self._heaps.get(role)
+        while heap:
+            key = heap[0]
+            view = self._views[self._slots[key[3]]]
+            if load_key(view) == key:
+                return view
+            heapq.heappop(heap)  # an engine's load before its last update
+        return None
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def __getitem__(self, index):
+        return self._views[index]
+
+    def __iter__(self):
+        return iter(self._views)

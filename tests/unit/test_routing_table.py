@@ -1,0 +1,55 @@
+"""An EngineTable (policies/routing/table.py) makes least_loaded and conditional read the least
+loaded engine off a heap; what they pick is what a scan of the same views picks, through any run of
+updates, for every mix of roles, and wherever the table cannot answer (an exclusion, another model
+or KV layout among the engines) they scan."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvmesh.policies.routing.conditional import conditional
+from kvmesh.policies.routing.least_loaded import least_loaded
+from kvmesh.policies.routing.table import EngineTable
+from kvmesh.policies.routing.views import EngineLoad, EngineView, RouteQuery, RoutingState
+
+QUERY = RouteQuery("m", 100)
+
+
+def view(engine_id: str, role: str, rng: random.Random, model: str = "m", layout: tuple = (16, 1)) -> EngineView:
+    load = EngineLoad(free_device_blocks=rng.randrange(0, 40, 4), total_device_blocks=40, waiting=rng.randrange(3),
+                      running=rng.randrange(3))
+    return EngineView(id=engine_id, role=role, model=model, load=load, block_size=16, kv_layout=layout)
+
+
+@pytest.mark.parametrize("roles", [{"both": 7}, {"prefill": 3, "decode": 5}, {"prefill": 2}, {"decode": 3},
+                                   {"prefill": 2, "decode": 2, "both": 3}])
+@pytest.mark.parametrize("policy", [least_loaded, conditional])
+def test_the_table_picks_what_a_scan_picks_through_updates(roles, policy):
+    rng = random.Random(7)
+    views = [view(f"e-{role}{i}", role, rng) for role, n in roles.items() for i in range(n)]
+    table = EngineTable(views)
+    for _ in range(200):
+        assert policy(QUERY, table.snapshot(), RoutingState()) == policy(QUERY, list(table), RoutingState())
+        changed = view(rng.choice(views).id, "", rng)
+        table.update(EngineView(changed.id, table.get(changed.id).role, "m", changed.load, 16, kv_layout=(16, 1)))
+
+
+def test_a_snapshot_keeps_the_views_it_was_taken_with():
+    rng = random.Random(1)
+    table = EngineTable([view("a", "both", rng), view("b", "both", rng)])
+    before = table.snapshot()
+    kept = list(before)
+    table.update(EngineView("a", "both", "m", EngineLoad(0, 40, 9, 9), 16, kv_layout=(16, 1)))
+    assert list(before) == kept and table.get("a").load.waiting == 9
+
+
+@pytest.mark.parametrize("query, other", [(RouteQuery("m", 100, exclude=frozenset({"e-both0"})), {}),
+                                          (QUERY, {"model": "n"}), (QUERY, {"layout": (32, 1)})])
+def test_where_the_table_cannot_answer_the_policy_scans(query, other):
+    rng = random.Random(3)
+    views = [view(f"e-both{i}", "both", rng) for i in range(4)] + [view("x", "both", rng, **other)]
+    table = EngineTable(views)
+    assert not table.indexes(query)
+    assert least_loaded(query, table.snapshot(), RoutingState()) == least_loaded(query, views, RoutingState())
