@@ -68,6 +68,7 @@ class Scheduler:
         self.offload = offload
         self.reuse = reuse  # CaR: the Shuffled Window, scores and prefetch (reuse.py)
         self._staged = 0
+        self._staging_waits = False  # a running request found no staging room last step: it goes first
         # Request layers put in the cxl tier (admitted, forecast) or brought back (restored), all time.
         self.layers_offloaded = {"admitted": 0, "forecast": 0, "restored": 0}
         self.waiting: deque[Schedulable] = deque()
@@ -131,8 +132,11 @@ class Scheduler:
         planned = len(plan.preempted)
         reserved, budget = self._reserve_running(plan, self.token_budget)
         # LayerKV runs prefills first, as vLLM (which it is built on) does: a decode gets the staging
-        # area they leave, and Algorithm 1 is what bounds them. Otherwise decodes are staged first.
-        if not self.layered:
+        # area they leave, and Algorithm 1 is what bounds them. Otherwise decodes are staged first, and
+        # so are they after one waited a step for staging room: else admissions, each taking the room
+        # first, could keep it waiting for ever (and be preempted to make room for it, and come back).
+        stage_first = not self.layered or self._staging_waits
+        if stage_first:
             budget = self._stage_running(plan, reserved, budget)
         if len(plan.preempted) == planned:  # nobody lost their place for want of blocks
             if not planned:  # room the plan made is for its waiting requests, not for the swapped ones
@@ -140,7 +144,7 @@ class Scheduler:
             if self.reuse is not None and self.waiting and self.policies.names["prefill_admission"] == "car":
                 self.reuse.before_admission(list(self.waiting), self.running, now, self._tpop_s())
             self._admit_waiting(plan, budget, now, grants, retain)
-        if self.layered:
+        if not stage_first:
             self._stage_running(plan, reserved, budget)
         return plan
 
@@ -243,6 +247,7 @@ class Scheduler:
             else:
                 unstaged.append(request)
                 budget += n
+        self._staging_waits = bool(unstaged)
         waits = {id(r) for r in unstaged}
         self.running = unstaged + [r for r in self.running if id(r) not in waits]
         if unstaged and not plan.chunks:  # nothing runs that would free the blocks their staging waits for

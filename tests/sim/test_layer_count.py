@@ -42,12 +42,9 @@ def test_the_simulator_offloads_layers_as_the_native_scheduler_step_by_step(admi
     assert engine.scheduler.layers_offloaded["admitted"] > 0 and engine.scheduler.layers_offloaded["restored"] > 0
 
 
-@pytest.mark.xfail(raises=AssertionError, strict=True, reason="the iteration scheduler's LayerKV path livelocks: "
-                   "a request admitted with staging room for its first chunk finds none for its next, is preempted "
-                   "and admitted again, while the running requests wait for staging room (docs/sim.md)")
 def test_a_tight_pool_does_not_livelock_layerkv():
-    """40 device blocks instead of 56: both schedulers go round the same loop (they agree step by step
-    while they do), so the run never ends and run_both's check that every request finished fails."""
+    """40 device blocks instead of 56: a running request that found no staging room is staged before
+    the next admissions take the room (they used to, each step, and the run never ended)."""
     run_both({"layer_offload": "layerkv"}, False, replace(LAYERED, device_blocks=40))
 
 
