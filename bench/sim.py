@@ -22,9 +22,11 @@ the completed requests' figures:
   sim_error_p50_ttft_<c>_<r>: reported, no target (the issue measures it but sets none).
 Information, no target, the same keys with a suffix: the assumptions varied one at a time:
 `_in_process`, the in-process profile (PROFILE, Engine.step timed alone) and no path, the simulator
-as it was; `_no_path`, the calibrated step costs without the path; `_own_steps`, each load's step
-costs fitted to that load's own steps; `_own_path`, each load's own measured path; `_own`, both (the
-best the model's form reaches: a mean cost per step shape, a constant path). Also the engine side
+as it was; `_constant_path`, the path's lag after the first token without its growth with the
+requests in flight (sim/request_path.py); `_no_path`, the calibrated step costs without the path;
+`_own_steps`, each load's step costs fitted to that load's own steps; `_own_path`, each load's own
+measured path; `_own`, both (the best the model's form reaches: a mean cost per step shape, a path
+fitted to the load). Also the engine side
 (timings_ms against the simulated queue, prefill and decode), each engine's steps over each load
 against the simulated ones, and how long each load's real steps took against what the calibrated
 cost says of their shapes (`step_time_ratio`).
@@ -141,14 +143,17 @@ class Variation:
 
 def variations(calibration: Calibration, measured: Measured, in_process: StepCost) -> list[Variation]:
     """The replay with the calibrated profile, then with one assumption varied at a time: the step
-    cost timed in process and no path (the simulator before), no path, and each load's own step
+    cost timed in process and no path (the simulator before), a constant path after the first token
+    (its growth with the requests in flight left out), no path, and each load's own step
     cost or own path measured on that load instead of the calibration's (how far the calibration
     load's figures carry to other rates), and both: the best the model's form reaches."""
     loads, n, none = measured.loads, len(measured.loads), RequestPath()
     engines = sim_engines(measured.configuration.topology, measured.states)
     own_costs = [{e: fit_engine_steps(s)[0] for e, s in steps.items()} for steps in measured.load_steps]
     own_paths = [measured_path(load) for load in loads]
+    constant = dataclasses.replace(calibration.path, last_token_lag_per_request_s=0.0)
     plans = [("", "simulated", [calibration.costs] * n, [calibration.path] * n),
+             ("_constant_path", "constant path", [calibration.costs] * n, [constant] * n),
              ("_in_process", "in-process steps, no path", [dict.fromkeys(calibration.costs, in_process)] * n,
               [none] * n),
              ("_no_path", "no path", [calibration.costs] * n, [none] * n),

@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.progress import Progress
 
 from kvmesh.sim.fit import fit_engine_steps
-from kvmesh.sim.request_path import RequestPath, measure, profile_entry
+from kvmesh.sim.request_path import RequestPath, measure, profile_entry, requests_in_flight
 from kvmesh.sim.step_cost import TERMS, StepCost, write_profile
 
 from . import serve
@@ -49,12 +49,15 @@ def measured_path(load: LoadResult) -> RequestPath:
     end against the engines' arrival-to-first-token and their transfer and decode (the admission's
     timings_ms). For a split request the hop through the admission to the decode engine, and its
     wait there (decode_queue), fall to the path: the simulator has no hop, and its decode engine's
-    wait for a step (part of decode_queue) is counted twice."""
+    wait for a step (part of decode_queue) is counted twice. They grow with the load: the lag after
+    the first token is fitted against the requests in flight at each one's first token."""
     timed = [r for r in load.results if r.ok and r.kvmesh and r.kvmesh.get("timings_ms")]
     engine = [r.kvmesh["timings_ms"] for r in timed]
+    in_flight = requests_in_flight([r.arrival for r in timed], [r.arrival + r.ttft for r in timed],
+                                   [r.arrival + r.e2e for r in timed])
     return measure([r.ttft for r in timed], [r.e2e for r in timed],
                    [(t["prefill_queue"] + t["prefill"]) / 1e3 for t in engine],
-                   [(t.get("transfer", 0.0) + t["decode"]) / 1e3 for t in engine])
+                   [(t.get("transfer", 0.0) + t["decode"]) / 1e3 for t in engine], in_flight)
 
 
 async def calibration_load(url: str, api_key: str, plan: serve.Plan, progress: Progress, label: str,

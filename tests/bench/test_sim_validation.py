@@ -113,7 +113,9 @@ def test_each_variation_changes_one_assumption():
     calibration = calibrate(run.calibration_load, run.calibration_steps)
     in_process = load_profile(bench_sim.PROFILE)
     found = {v.suffix: v for v in bench_sim.variations(calibration, run, in_process)}
-    assert list(found) == ["", "_in_process", "_no_path", "_own_steps", "_own_path", "_own"]
+    assert list(found) == ["", "_constant_path", "_in_process", "_no_path", "_own_steps", "_own_path", "_own"]
+    assert found["_constant_path"].paths == \
+        [RequestPath(calibration.path.first_token_s, calibration.path.last_token_lag_s)] * 4
     assert found[""].costs == [calibration.costs] * 4 and found[""].paths == [calibration.path] * 4
     assert found["_in_process"].costs == [{"engine-c0": in_process}] * 4
     assert found["_in_process"].paths == found["_no_path"].paths == [RequestPath()] * 4
