@@ -83,25 +83,27 @@ class DecodeRun:
 
     def extend(self, start: float, steps: int) -> None:
         """Cost out `steps` more steps (within the limit), the first from `start`."""
+        # The loop runs for every step simulated: its state is in locals.
         t, entering, leaving, prefills, seconds = start, self.entering, self.leaving, self.prefills, self.cost.seconds
-        entered, gone, context = self._entered, self._gone, self._context
-        for j in range(len(self.ends), min(self.limit, len(self.ends) + steps)):
-            while entered < len(entering) and entering[entered][0] <= j:
+        entered, gone, context, planned, joined = self._entered, self._gone, self._context, self._planned, len(entering)
+        ends, costs, batches = self.ends, self.seconds, self.batches
+        for j in range(len(ends), min(self.limit, len(ends) + steps)):
+            while entered < joined and entering[entered][0] <= j:
                 context += entering[entered][1]
                 entered += 1
             while leaving[gone][0] <= j:  # it ended at the step before: no longer in the batch
                 context -= leaving[gone][1]
                 gone += 1
-            batch = self._planned + entered - gone  # no swaps: nobody is preempted
+            batch = planned + entered - gone  # no swaps: nobody is preempted
             if j in prefills:
                 prompt, pairs, _ = prefills[j]
                 cost = seconds(prompt, batch, context + batch * j, pairs)
             else:
                 cost = seconds(0, batch, context + batch * j, 0)
             t = t + cost
-            self.ends.append(t)
-            self.seconds.append(cost)
-            self.batches.append(batch)
+            ends.append(t)
+            costs.append(cost)
+            batches.append(batch)
         self._entered, self._gone, self._context = entered, gone, context
         self.version += 1
 
@@ -187,24 +189,26 @@ def apply(engine, run: DecodeRun, through: int, ended: int) -> list[SimRequest]:
     """Give the requests the tokens, KV and blocks of the run's steps up to `through` (admitting those
     that joined at them), and end those whose last token came by step `ended` (<= through); the
     requests it ended."""
-    done, block_size, scheduler = [], engine.spec.block_size, engine.scheduler
-    for request, start, stop in run.members:
-        first, last = max(start, min(run.applied, stop)), min(through, stop)
+    done, block_size, scheduler, applied, ends = [], engine.spec.block_size, engine.scheduler, run.applied, run.ends
+    for request, start, stop in run.members:  # every request of the run, at every heartbeat: no calls to spare
+        first = applied if applied < stop else stop
+        first = start if first < start else first
+        last = through if through < stop else stop
         if last > first:
             tokens = last - first
             if first == start and start:  # it joined: admitted at its start, its prompt computed then
                 scheduler.waiting.remove(request)
                 request.status = Status.RUNNING
                 scheduler.running.append(request)
-                request.scheduled_at = run.ends[start - 1] if request.scheduled_at is None else request.scheduled_at
+                request.scheduled_at = ends[start - 1] if request.scheduled_at is None else request.scheduled_at
                 tokens += request.prompt_len - 1
             request.num_computed += tokens
-            request.token_times.extend(run.ends[first:last])
+            request.token_times.extend(ends[first:last])
             blocks = blocks_for(request.num_computed, block_size)
             if blocks > request.blocks_per_layer and not engine.blocks.reserve(request, blocks, tokens):
                 raise AssertionError("a decode run's blocks were counted before it started")
         if stop <= ended and request.finished_at is None:
-            engine.finish(request, run.ends[stop - 1])
+            engine.finish(request, ends[stop - 1])
             done.append(request)
     if done:
         run.members = [member for member in run.members if member[0].finished_at is None]
