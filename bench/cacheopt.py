@@ -136,13 +136,13 @@ def run(quick: bool) -> BenchResult:
             repeats = 1 if quick else CAPACITY_RUNS
             progress.update(task, description=f"{name}: capacity",
                             total=(len(methods) * len(fractions) + repeats + 1) * n)
-            per_s = capacity(_engine(trace, MAIN[0]), requests, [Targets()] * len(requests), trace.output.high,
+            per_s = capacity(method_engine(trace, MAIN[0]), requests, [Targets()] * len(requests), trace.output.high,
                              repeats, lambda: progress.advance(task))
             rates = [per_s * f for f in fractions]
             slos = Slos(trace, requests)
             runs = sweep(trace, requests, predicted, methods, rates, slos, progress, task)
             progress.update(task, description=f"{name}: each request alone")
-            alone = metrics_of(replay(_engine(trace, MAIN[0]), requests, ALONE_GAP_S * np.arange(len(requests)),
+            alone = metrics_of(replay(method_engine(trace, MAIN[0]), requests, ALONE_GAP_S * np.arange(len(requests)),
                                       [Targets()] * len(requests), trace.output.high, lambda: progress.advance(task)), slos)
             progress.remove_task(task)
             metrics = {key: metrics_of(stats, slos) for key, stats in runs.items()}
@@ -194,7 +194,7 @@ def sweep(trace: InstructionTrace, requests: list[TraceRequest], predicted: Pred
             targets = [Targets(ttft_slo_ms=t, tbt_slo_ms=b, predicted_output_len=e)
                        for e, t, b in zip(lengths, *slos.ms())]
             arrivals = poisson_arrivals(len(requests), rate, seed=2)
-            runs[(method.name, rate)] = replay(_engine(trace, method), requests, arrivals, targets,
+            runs[(method.name, rate)] = replay(method_engine(trace, method), requests, arrivals, targets,
                                                trace.output.high, lambda: progress.advance(task))
         if method.name == SLO_UNAWARE[-1]:
             slos.calibrate([runs[(m, r)] for m in SLO_UNAWARE for r in rates])
@@ -284,7 +284,7 @@ def pool_blocks(trace: InstructionTrace, block_size: int) -> int:
     return max(math.ceil(POOL_REQUESTS * mean_total / block_size), math.ceil(LONGEST_IN_POOL * longest / block_size))
 
 
-def _engine(trace: InstructionTrace, method: Method):
+def method_engine(trace: InstructionTrace, method: Method):
     blocks = pool_blocks(trace, BLOCK_SIZE)
     return build_engine(EngineConfig(model="tiny", dtype=fastest_dtype("cpu"), block_size=BLOCK_SIZE, device_blocks=blocks * 4,
                                      cxl_blocks=blocks * 8, prefix_caching=False, policies=method.policies,

@@ -247,7 +247,7 @@ def _config(method: str) -> EngineConfig:
                         policies=METHODS[method], layer_profile="off", swap_profile="off")
 
 
-def _engine(method: str, profile: list[LayerProfile]) -> Engine:
+def method_engine(method: str, profile: list[LayerProfile]) -> Engine:
     """An engine for `method`; LayerKV's fits from the first LayerKV engine, profiled then."""
     config = _config(method)
     if "layer_offload" in METHODS[method] and not profile:
@@ -272,7 +272,7 @@ Run = tuple[list[TraceRequest], RunStats]  # a run's requests, and what the repl
 
 def _serve(method: str, requests: list[TraceRequest], arrivals: np.ndarray, told: list[Targets], slo: Slos,
            profile: list[LayerProfile], advance: Callable[[], None]) -> tuple[Metrics, Run]:
-    engine = _engine(method, profile)
+    engine = method_engine(method, profile)
     try:
         stats = replay(engine, requests, arrivals, told, max(r.output_len for r in requests), advance)
         _assert_all_blocks_free(engine, method)

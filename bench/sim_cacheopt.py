@@ -124,17 +124,17 @@ def measure(shape: Shape) -> Measured:
         progress.update(task, description="capacity",
                         total=(len(shape.methods) * len(shape.fractions) + shape.capacity_runs + 1) * len(requests))
         block = cacheopt.MAIN[0]
-        per_s = capacity(cacheopt._engine(trace, block), requests, [Targets()] * len(requests), high,
+        per_s = capacity(cacheopt.method_engine(trace, block), requests, [Targets()] * len(requests), high,
                          shape.capacity_runs, lambda: progress.advance(task))
         progress.update(task, description="calibration")
         own = trace.requests(shape.requests, seed=CALIBRATION_SEED)
-        calibration = replay(cacheopt._engine(trace, block), own,
+        calibration = replay(cacheopt.method_engine(trace, block), own,
                              poisson_arrivals(len(own), CALIBRATION_FRACTION * per_s, seed=CALIBRATION_SEED),
                              [Targets()] * len(own), high, lambda: progress.advance(task))
         rates = [per_s * f for f in shape.fractions]
         slos = cacheopt.Slos(trace, requests)
         runs = cacheopt.sweep(trace, requests, predicted, shape.methods, rates, slos, progress, task)
-    engines = {m.name: configured(cacheopt._engine(trace, m)) for m in shape.methods}
+    engines = {m.name: configured(cacheopt.method_engine(trace, m)) for m in shape.methods}
     return Measured(trace, requests, per_s, rates, calibration, runs, engines, slos)
 
 

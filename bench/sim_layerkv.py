@@ -71,14 +71,14 @@ def calibration_run(quick: bool) -> RunStats:
     n_a, n_b = (4, 12) if quick else (32, 96)
     requests = [*fixed(n_a, layerkv.LONGEST, seed=CALIBRATION_SEED),
                 *instruction_trace("serve", n_b, output_scale=layerkv.B_OUTPUT_SCALE, seed=CALIBRATION_SEED)]
-    engine = layerkv._engine("fcfs", [])
+    engine = layerkv.method_engine("fcfs", [])
     return replay(engine, requests, np.zeros(len(requests)), [Targets()] * len(requests),
                   max(r.output_len for r in requests))
 
 
 def configured_engine(method: str, profile: list) -> Configured:
     """The method's engine as the simulator configures it (LayerKV's fits the sweep's profile)."""
-    engine = layerkv._engine(method, profile)
+    engine = layerkv.method_engine(method, profile)
     try:
         return configured(engine)
     finally:

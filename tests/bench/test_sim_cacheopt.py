@@ -77,7 +77,7 @@ def test_every_request_runs_to_its_trace_length():
 
 
 def test_the_simulated_engine_is_the_methods_engine():
-    coopt = sim_replay.configured(cacheopt._engine(TRACE, cacheopt.MAIN[3]))
+    coopt = sim_replay.configured(cacheopt.method_engine(TRACE, cacheopt.MAIN[3]))
     blocks = cacheopt.pool_blocks(TRACE, cacheopt.BLOCK_SIZE)
     assert (coopt.spec.device_blocks, coopt.spec.cxl_blocks, coopt.spec.block_size, coopt.spec.num_layers) == \
         (4 * blocks, 8 * blocks, cacheopt.BLOCK_SIZE, 4)
@@ -142,9 +142,3 @@ def test_sim_cacheopt_bench_replays_bench_cacheopts_runs_and_writes_the_contract
     assert all(run["measured_steps"] > 0 for run in result["config"]["runs"].values())
     assert {row["compared"] for row in result["rows"]} >= {"measured", "simulated", "relative error"}
     assert Path(tmp_path / result["plots"][0]).stat().st_size > 0
-
-
-def test_an_engine_with_a_prefix_cache_is_refused_not_replayed_without_it():
-    engine = build_engine(EngineConfig(model="tiny", device_blocks=256, prefix_caching=True))
-    with pytest.raises(ValueError, match="prefix cache"):
-        sim_replay.configured(engine)
