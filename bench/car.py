@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +52,9 @@ from kvmesh.services.engine.dtypes import fastest_dtype
 from kvmesh.services.engine.native.engine import Engine
 from kvmesh.services.engine.native.factory import build_engine
 from kvmesh.services.engine.native.models import PRESETS
+from kvmesh.services.engine.native.request import Request
 from kvmesh.services.engine.state import SparsityProfile
+from kvmesh.services.engine.steps import StepLog
 
 from . import car_sparsify
 from .car_workloads import ANSWER_LEN, USER, Conversation, conversations, final_context, system_prompt_requests
@@ -86,6 +89,9 @@ class Outcome:
     prefetched: int = 0
     answers: dict[str, list[int]] = field(default_factory=dict)   # by request id
     profile: SparsityProfile | None = None
+    # What the simulator replays (bench/sim_car.py): the engine's requests in the order sent, its steps timed.
+    requests: list[Request] = field(default_factory=list)
+    steps: StepLog = field(default_factory=lambda: StepLog(capacity=None))
 
     def cells(self) -> dict[str, float]:
         ttft = np.array(self.ttft_s) * 1e3
@@ -216,11 +222,12 @@ def _multi_turn(settings: dict, talks: list[Conversation], advance: Callable[[],
         prompt = history[c] + talks[c].messages[turn[c]]
         outcome.history.append(len(history[c]))
         active[c] = engine.add(f"c{c}-t{turn[c]}", prompt, ANSWER)
+        outcome.requests.append(active[c])
 
     for c in range(len(talks)):
         submit(c)
     while active:
-        engine.step()
+        _step(engine, outcome)
         for c, request in list(active.items()):
             if request.finished:
                 outcome.ttft_s.append(request.output_times[0] - request.arrival)
@@ -240,13 +247,22 @@ def _system_prompts(settings: dict, prompts: list[list[int]], advance: Callable[
     while queue or active:
         while queue and len(active) < CLIENTS:
             active.append(engine.add(f"s{len(prompts) - len(queue)}", queue.pop(0), ANSWER))
-        engine.step()
+            outcome.requests.append(active[-1])
+        _step(engine, outcome)
         for request in [r for r in active if r.finished]:
             outcome.ttft_s.append(request.output_times[0] - request.arrival)
             outcome.history.append(SYSTEM_LEN)
             active.remove(request)
             advance()
     return _close(engine, outcome)
+
+
+def _step(engine: Engine, outcome: Outcome) -> None:
+    """One engine step, timed and recorded with its shape when it computed something."""
+    started, stepped = time.perf_counter(), engine.steps
+    engine.step()
+    if engine.steps != stepped:
+        outcome.steps.record(engine.steps, float(engine.clock()), time.perf_counter() - started, engine.last_shape)
 
 
 def _close(engine: Engine, outcome: Outcome) -> Outcome:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 import numpy as np
@@ -19,6 +19,7 @@ from kvmesh.services.engine.native.engine import Engine
 from kvmesh.sim.cluster import Cluster
 from kvmesh.sim.engine import HOOKS, EngineSpec, SimEngine, Step
 from kvmesh.sim.fit import fit_engine_steps, fit_step_cost
+from kvmesh.sim.prefix_count import PrefixCount
 from kvmesh.sim.request import SimRequest
 from kvmesh.sim.step_cost import TERMS, StepCost
 
@@ -43,15 +44,14 @@ def configured(engine: Engine) -> Configured:
     between the tiers runs at what the engine measured: LayerKV's profiled device -> cxl bandwidth
     (Eq. 4's) where it has one, else half the round trip's rate its swap profile fitted (L_s's
     slope), else sim's default. With layer-wise offloading on, the staging area and Eq. 5's
-    parameters are the scheduler's, and Eq. 3 and 4's fits the engine's profile."""
+    parameters are the scheduler's, and Eq. 3 and 4's fits the engine's profile. With a prefix cache,
+    its settings (cached()); its requests then need their blocks' names (sim_requests)."""
     blocks, scheduler = engine.blocks, engine.scheduler
-    if blocks.prefix_caching:  # the simulator's prefix cache names blocks by content; the replay gives none
-        raise ValueError("a replayed request carries no block names: an engine with a prefix cache is not replayed")
     device, cxl = blocks.pools["device"], blocks.pools.get("cxl")
     spec = EngineSpec(block_size=blocks.block_size, num_layers=blocks.num_layers, device_blocks=device.num_blocks,
                       max_num_seqs=scheduler.max_num_seqs, token_budget=scheduler.token_budget,
                       cxl_blocks=cxl.num_blocks if cxl else 0, block_bytes=device.shape.bytes,
-                      **copy_rates(engine), **layered(engine))
+                      **copy_rates(engine), **layered(engine), **cached(engine))
     return Configured(spec, {h: n for h, n in scheduler.policies.names.items() if h in HOOKS}, scheduler.ledger.params)
 
 
@@ -63,6 +63,8 @@ def copy_rates(engine: Engine) -> dict[str, float]:
     elif swap is not None and swap.curves is not None and swap.curves.swap.g > 0:
         blocks = engine.blocks
         per_s = 2 * blocks.pools["device"].shape.bytes * blocks.num_layers / blocks.block_size / swap.curves.swap.g
+    elif engine.scheduler.reuse.bandwidth > 0:  # CaR's cxl -> device rate, timed at start for its prefetcher
+        per_s = engine.scheduler.reuse.bandwidth
     else:
         return {}
     return {"swap_out_bytes_per_s": per_s, "swap_in_bytes_per_s": per_s}
@@ -78,6 +80,16 @@ def layered(engine: Engine) -> dict:
     return {"staging_cap": scheduler.staging_cap, "offload": scheduler.offload, **fits}
 
 
+def cached(engine: Engine) -> dict:
+    """The prefix cache's settings of the spec (none without one): CaR's cxl tier of nodes, its
+    high-water mark and Shuffled Window."""
+    blocks = engine.blocks
+    if not blocks.prefix_caching:
+        return {}
+    return {"prefix_caching": True, "cache_cxl": blocks.cache_cxl, "cache_high_water": blocks.high_water,
+            "window": engine.scheduler.reuse.params}
+
+
 @dataclasses.dataclass(eq=False)
 class TraceSimRequest(SimRequest):
     """A request of the trace: it ends at its trace length (`max_tokens`, where the simulator ends
@@ -90,14 +102,17 @@ class TraceSimRequest(SimRequest):
         return msgspec.structs.replace(super().view(), max_tokens=self.sent_max_tokens)
 
 
-def sim_requests(stats: RunStats, requests: list[TraceRequest], sent_max_tokens: int) -> list[TraceSimRequest]:
+def sim_requests(stats: RunStats, requests: list[TraceRequest], sent_max_tokens: int,
+                 block_names: Sequence[tuple[str, ...]] = ()) -> list[TraceSimRequest]:
     """The run's requests as it gave them: arrival, prompt and output length, SLOs, estimated length
-    and predicted range."""
+    and predicted range; and for an engine with a prefix cache, each one's `block_names`."""
+    names = block_names or [()] * len(requests)
     return [TraceSimRequest(f"r{i}", arrival, len(r.prompt_ids), r.output_len, ttft_slo_ms=t.ttft_slo_ms,
                             tbt_slo_ms=t.tbt_slo_ms, predicted_output_len=t.predicted_output_len,
                             predicted_output_low=t.predicted_output_low,
-                            predicted_output_median=t.predicted_output_median, sent_max_tokens=sent_max_tokens)
-            for i, (r, arrival, t) in enumerate(zip(requests, stats.arrivals, stats.targets))]
+                            predicted_output_median=t.predicted_output_median, sent_max_tokens=sent_max_tokens,
+                            block_names=named)
+            for i, (r, arrival, t, named) in enumerate(zip(requests, stats.arrivals, stats.targets, names))]
 
 
 class InlineCopies(SimEngine):
@@ -111,14 +126,16 @@ class InlineCopies(SimEngine):
 
 
 def simulated(stats: RunStats, requests: list[TraceRequest], sent_max_tokens: int, engine: Configured,
-              cost: StepCost, kind: type[SimEngine] = SimEngine) -> tuple[RunStats, dict]:
-    """The run replayed through one simulated engine (of `kind`): its requests' token times (an
+              cost: StepCost, kind: type[SimEngine] = SimEngine, block_names: Sequence[tuple[str, ...]] = (),
+              cluster: Callable[[dict], Cluster] = Cluster) -> tuple[RunStats, dict]:
+    """The run replayed through one simulated engine (of `kind`, in `cluster`, which may send its
+    requests later than their arrivals, as a closed loop's clients): its requests' token times (an
     unfinished one has none of its last), its preemptions by strategy, the simulated seconds; and
     the simulated steps, wall seconds, unfinished requests and layers offloaded (LayerKV)."""
-    replayed = sim_requests(stats, requests, sent_max_tokens)
+    replayed = sim_requests(stats, requests, sent_max_tokens, block_names)
     sim = kind(engine.spec, cost, engine.policies, engine.allocation)
     start = time.perf_counter()
-    seconds = Cluster({ENGINE: ("both", sim)}).run(replayed)
+    seconds = cluster({ENGINE: ("both", sim)}).run(replayed)
     wall = time.perf_counter() - start
     preemptions = {"recompute": 0, "swap": 0}
     for _, _, strategy in sim.preemptions:
@@ -126,7 +143,17 @@ def simulated(stats: RunStats, requests: list[TraceRequest], sent_max_tokens: in
     served = [Served(r.arrival, list(r.token_times), r.preemptions) for r in replayed]
     return (RunStats(served, preemptions, seconds, stats.arrivals, stats.targets, []),
             {"steps": sim.steps, "wall_s": wall, "unfinished": sum(r.finished_at is None for r in replayed),
-             "layers_offloaded": dict(sim.scheduler.layers_offloaded)})
+             "layers_offloaded": dict(sim.scheduler.layers_offloaded), **cache_counts(sim.blocks)})
+
+
+def cache_counts(blocks) -> dict:
+    """A prefix cache's blocks found in each tier over blocks looked up, and its bytes copied
+    between the tiers by why (prefix_count.py); none without a prefix cache."""
+    if not isinstance(blocks, PrefixCount):
+        return {}
+    looked_up = max(1, blocks.lookup_blocks)
+    return {"hit_device": blocks.hit_blocks["device"] / looked_up, "hit_cxl": blocks.hit_blocks["cxl"] / looked_up,
+            "copied_bytes": dict(blocks.copied)}
 
 
 @dataclasses.dataclass
@@ -139,7 +166,9 @@ class Variation:
 
 
 def variations(stats: RunStats, requests: list[TraceRequest], sent_max_tokens: int, engine: Configured,
-               calibrated: StepCost, others: Sequence[tuple[str, str, StepCost]] = ()) -> list[Variation]:
+               calibrated: StepCost, others: Sequence[tuple[str, str, StepCost]] = (),
+               block_names: Sequence[tuple[str, ...]] = (), cluster: Callable[[dict], Cluster] = Cluster
+               ) -> list[Variation]:
     """The replay with the calibrated step cost, then with one assumption varied at a time: the
     calibrated cost scaled to the run's own steps' total (the machine's speed in that run, the
     calibration's shape), the run's own steps' cost (the best the cost's form reaches), each of
@@ -155,7 +184,8 @@ def variations(stats: RunStats, requests: list[TraceRequest], sent_max_tokens: i
              *([("_inline_copies", "copies inline", calibrated, InlineCopies)] if engine.spec.staging_cap else []),
              *((f"_own_steps_x{f:g}", f"the run's own steps x {f:g}", scaled(own, f), SimEngine)
                for f in (1 - SENSITIVITY, 1 + SENSITIVITY))]
-    return [Variation(suffix, label, cost, *simulated(stats, requests, sent_max_tokens, engine, cost, kind))
+    return [Variation(suffix, label, cost,
+                      *simulated(stats, requests, sent_max_tokens, engine, cost, kind, block_names, cluster))
             for suffix, label, cost, kind in plans]
 
 

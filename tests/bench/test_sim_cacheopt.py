@@ -19,8 +19,6 @@ from kvmesh.bench.loadgen import poisson_arrivals
 from kvmesh.bench.report import BenchResult, save
 from kvmesh.bench.sim_validation import FIGURES, TARGETED
 from kvmesh.libs.messages.engine import Targets
-from kvmesh.services.engine.config import EngineConfig
-from kvmesh.services.engine.native.factory import build_engine
 from kvmesh.policies.allocation import AllocationParams
 from kvmesh.sim.engine import HOOKS, EngineSpec
 from kvmesh.sim.fit import fit_engine_steps
