@@ -10,7 +10,7 @@ from pathlib import Path
 from .report import save, show
 
 BENCHES = ("kvmeta", "engine", "transfer", "serve", "tracing", "cacheopt", "layerkv", "car", "vllm", "vllm_car", "vllm_cacheopt", "peer", "chaos", "sim",
-           "sim_scale", "sim_cacheopt", "sim_layerkv")
+           "sim_scale", "sim_cacheopt", "sim_layerkv", "sim_car")
 
 
 def run_bench(name: str, *, quick: bool, json_path: Path | None, target: str | None = None) -> int:
