@@ -26,6 +26,7 @@ class EngineTable(Sequence[EngineView]):
 
     def reset(self, views: Iterable[EngineView]) -> None:
         """Every engine's view anew."""
+        self._source, self._version = self, getattr(self, "_version", 0) + 1
         self._views = list(views)
         self._slots = {view.id: i for i, view in enumerate(self._views)}
         self._models = {view.model for view in self._views}
@@ -39,11 +40,12 @@ class EngineTable(Sequence[EngineView]):
     def update(self, view: EngineView) -> None:
         """A new view of an engine in the table (its id, role, model and layout as before)."""
         self._views[self._slots[view.id]] = view
+        self._version += 1
         heapq.heappush(self._heaps[view.role], load_key(view))  # its older key goes when it comes up
 
     def snapshot(self) -> EngineTable:
-        """The table as it is now, for a policy to keep: later updates leave it as it is (it shares the
-        heaps, whose entries each table checks against its own views)."""
+        """The table as it is now, for a policy to keep: later updates leave it as it is. It reads the
+        table's heaps while the table is as it was taken, and scans its own views after."""
         copy = object.__new__(EngineTable)
         copy.__dict__.update(self.__dict__, _views=self._views.copy())
         return copy
@@ -57,6 +59,8 @@ class EngineTable(Sequence[EngineView]):
 
     def least(self, role: str) -> EngineView | None:
         """The least loaded engine of `role` (by load_key), or None without one."""
+        if self._source._version != self._version:  # a snapshot of a table updated since
+            return min((view for view in self._views if view.role == role), key=load_key, default=None)
         heap = self._heaps.get(role)
         while heap:
             key = heap[0]
