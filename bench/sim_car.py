@@ -203,6 +203,15 @@ def run_name(method: str, workload: str) -> str:
 Replays = dict[tuple[str, str], tuple[Measured, list[Variation]]]
 
 
+def _longest(steps: list[dict], cost: StepCost, n: int = 3) -> list[dict]:
+    """The run's `n` longest steps, each with what `cost` says of its shape: a step the machine
+    slowed stands out (a P90 of a few dozen requests is two or three requests' figure)."""
+    shape = ("prefill_tokens", "decode_tokens", "decode_context", "prefill_context")
+    return [{"seconds": s["seconds"], "calibrated_s": cost.seconds(*(s[k] for k in shape)),
+             "prefill_tokens": s["prefill_tokens"], "decode_tokens": s["decode_tokens"]}
+            for s in sorted(steps, key=lambda s: -s["seconds"])[:n]]
+
+
 def _result(quick: bool, shape: tuple[int, int, int], engines: dict[tuple[str, str], Configured],
             calibration: list[dict], calibrated: StepCost, fit: dict, replays: Replays) -> BenchResult:
     rows, ratios, targets, runs = [], {}, {}, {}
@@ -229,7 +238,7 @@ def _result(quick: bool, shape: tuple[int, int, int], engines: dict[tuple[str, s
         runs[key] = {"requests": len(run.stats.served), "measured_steps": len(run.stats.steps),
                      "step_time_ratio_calibrated": step_time_ratio(calibrated, run.stats.steps),
                      "preemptions_measured": sum(s.preemptions for s in run.stats.served),
-                     "prefix_cache_measured": cache,
+                     "prefix_cache_measured": cache, "longest_steps": _longest(run.stats.steps, calibrated),
                      "variations": {v.suffix or "calibrated": {"label": v.label, "preemptions": v.stats.preemptions,
                                                                "step_cost": dataclasses.asdict(v.cost), **v.info}
                                     for v in found}}
