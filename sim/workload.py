@@ -46,6 +46,14 @@ class Lengths:
             raise ValueError(f"lengths {text!r}: must be at least 1, LOW <= HIGH and SIGMA >= 0")
         return lengths
 
+    def __str__(self) -> str:
+        """As `parse` reads it."""
+        if self.kind == "fixed":
+            return str(self.low)
+        if self.kind == "uniform":
+            return f"uniform:{self.low}-{self.high}"
+        return f"exp:{self.low}" if self.kind == "exp" else f"lognormal:{self.low}:{self.sigma:g}"
+
     def draw(self, rng: np.random.Generator, n: int) -> list[int]:
         if self.kind == "fixed":
             return [self.low] * n

@@ -75,7 +75,8 @@ def row(outcome: Outcome) -> dict:
              "sim per wall": figures["sim_per_wall"]}
     variant = f" ({point.variant})" if point.variant else ""
     return {"compared": f"{point.workload} {point.series}{variant}",
-            "path": f"{point.topology} {point.transfer_mode} @ {point.rate * point.engines:g} req/s",
+            "path": f"{point.topology} {point.transfer_mode} @ {point.rate * point.engines:g} req/s, "
+                    f"prompts {point.prompt}, outputs {point.output}",
             "cells": {key: math.nan if value is None else float(value) for key, value in cells.items()}}
 
 

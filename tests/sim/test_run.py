@@ -43,6 +43,11 @@ def _swap_run(tmp_path, *argv):
     return json.loads(out.read_text())
 
 
+@pytest.mark.parametrize("text", ["300", "uniform:10-20", "exp:30", "lognormal:512:0.5"])
+def test_lengths_print_as_they_are_read(text):
+    assert str(Lengths.parse(text)) == text
+
+
 def test_sim_run_swaps_to_a_cxl_tier_and_counts_the_bytes_copied(tmp_path):
     body = _swap_run(tmp_path, "--cxl-blocks", "1024", "--swap-gbps", "20:10")
     engine, results = body["config"]["engine"], body["results"]
