@@ -113,15 +113,15 @@ def run(quick: bool) -> BenchResult:
         advance = lambda: progress.advance(task)  # noqa: E731
         for method, settings in METHODS.items():
             progress.update(task, description=f"multi-turn: {method}")
-            multi[method] = _multi_turn(settings, talks, advance)
+            multi[method] = serve_multi_turn(settings, talks, advance)
             progress.update(task, description=f"system prompts: {method}")
-            shared[method] = _system_prompts(settings, system, advance)
+            shared[method] = serve_system_prompts(settings, system, advance)
         progress.update(task, description="Fig. 5: recompute vs reload")
         fig5 = _fig5(lengths, advance)
         progress.update(task, description="III-D: sparsification")
         with tempfile.TemporaryDirectory() as workdir:
             sharp = str(car_sparsify.sharp_checkpoint(MODEL, Path(workdir)))
-            sparse = {name: _multi_turn(settings, talks, advance, sharp)
+            sparse = {name: serve_multi_turn(settings, talks, advance, sharp)
                       for name, settings in (("car+prefetch", METHODS["car+prefetch"]), ("+sparsify", SPARSIFY))}
             curve = car_sparsify.quality_curve(Path(sharp), BLOCK_SIZE)
     long = lambda o: [t for t, h in zip(o.ttft_s, o.history) if h >= np.median(o.history)]  # noqa: E731
@@ -136,7 +136,7 @@ def run(quick: bool) -> BenchResult:
     ratios |= _sparsify_ratios(sparse)
     ratios = {k: float(v) for k, v in ratios.items()}
     targets = {"ttft_reduction_vs_recompute": 0.3, "ttft_ratio_lru_vs_car": 1.0}
-    tiers = {"multi_turn": _multi_turn_tiers(talks), "system_prompts": _system_prompt_tiers()}
+    tiers = {"multi_turn": multi_turn_tiers(talks), "system_prompts": system_prompt_tiers()}
     rows = [Row(compared=f"multi-turn: {n_conv} x {turns} turns", path=m, cells=multi[m].cells()) for m in METHODS]
     rows += [Row(compared=f"system prompts: {n_sys} requests, {SYSTEM_PROMPTS} x {SYSTEM_LEN} tokens", path=m,
                  cells=shared[m].cells()) for m in METHODS]
@@ -185,7 +185,7 @@ def _sparsify_ratios(sparse: dict[str, Outcome]) -> dict[str, float]:
             "sparsify_answer_token_agreement": float(np.mean(same))}
 
 
-def _config(settings: dict, device: int, cxl: int, model: str = MODEL) -> EngineConfig:
+def engine_config(settings: dict, device: int, cxl: int, model: str = MODEL) -> EngineConfig:
     """An engine of `settings` with `device` and `cxl` blocks a layer."""
     layers = PRESETS[MODEL].num_layers
     return EngineConfig(model=model, dtype=DTYPE, block_size=BLOCK_SIZE,
@@ -195,14 +195,14 @@ def _config(settings: dict, device: int, cxl: int, model: str = MODEL) -> Engine
                         policies=dict(settings.get("policies", {})))
 
 
-def _multi_turn_tiers(talks: list[Conversation]) -> tuple[int, int]:
+def multi_turn_tiers(talks: list[Conversation]) -> tuple[int, int]:
     """Blocks a layer: the device holds DEVICE_SHARE of the final working set (at least two of the
     longest conversations), the cxl tier all of it, twice."""
     contexts = [blocks_for(final_context(c), BLOCK_SIZE) for c in talks]
     return max(math.ceil(DEVICE_SHARE * sum(contexts)), 2 * max(contexts)), 2 * sum(contexts)
 
 
-def _system_prompt_tiers() -> tuple[int, int]:
+def system_prompt_tiers() -> tuple[int, int]:
     """Blocks a layer: room for every client's request and 1.5 system prompts more; the cxl tier
     holds every system prompt twice."""
     request = blocks_for(SYSTEM_LEN + USER.high + ANSWER_LEN, BLOCK_SIZE)
@@ -210,9 +210,9 @@ def _system_prompt_tiers() -> tuple[int, int]:
     return CLIENTS * request + math.ceil(1.5 * prompt), 2 * SYSTEM_PROMPTS * prompt
 
 
-def _multi_turn(settings: dict, talks: list[Conversation], advance: Callable[[], None],
-                model: str = MODEL) -> Outcome:
-    engine = build_engine(_config(settings, *_multi_turn_tiers(talks), model))
+def serve_multi_turn(settings: dict, talks: list[Conversation], advance: Callable[[], None],
+                     model: str = MODEL) -> Outcome:
+    engine = build_engine(engine_config(settings, *multi_turn_tiers(talks), model))
     history = [[] for _ in talks]
     turn = [0] * len(talks)
     active: dict[int, object] = {}
@@ -241,8 +241,8 @@ def _multi_turn(settings: dict, talks: list[Conversation], advance: Callable[[],
     return _close(engine, outcome)
 
 
-def _system_prompts(settings: dict, prompts: list[list[int]], advance: Callable[[], None]) -> Outcome:
-    engine = build_engine(_config(settings, *_system_prompt_tiers()))
+def serve_system_prompts(settings: dict, prompts: list[list[int]], advance: Callable[[], None]) -> Outcome:
+    engine = build_engine(engine_config(settings, *system_prompt_tiers()))
     queue, active, outcome = list(prompts), [], Outcome()
     while queue or active:
         while queue and len(active) < CLIENTS:
@@ -313,7 +313,7 @@ def _fig5(lengths: tuple[int, ...], advance: Callable[[], None]) -> dict[int, di
 
 def _link_gbps() -> float:
     """The engine's cxl -> device copy rate, timed at start (what fetch(t) divides by)."""
-    engine = build_engine(_config(METHODS["car"], 256, 256))
+    engine = build_engine(engine_config(METHODS["car"], 256, 256))
     return engine.scheduler.reuse.bandwidth / 1e9
 
 

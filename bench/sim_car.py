@@ -3,8 +3,8 @@
 bench car serves in process (the `small` model, 8 layers): recomputing, a device-only LRU prefix
 cache, CaR's cxl tier of nodes, and CaR with its scheduler (classes, the Shuffled Window, fetch(t)
 prefetch), on a multi-turn workload (closed-loop conversations) and on shared system prompts (4
-clients). This bench runs those eight (bench.car._multi_turn and _system_prompts; `--quick` bench car's
-quick shape: 3 conversations of 4 turns, 24 system-prompt requests, one torch thread), and:
+clients). This bench runs those eight (bench.car.serve_multi_turn and serve_system_prompts; `--quick`
+bench car's quick shape: 3 conversations of 4 turns, 24 system-prompt requests, one torch thread), and:
   0. calibration: first the recomputing engine serves conversations and system prompts of its own
      (CALIBRATION_SEED), every step timed; the step cost is fitted to them (sim.fit.fit_engine_steps);
   1. measured: the eight runs, each request's arrival, token ids and token times, each step timed;
@@ -137,10 +137,10 @@ def _served(method: str, workload: str, n_conv: int, turns: int, n_sys: int, see
     """bench car's run of `method` on `workload` (its seeds, or both workloads drawn from `seed`)."""
     settings = car.METHODS[method]
     if workload == "multi_turn":
-        outcome = car._multi_turn(settings, conversations(n_conv, turns, seed=seed or 1), lambda: None)
+        outcome = car.serve_multi_turn(settings, conversations(n_conv, turns, seed=seed or 1), lambda: None)
     else:
         prompts = system_prompt_requests(n_sys, car.SYSTEM_PROMPTS, car.SYSTEM_LEN, seed=seed or 2)
-        outcome = car._system_prompts(settings, prompts, lambda: None)
+        outcome = car.serve_system_prompts(settings, prompts, lambda: None)
     return measured(outcome)
 
 
@@ -170,9 +170,9 @@ def clients(request_ids: list[str]) -> list[tuple[int, list[int]]]:
 def configured_engine(method: str, workload: str, n_conv: int, turns: int) -> Configured:
     """The method's engine for the workload as the simulator configures it (a fresh one, its cxl
     rate timed anew at its start)."""
-    tiers = car._multi_turn_tiers(conversations(n_conv, turns, seed=1)) if workload == "multi_turn" \
-        else car._system_prompt_tiers()
-    return configured(build_engine(car._config(car.METHODS[method], *tiers)))
+    tiers = car.multi_turn_tiers(conversations(n_conv, turns, seed=1)) if workload == "multi_turn" \
+        else car.system_prompt_tiers()
+    return configured(build_engine(car.engine_config(car.METHODS[method], *tiers)))
 
 
 def replayed(run: Measured, engine: Configured, calibrated: StepCost, relative: StepCost) -> list[Variation]:

@@ -26,7 +26,7 @@ from .quick import BENCH_TIMEOUT, quick_bench
 
 def test_a_conversations_next_turn_names_its_last_turns_blocks_first():
     torch.set_num_threads(1)
-    outcome = car._multi_turn(car.METHODS["lru"], conversations(1, 2, seed=1), lambda: None, model="tiny")
+    outcome = car.serve_multi_turn(car.METHODS["lru"], conversations(1, 2, seed=1), lambda: None, model="tiny")
     run = bench.measured(outcome)
     first, second = run.block_names
     assert len(first) == (len(run.requests[0].prompt_ids) + ANSWER_LEN) // car.BLOCK_SIZE
