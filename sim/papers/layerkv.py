@@ -90,7 +90,8 @@ def points(deployment: Deployment, rates: Sequence[float], requests: int, seed: 
     contexts = QUICK_CONTEXTS if quick else CONTEXTS
 
     def context(series: str, model: str, n: int, variant: str = "") -> LayerKVPoint:
-        return _point(series, model, models[model], CONTEXT_RATE, Lengths("fixed", n), Lengths("fixed", ANSWER), requests, seed, n + ANSWER, variant)
+        return _point(series, model, models[model], CONTEXT_RATE, Lengths("fixed", n), Lengths("fixed", ANSWER),
+                      requests, seed, n + ANSWER, variant)
 
     def sharegpt(series: str, rate: float, variant: str = "") -> LayerKVPoint:
         return _point(series, "sharegpt", deployment.name, rate, Lengths("lognormal", SHAREGPT[0], sigma=1.0),

@@ -47,7 +47,8 @@ def native(policies: dict[str, str], decode: bool, spec: EngineSpec = SPEC) -> t
     # decode: the prompt and its first token, the prompt's KV to come from a prefill engine (pushed into
     # blocks reserved for it, as a decode engine in push mode holds them).
     requests = [Request(rid, list(range(100 * i, 100 * i + prompt + decode)), SamplingParams(max_tokens=out), arrival,
-                        spec.num_layers, targets=Targets(ttft_slo_ms=ttft, tbt_slo_ms=tbt, predicted_output_len=predicted),
+                        spec.num_layers,
+                        targets=Targets(ttft_slo_ms=ttft, tbt_slo_ms=tbt, predicted_output_len=predicted),
                         reservation=decode)
                 for i, (rid, arrival, prompt, out, ttft, tbt, predicted) in enumerate(SCRIPT)]
     return blocks, scheduler, requests

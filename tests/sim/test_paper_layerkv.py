@@ -56,7 +56,8 @@ def test_the_headlines_follow_the_stated_rules():
     # 0.5 s, 3 s and 30% at 6; without Algorithm 1 violations of 50% at 5 and 10% at 6.
     context = {("vllm", 2048): 10.0, ("vllm", 8192): 40.0, ("layerkv", 2048): 2.0, ("layerkv", 8192): 5.0}
     sharegpt = {("vllm", 5.0): (3, 9, 0.4), ("vllm", 6.0): (3, 9, 0.4), ("layerkv", 5.0): (1, 1, 0.2),
-                ("layerkv", 6.0): (0.5, 3, 0.3), ("layerkv-noslo", 5.0): (1, 1, 0.5), ("layerkv-noslo", 6.0): (1, 1, 0.1)}
+                ("layerkv", 6.0): (0.5, 3, 0.3), ("layerkv-noslo", 5.0): (1, 1, 0.5),
+                ("layerkv-noslo", 6.0): (1, 1, 0.1)}
 
     def figures(point):
         if point.workload == "sharegpt":
