@@ -149,8 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--routing", type=_names, default="conditional,least_loaded,round_robin",
                       help="routing policies searched (%(default)s)")
     plan.add_argument("--transfer-modes", type=_names, default="pull,push", help="for pd topologies (%(default)s)")
+    plan.add_argument("--kv-allocations", type=_names, default="block_at_a_time,rlp,s3,cacheopt",
+                      help="engine KV allocation policies searched (%(default)s)")
     plan.add_argument("--preemption-orders", type=_names, default="latest_arrival_first,srtf,lkvo",
                       help="engine preemption orders searched (%(default)s)")
+    plan.add_argument("--preemption-strategies", type=_names, default="recompute,swap,sweet_spot",
+                      help="engine preemption strategies searched, with a cxl tier (%(default)s; without: recompute)")
     plan.add_argument("--requests", type=_positive, default=1000, help="requests each simulation runs (%(default)s)")
     plan.add_argument("--tolerance", type=float, default=0.02,
                       help="bisection stops when its bracket is this share of its top (%(default)s)")
@@ -206,8 +210,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvmesh plan: {exc}", file=sys.stderr)
             return 2
         return run_plan(args.profile, args.rate, args.prompt, args.output, args.slo, args.attainment, spec,
-                        args.engines, args.topologies, args.routing, args.transfer_modes, args.preemption_orders,
-                        args.requests, args.seed, args.tolerance, args.json_path, args.plot_path, geometry, policies)
+                        args.engines, args.topologies, args.routing, args.transfer_modes,
+                        {"kv_allocation": args.kv_allocations, "preemption_order": args.preemption_orders,
+                         "preemption_strategy": args.preemption_strategies}, args.requests, args.seed, args.tolerance,
+                        args.json_path, args.plot_path, geometry, policies)
     return 2
 
 

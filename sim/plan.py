@@ -1,7 +1,7 @@
 """`kvmesh plan`: for a workload and its SLOs, the configuration with the highest SLO goodput per
 engine, searched in the simulator over topologies (colocated:N, pd:P:D), engine counts and policies
-(routing, pull or push, preemption order); the runner-up, which SLO binds it and at what rate; and
-how many replicas of the pick serve the rate asked.
+(routing, pull or push, KV allocation, preemption order and strategy); the runner-up, which SLO binds
+it and at what rate; and how many replicas of the pick serve the rate asked.
 
 Goodput is DistServe's (OSDI'24): the highest arrival rate at which at least X% of requests meet every
 SLO, found for each configuration by bisection on one workload (sim/plan_search.py); per engine, it is
@@ -20,8 +20,9 @@ from rich.progress import Progress
 
 from .engine import EngineSpec
 from .link import KVGeometry
-from .plan_search import (Candidate, Goodput, Run, Simulator, bisect_goodput, fixed_policies, parse_counts, parse_slos,
-                          search_space)
+from .plan_search import (Candidate, Goodput, Run, Simulator, bisect_goodput, engine_choices, parse_counts,
+                          parse_slos, search_space)
+from .plan_workload import PREDICTOR, estimate_rule
 from .step_cost import load_profile
 from .workload import Lengths
 
@@ -40,19 +41,20 @@ class Result:
 
 def run(profile: str, rate: float, prompt: str, output: str, slos: list[str], attainment: float, spec: EngineSpec,
         engines: str, kinds: list[str], routings: list[str], transfer_modes: list[str],
-        preemption_orders: list[str], requests: int, seed: int, tolerance: float, json_path: Path | None,
+        searched: dict[str, list[str]], requests: int, seed: int, tolerance: float, json_path: Path | None,
         plot_path: Path | None, geometry: KVGeometry = KVGeometry(), policies: dict[str, str] | None = None) -> int:
-    """`attainment`: the percentage of requests that must meet every SLO; `policies`: engine policies
-    every configuration runs (the preemption order is searched instead). Bad input: a message on
-    stderr, exit status 2, nothing run or written."""
+    """`attainment`: the percentage of requests that must meet every SLO; `searched`: the names searched
+    for each engine hook of SEARCHED; `policies`: engine policies every configuration runs (one of a
+    searched hook fixes it). Bad input: a message on stderr, exit status 2, nothing run or written."""
     try:
         if rate <= 0 or not 0 < attainment <= 100 or not 0 < tolerance < 1 or requests < 1:
             raise ValueError(f"rate must be above 0 (got {rate}), attainment in (0, 100] (got {attainment}), "
                              f"tolerance in (0, 1) (got {tolerance}), requests at least 1 (got {requests})")
+        fixed, choices = engine_choices(policies or {}, searched, spec.cxl_blocks > 0)
         simulator = Simulator(Lengths.parse(prompt), Lengths.parse(output), requests, seed, parse_slos(slos), spec,
-                              load_profile(profile), geometry=geometry, policies=fixed_policies(policies or {}))
+                              load_profile(profile), geometry=geometry, policies=fixed)
         counts = parse_counts(engines)
-        space = search_space(counts, kinds, routings, transfer_modes, preemption_orders)
+        space = search_space(counts, kinds, routings, transfer_modes, choices)
     except (KeyError, ValueError, FileNotFoundError) as exc:
         print(f"kvmesh plan: {exc.args[0] if exc.args else exc}", file=sys.stderr)  # a KeyError's str quotes it
         return 2
@@ -62,12 +64,15 @@ def run(profile: str, rate: float, prompt: str, output: str, slos: list[str], at
     pick = _pick(ranked, simulator, rate, target)
     print(_table(ranked, simulator))
     print("\n".join(pick["lines"]))
+    predictions = _predictions(choices["kv_allocation"])
+    if predictions:
+        print(f"predicted output lengths ({', '.join(predictions['rules'])}): {predictions['model']}")
     config = {"profile": profile, "rate_rps": rate, "prompt": prompt, "output": output,
               "slos_ms": {name: limit * 1e3 for name, limit in simulator.slos.items()}, "attainment": target,
               "engine": asdict(spec),
               "search": {"engines": counts, "topologies": kinds, "routing": routings,
-                         "transfer_modes": transfer_modes, "preemption_orders": preemption_orders},
-              "engine_policies": simulator.policies,
+                         "transfer_modes": transfer_modes, **{hook: names for hook, names in choices.items()}},
+              "engine_policies": simulator.policies, "predictions": predictions,
               "requests": requests, "seed": seed, "tolerance": tolerance, "link": asdict(simulator.link),
               "kv_geometry": asdict(simulator.geometry), "simulations": simulator.simulated, "shared": simulator.shared}
     if json_path is not None:
@@ -79,6 +84,17 @@ def run(profile: str, rate: float, prompt: str, output: str, slos: list[str], at
         from .plan_plot import plot  # matplotlib only when a plot is asked for
         plot([(_label(group), group[0]) for group in _same_runs(ranked, simulator)], target, plot_path)
     return 0
+
+
+def _predictions(allocations: list[str]) -> dict | None:
+    """What the allocations that read a predicted output length are given (plan_workload.py)."""
+    rules = {name: estimate_rule(name) for name in allocations if estimate_rule(name) != "none"}
+    if not rules:
+        return None
+    return {"rules": rules, "log_sigma": PREDICTOR.log_sigma, "direction_accuracy": PREDICTOR.direction_accuracy,
+            "model": f"each request's real output length times exp(N(0, {PREDICTOR.log_sigma:g})), its direction "
+                     f"right {PREDICTOR.direction_accuracy:.0%} of the time, padded by the policy's rule "
+                     f"and capped at the workload's longest output"}
 
 
 def _search(space: list[Candidate], simulator: Simulator, rate: float, target: float,
@@ -97,8 +113,8 @@ def _search(space: list[Candidate], simulator: Simulator, rate: float, target: f
 
 
 def _same_runs(ranked: list[Result], simulator: Simulator) -> list[list[Result]]:
-    """Neighbours in the ranking that differ only in preemption order and ran the same runs (nobody
-    was preempted), as one group."""
+    """Neighbours in the ranking that differ only in preemption order or strategy and ran the same runs
+    (nobody was preempted), as one group."""
     groups: list[list[Result]] = []
     for result in ranked:
         if groups and _ran_alike(groups[-1][0], result, simulator):
@@ -109,15 +125,23 @@ def _same_runs(ranked: list[Result], simulator: Simulator) -> list[list[Result]]
 
 
 def _ran_alike(one: Result, other: Result, simulator: Simulator) -> bool:
-    if replace(one.candidate, preemption_order="") != replace(other.candidate, preemption_order="") or \
+    if _any_preemption(one.candidate) != _any_preemption(other.candidate) or \
             one.goodput.probes != other.goodput.probes:
         return False
     return all(simulator.run(one.candidate, at) is simulator.run(other.candidate, at) for at, _ in one.goodput.probes)
 
 
+def _any_preemption(candidate: Candidate) -> Candidate:
+    return replace(candidate, preemption_order="", preemption_strategy="")
+
+
 def _label(group: list[Result]) -> str:
-    """A group's configuration, its preemption orders joined by `|`."""
-    return str(replace(group[0].candidate, preemption_order="|".join(r.candidate.preemption_order for r in group)))
+    """A group's configuration, its preemption orders and strategies each joined by `|`."""
+    def joined(hook: str) -> str:
+        return "|".join(dict.fromkeys(getattr(r.candidate, hook) for r in group))
+
+    return str(replace(group[0].candidate, preemption_order=joined("preemption_order"),
+                       preemption_strategy=joined("preemption_strategy")))
 
 
 def _pick(ranked: list[Result], simulator: Simulator, rate: float, target: float) -> dict:
@@ -229,8 +253,7 @@ def _table(ranked: list[Result], simulator: Simulator) -> str:
 
 def _candidate(candidate: Candidate) -> dict:
     return {"configuration": str(candidate), "topology": str(candidate.topology), "engines": candidate.engines,
-            "routing": candidate.routing, "transfer_mode": candidate.transfer_mode,
-            "preemption_order": candidate.preemption_order}
+            "routing": candidate.routing, "transfer_mode": candidate.transfer_mode, **candidate.engine_policies}
 
 
 def _run(run: Run) -> dict:

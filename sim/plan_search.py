@@ -23,11 +23,13 @@ from .link import KVGeometry, LinkSpec
 from .metrics import slo_attainment, summarise
 from .step_cost import StepCost
 from .topology import Topology
-from .workload import Lengths, poisson
+from .plan_workload import planned_requests
+from .workload import Lengths
 
 SLOS = ("ttft", "tpot", "e2e")
 KINDS = ("colocated", "pd")
 DOUBLINGS = 10  # the bracket's search stops 2**10 times above or below the starting rate
+SEARCHED = ("kv_allocation", "preemption_order", "preemption_strategy")  # the engine hooks the search varies
 
 
 def parse_slos(texts: Iterable[str]) -> dict[str, float]:
@@ -70,21 +72,27 @@ class Candidate:
     routing: str
     preemption_order: str
     transfer_mode: str | None = None  # disaggregated topologies only
+    kv_allocation: str = "block_at_a_time"
+    preemption_strategy: str = "recompute"
 
     @property
     def engines(self) -> int:
         return self.topology.colocated + self.topology.prefill + self.topology.decode
 
+    @property
+    def engine_policies(self) -> dict[str, str]:
+        return {hook: getattr(self, hook) for hook in SEARCHED}
+
     def __str__(self) -> str:
-        return " ".join(str(part) for part in (self.topology, self.routing, self.transfer_mode, self.preemption_order)
-                        if part is not None)
+        return " ".join(str(part) for part in (self.topology, self.routing, self.transfer_mode, self.kv_allocation,
+                                               self.preemption_order, self.preemption_strategy) if part is not None)
 
 
-def fixed_policies(policies: dict[str, str]) -> dict[str, str]:
-    """The engine policies every configuration runs, each a hook the simulator runs and a name it
-    knows; not the preemption order, which the search varies."""
-    if "preemption_order" in policies:
-        raise ValueError("the preemption order is searched: give it with --preemption-orders, not --policy")
+def engine_choices(policies: dict[str, str], searched: dict[str, list[str]],
+                   cxl_tier: bool) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """The engine policies every configuration runs, and the names searched for each hook of SEARCHED.
+    `--policy HOOK=NAME` fixes a searched hook to NAME; without a cxl tier a swap has nowhere to go, so
+    the preemption strategy is not searched (recompute, the only one that can happen)."""
     unknown = set(policies) - set(ENGINE_HOOKS)
     if unknown:
         raise ValueError(f"the simulator runs the engine hooks {', '.join(ENGINE_HOOKS)}; "
@@ -93,34 +101,40 @@ def fixed_policies(policies: dict[str, str]) -> dict[str, str]:
         engine_policies.resolve(hook, name)
     if policies.get("layer_offload", "none") != "none":
         raise ValueError("layer_offload needs a staging area (EngineSpec.staging_cap), which kvmesh plan does not set")
-    return policies
+    choices = {hook: [policies[hook]] if hook in policies else list(searched[hook]) for hook in SEARCHED}
+    for hook, names in choices.items():
+        for name in names:
+            engine_policies.resolve(hook, name)  # a KeyError naming the known ones
+    if not cxl_tier and "preemption_strategy" not in policies:
+        choices["preemption_strategy"] = ["recompute"] if choices["preemption_strategy"] else []
+    return {hook: name for hook, name in policies.items() if hook not in SEARCHED}, choices
 
 
 def search_space(engine_counts: Sequence[int], kinds: Sequence[str], routings: Sequence[str],
-                 transfer_modes: Sequence[str], preemption_orders: Sequence[str]) -> list[Candidate]:
+                 transfer_modes: Sequence[str], engine_searched: dict[str, list[str]]) -> list[Candidate]:
     """Every topology of each engine count (colocated:N; pd:P:D for every P + D = N) with every policy
-    choice; transfer modes only where a KV hand-off happens. In that order, so a tie goes to the
-    configuration listed first."""
+    choice (routing, transfer mode, and each hook of SEARCHED); transfer modes only where a KV
+    hand-off happens. In that order, so a tie goes to the configuration listed first."""
     unknown = [kind for kind in kinds if kind not in KINDS] + [m for m in transfer_modes if m not in TRANSFER_MODES]
     if unknown:
         raise ValueError(f"{unknown[0]!r}: topologies are {' and '.join(KINDS)}, transfer modes "
                          f"{' and '.join(TRANSFER_MODES)}")
     for name in routings:
         routing_policies.resolve(name)  # a KeyError naming the known ones
-    for name in preemption_orders:
-        engine_policies.resolve("preemption_order", name)
+    allocations, orders, strategies = (engine_searched[hook] for hook in SEARCHED)
     space = []
     for n in engine_counts:
         topologies = ([Topology(colocated=n)] if "colocated" in kinds else []) + \
             ([Topology(prefill=p, decode=n - p) for p in range(1, n)] if "pd" in kinds else [])
         for topology in topologies:
             modes = transfer_modes if topology.prefill else [None]
-            space += [Candidate(topology, routing, order, mode)
-                      for routing, mode, order in itertools.product(routings, modes, preemption_orders)]
+            space += [Candidate(topology, routing, order, mode, allocation, strategy)
+                      for routing, mode, allocation, order, strategy in
+                      itertools.product(routings, modes, allocations, orders, strategies)]
     if not space:
         raise ValueError(f"the search space is empty: engine counts {list(engine_counts)}, topologies {list(kinds)}, "
-                         f"routing {list(routings)}, transfer modes {list(transfer_modes)}, preemption orders "
-                         f"{list(preemption_orders)} (pd needs 2 engines or more)")
+                         f"routing {list(routings)}, transfer modes {list(transfer_modes)}, engine policies "
+                         f"{engine_searched} (pd needs 2 engines or more)")
     return space
 
 
@@ -180,28 +194,28 @@ class Run:
 
 class Simulator:
     """Runs a configuration at a rate on the planner's one workload, each (configuration, rate) once.
-    A run in which nobody was preempted never called the preemption order, so it stands for every
-    order: the others reuse it (`shared` counts them)."""
+    A run in which nobody was preempted never called the preemption order or strategy, so it stands
+    for every order and strategy: the others reuse it (`shared` counts them)."""
 
     def __init__(self, prompt: Lengths, output: Lengths, requests: int, seed: int, slos: dict[str, float],
                  spec: EngineSpec, cost: StepCost, link: LinkSpec = LinkSpec(), geometry: KVGeometry = KVGeometry(),
                  heartbeat_s: float = HEARTBEAT_S, policies: dict[str, str] | None = None):
         self.prompt, self.output, self.requests, self.seed, self.slos = prompt, output, requests, seed, slos
-        self.policies = dict(policies or {})  # every configuration's engine policies but the preemption order
+        self.policies = dict(policies or {})  # every configuration's engine policies but the searched ones
         self.spec, self.cost, self.link, self.geometry, self.heartbeat_s = spec, cost, link, geometry, heartbeat_s
         self.runs: dict[tuple[Candidate, float], Run] = {}
         self.simulated = self.shared = 0
 
     def run(self, candidate: Candidate, rate: float) -> Run:
-        key, any_order = (candidate, rate), (replace(candidate, preemption_order=""), rate)
+        key, any_order = (candidate, rate), (replace(candidate, preemption_order="", preemption_strategy=""), rate)
         if key not in self.runs and any_order in self.runs:
             self.runs[key] = self.runs[any_order]
             self.shared += 1
         if key in self.runs:
             return self.runs[key]
-        workload = poisson(rate, self.requests, self.prompt, self.output, self.seed)
-        cluster = build(candidate.topology, self.spec, self.cost,
-                        self.policies | {"preemption_order": candidate.preemption_order},
+        workload = planned_requests(rate, self.requests, self.prompt, self.output, self.seed, self.slos,
+                                    candidate.kv_allocation)
+        cluster = build(candidate.topology, self.spec, self.cost, self.policies | candidate.engine_policies,
                         candidate.routing, self.link, self.geometry, candidate.transfer_mode or "pull",
                         self.heartbeat_s)
         summary = summarise(workload, cluster.run(workload), 0.0)

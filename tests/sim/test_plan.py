@@ -8,7 +8,9 @@ import pytest
 from kvmesh.cli import main
 from kvmesh.sim.engine import EngineSpec
 from kvmesh.sim.metrics import slo_attainment
-from kvmesh.sim.plan_search import Candidate, Simulator, bisect_goodput, parse_counts, parse_slos, search_space
+from kvmesh.sim.plan_search import (Candidate, Simulator, bisect_goodput, engine_choices, parse_counts, parse_slos,
+                                    search_space)
+from kvmesh.sim.plan_workload import planned_requests
 from kvmesh.sim.request import SimRequest
 from kvmesh.sim.step_cost import StepCost
 from kvmesh.sim.topology import Topology
@@ -16,7 +18,8 @@ from kvmesh.sim.workload import Lengths
 
 TINY_SEARCH = ["--rate", "20", "--requests", "200", "--prompt", "uniform:64-256", "--output", "exp:32",
                "--slo", "ttft=200", "--slo", "tpot=20", "--engines", "2", "--routing", "least_loaded",
-               "--transfer-modes", "pull,push", "--preemption-orders", "latest_arrival_first"]
+               "--transfer-modes", "pull,push", "--kv-allocations", "block_at_a_time",
+               "--preemption-orders", "latest_arrival_first"]
 
 
 def test_plan_picks_the_configuration_of_the_highest_goodput_per_engine(tmp_path, capsys):
@@ -25,9 +28,10 @@ def test_plan_picks_the_configuration_of_the_highest_goodput_per_engine(tmp_path
     printed = capsys.readouterr().out
     body = json.loads(out.read_text())
     results = body["results"]
-    assert sorted(r["configuration"] for r in results) == [
-        "colocated:2 least_loaded latest_arrival_first", "pd:1:1 least_loaded pull latest_arrival_first",
-        "pd:1:1 least_loaded push latest_arrival_first"]
+    assert sorted(r["configuration"] for r in results) == [  # no cxl tier: recompute only
+        "colocated:2 least_loaded block_at_a_time latest_arrival_first recompute",
+        "pd:1:1 least_loaded pull block_at_a_time latest_arrival_first recompute",
+        "pd:1:1 least_loaded push block_at_a_time latest_arrival_first recompute"]
     best = max(results, key=lambda r: r["goodput_per_engine_rps"])
     pick = body["pick"]
     assert pick["winner"]["configuration"] == best["configuration"]
@@ -53,7 +57,8 @@ def test_plan_picks_the_configuration_of_the_highest_goodput_per_engine(tmp_path
     (["--routing", ""], "search space is empty"),
     (["--routing", "nobody"], "nobody"),
     (["--cxl-blocks", "64", "--num-layers", "3"], "--num-layers 3 must divide --kv-geometry's 4 layers"),
-    (["--policy", "preemption_order=srtf"], "the preemption order is searched"),
+    (["--kv-allocations", "block_at_a_time,nope"], "nope"),
+    (["--preemption-strategies", "nope"], "nope"),
     (["--policy", "layer_offload=layerkv"], "needs a staging area"),
     (["--policy", "preemption_strategy=nope"], "nope"),
     (["--policy", "swap"], "give HOOK=NAME"),
@@ -105,17 +110,50 @@ def test_slos_and_engine_counts_parse():
 
 
 def test_the_search_space_splits_every_engine_count_and_tries_transfer_modes_only_on_pd():
-    space = search_space([1, 3], ["colocated", "pd"], ["least_loaded"], ["pull", "push"], ["srtf"])
-    assert [str(c) for c in space] == ["colocated:1 least_loaded srtf", "colocated:3 least_loaded srtf",
-                                       "pd:1:2 least_loaded pull srtf", "pd:1:2 least_loaded push srtf",
-                                       "pd:2:1 least_loaded pull srtf", "pd:2:1 least_loaded push srtf"]
+    one = {"kv_allocation": ["cacheopt"], "preemption_order": ["srtf"], "preemption_strategy": ["swap"]}
+    space = search_space([1, 3], ["colocated", "pd"], ["least_loaded"], ["pull", "push"], one)
+    assert [str(c).replace(" cacheopt srtf swap", "") for c in space] == [
+        "colocated:1 least_loaded", "colocated:3 least_loaded", "pd:1:2 least_loaded pull", "pd:1:2 least_loaded push",
+        "pd:2:1 least_loaded pull", "pd:2:1 least_loaded push"]
+    two = one | {"kv_allocation": ["block_at_a_time", "s3"], "preemption_strategy": ["recompute", "swap"]}
+    assert [str(c) for c in search_space([1], ["colocated"], ["round_robin"], [], two)] == [
+        "colocated:1 round_robin block_at_a_time srtf recompute", "colocated:1 round_robin block_at_a_time srtf swap",
+        "colocated:1 round_robin s3 srtf recompute", "colocated:1 round_robin s3 srtf swap"]
 
 
-def test_a_run_without_preemption_stands_for_every_preemption_order():
+SEARCHED = {"kv_allocation": ["block_at_a_time", "cacheopt"], "preemption_order": ["srtf", "lkvo"],
+            "preemption_strategy": ["recompute", "swap", "sweet_spot"]}
+
+
+def test_the_preemption_strategy_is_searched_only_with_a_cxl_tier_to_swap_to():
+    assert engine_choices({}, SEARCHED, cxl_tier=True) == ({}, SEARCHED)
+    assert engine_choices({}, SEARCHED, cxl_tier=False) == ({}, SEARCHED | {"preemption_strategy": ["recompute"]})
+
+
+def test_a_policy_given_fixes_its_hook_whether_searched_or_not():
+    fixed, choices = engine_choices({"kv_allocation": "s3", "preemption_strategy": "swap", "cache_policy": "car"},
+                                    SEARCHED, cxl_tier=False)
+    assert fixed == {"cache_policy": "car"}
+    assert choices == {"kv_allocation": ["s3"], "preemption_order": ["srtf", "lkvo"], "preemption_strategy": ["swap"]}
+
+
+def test_each_allocation_runs_the_same_requests_with_its_own_estimate_and_the_slos():
+    args = (20.0, 200, Lengths.parse("uniform:64-256"), Lengths.parse("exp:32"), 0, {"ttft": 0.2, "tpot": 0.02})
+    plain, cacheopt, s3 = (planned_requests(*args, allocation) for allocation in ("block_at_a_time", "cacheopt", "s3"))
+    assert [(r.arrival, r.prompt_len, r.max_tokens) for r in plain] == \
+        [(r.arrival, r.prompt_len, r.max_tokens) for r in cacheopt]
+    assert all(r.predicted_output_len is None for r in plain)
+    longest = max(r.max_tokens for r in plain)
+    assert all(1 <= r.predicted_output_len <= longest for r in cacheopt)
+    assert all(r.predicted_output_len % 50 == 0 or r.predicted_output_len == longest for r in s3)  # S^3's buckets
+    assert {(r.ttft_slo_ms, r.tbt_slo_ms) for r in plain + cacheopt} == {(200.0, 20.0)}
+
+
+def test_a_run_without_preemption_stands_for_every_preemption_order_and_strategy():
     simulator = Simulator(Lengths.parse("64"), Lengths.parse("8"), 50, 0, {"ttft": 0.1}, EngineSpec(),
                           StepCost(a=1e-3, b=1e-5))
     first = simulator.run(Candidate(Topology(colocated=1), "least_loaded", "latest_arrival_first"), 10.0)
-    again = simulator.run(Candidate(Topology(colocated=1), "least_loaded", "srtf"), 10.0)
+    again = simulator.run(Candidate(Topology(colocated=1), "least_loaded", "srtf", preemption_strategy="swap"), 10.0)
     assert first.preemptions == 0 and again is first and (simulator.simulated, simulator.shared) == (1, 1)
 
 
@@ -125,18 +163,33 @@ def test_plan_runs_its_engines_with_the_cxl_tier_and_geometry_asked_for(tmp_path
                  "--kv-geometry", "2:2:64:2", "--cxl-blocks", "512", "--swap-gbps", "8",
                  "--policy", "preemption_strategy=swap", "--json", str(out)]) == 0
     config = json.loads(out.read_text())["config"]
-    assert config["engine_policies"] == {"preemption_strategy": "swap"}
+    assert config["engine_policies"] == {} and config["search"]["preemption_strategy"] == ["swap"]
     assert config["kv_geometry"] == {"num_layers": 2, "kv_heads": 2, "head_dim": 64, "dtype_bytes": 2}
     assert config["engine"]["cxl_blocks"] == 512 and config["engine"]["block_bytes"] == 2 * 2 * 16 * 2 * 64 * 2
     assert config["engine"]["swap_out_bytes_per_s"] == config["engine"]["swap_in_bytes_per_s"] == 8e9
 
 
-def test_every_configuration_runs_the_fixed_engine_policies():
+def test_each_configuration_runs_its_own_preemption_strategy():
     """A pool too small for the load preempts; with a cxl tier and swap the preempted keep their KV."""
     spec = EngineSpec(device_blocks=96, cxl_blocks=512, block_bytes=4096)
-    runs = {strategy: Simulator(Lengths.parse("uniform:64-256"), Lengths.parse("exp:64"), 200, 0, {"ttft": 0.1}, spec,
-                                StepCost(a=1e-3, b=1e-5, c=2e-4), policies={"preemption_strategy": strategy})
-            .run(Candidate(Topology(colocated=1), "least_loaded", "latest_arrival_first"), 40.0)
+    simulator = Simulator(Lengths.parse("uniform:64-256"), Lengths.parse("exp:64"), 200, 0, {"ttft": 0.1}, spec,
+                          StepCost(a=1e-3, b=1e-5, c=2e-4))
+    runs = {strategy: simulator.run(Candidate(Topology(colocated=1), "least_loaded", "latest_arrival_first",
+                                              preemption_strategy=strategy), 40.0)
             for strategy in ("recompute", "swap")}
     assert runs["recompute"].preemptions > 0 and runs["swap"].preemptions > 0
-    assert runs["swap"] != runs["recompute"]
+    assert runs["swap"] != runs["recompute"] and simulator.simulated == 2
+
+
+def test_plan_searches_allocations_and_strategies_and_states_the_predictions(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", *TINY_SEARCH, "--engines", "1", "--topologies", "colocated", "--requests", "100",
+                 "--device-blocks", "96", "--cxl-blocks", "512", "--kv-allocations", "block_at_a_time,cacheopt",
+                 "--preemption-strategies", "recompute,swap", "--json", str(out)]) == 0
+    body = json.loads(out.read_text())
+    assert sorted((r["kv_allocation"], r["preemption_strategy"]) for r in body["results"]) == [
+        ("block_at_a_time", "recompute"), ("block_at_a_time", "swap"), ("cacheopt", "recompute"), ("cacheopt", "swap")]
+    assert body["config"]["search"]["kv_allocation"] == ["block_at_a_time", "cacheopt"]
+    predictions = body["config"]["predictions"]
+    assert predictions["rules"] == {"cacheopt": "cacheopt"} and predictions["log_sigma"] == 0.5
+    assert "predicted output lengths (cacheopt): each request's real output length" in capsys.readouterr().out
