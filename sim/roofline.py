@@ -74,9 +74,13 @@ class Roofline:
             object.__setattr__(self, name, value)
 
     def seconds(self, prefill_tokens: int, decode_tokens: int, decode_context: int, prefill_context: int) -> float:
+        # compute_s, memory_s and allreduce_s written out, in their operation order (the same floats):
+        # the simulator calls this every step of every engine.
         tokens = prefill_tokens + decode_tokens
-        return self.gpu.overhead_s + max(self.compute_s(tokens, decode_context + prefill_context),
-                                         self.memory_s(tokens, decode_context)) + self.allreduce_s(tokens)
+        compute = self._token_compute_s * tokens + self._pair_compute_s * (decode_context + prefill_context)
+        memory = self._weights_s + self._kv_token_s * (decode_context + tokens)
+        return self.gpu.overhead_s + (compute if compute > memory else memory) + \
+            (self._allreduce_s + self._allreduce_token_s * tokens)
 
     def compute_s(self, tokens: int, pairs: int) -> float:
         return self._token_compute_s * tokens + self._pair_compute_s * pairs

@@ -58,3 +58,14 @@ def test_cacheopts_opt_13b_decode_at_batch_1_is_its_weights_over_the_a100s_bandw
     weights = 12_840_304_640 * 2                        # OPT-13B's matrices and tied embedding, fp16
     kv = 40 * 2 * 40 * 128 * 2 * 2                      # a 1-token context read and its new token written
     assert cost.seconds(0, 1, 1, 0) == pytest.approx(527e-6 + (weights + kv) / (2039e9 * 0.767), rel=1e-12)
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_a_steps_seconds_are_its_three_terms_to_the_float(tp):
+    cost = Roofline(OPT_13B, A100, tp=tp)
+    for prefill, decode, decode_context, prefill_context in [(0, 1, 1, 0), (0, 64, 40_000, 0), (96, 0, 0, 4656),
+                                                             (300, 90, 31_000, 45_150), (2048, 0, 0, 2_098_176)]:
+        tokens = prefill + decode
+        assert cost.seconds(prefill, decode, decode_context, prefill_context) == \
+            A100.overhead_s + max(cost.compute_s(tokens, decode_context + prefill_context),
+                                  cost.memory_s(tokens, decode_context)) + cost.allreduce_s(tokens)
