@@ -46,8 +46,7 @@ from kvmesh.libs.kvmeta.nodeid import node_ids
 from kvmesh.libs.messages.engine import Targets
 from kvmesh.services.engine.native.factory import build_engine
 from kvmesh.sim.cluster import Cluster
-from kvmesh.sim.engine import SimEngine, Step
-from kvmesh.sim.events import EventQueue
+from kvmesh.sim.engine import SimEngine
 from kvmesh.sim.fit import fit_engine_steps
 from kvmesh.sim.request import SimRequest
 from kvmesh.sim.step_cost import StepCost
@@ -98,25 +97,24 @@ class ClosedLoop(Cluster):
                 first.append(request)
                 self.queue_of[request.request_id] = queue
         self.together = first[1:]
-        return super().run(first[:1], routed)
 
-    def _arrive(self, request: SimRequest) -> list[str]:
-        touched = super()._arrive(request)
-        for sent in self.together:
-            self.members[touched[0]].engine.add(sent)
-        self.together = []
-        return touched
+        def routed_first(request: SimRequest) -> None:  # the others sent at the start join it on its engine
+            (engine,) = (member.engine for member in self.members.values())
+            for sent in self.together:
+                engine.add(sent)
+            self.together = []
+            if routed is not None:
+                routed(request)
 
-    def _step_done(self, engine_id: str, step: Step, start: float, events: EventQueue) -> list[str]:
-        touched = super()._step_done(engine_id, step, start, events)
-        for request, _ in step.chunks:
-            queue = self.queue_of.get(request.request_id) if request.finished_at is not None else None
-            if queue:
-                sent = queue.popleft()
-                sent.arrival = events.now
-                self.queue_of[sent.request_id] = queue
-                self.members[engine_id].engine.add(sent)
-        return touched
+        return super().run(first[:1], routed_first)
+
+    def ended(self, request: SimRequest, engine_id: str) -> None:
+        queue = self.queue_of.get(request.request_id)
+        if queue:
+            sent = queue.popleft()
+            sent.arrival = request.finished_at
+            self.queue_of[sent.request_id] = queue
+            self.members[engine_id].engine.add(sent)
 
 
 def run(quick: bool) -> BenchResult:

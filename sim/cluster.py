@@ -167,13 +167,12 @@ class Cluster:
         touched = [engine_id]
         if self.transfer_mode == "push" and self.handoffs:
             self._push_chunks(step, start, now)
-        member.engine.complete(step, now)
-        for part, _ in step.chunks if self.handoffs else ():
+        for part in member.engine.complete(step, now):
             handoff = self.handoffs.get(part.request_id)
-            if part.finished_at is None or handoff is None:
-                continue  # still running, or served whole: its own record
-            if part is not handoff.prefill_part:
-                self._finish(self.handoffs.pop(part.request_id))
+            if handoff is None:  # served whole: its own record
+                self.ended(part, engine_id)
+            elif part is not handoff.prefill_part:
+                self._finish(self.handoffs.pop(part.request_id), engine_id)
             elif self.transfer_mode == "pull":
                 touched += self._to_decode(handoff, now)
             else:
@@ -221,12 +220,19 @@ class Cluster:
         handoff.whole.transfer_s = now - handoff.transfer_start
         return [handoff.prefill, handoff.decode]
 
-    @staticmethod
-    def _finish(handoff: Handoff) -> None:
+    def _finish(self, handoff: Handoff, engine_id: str) -> None:
         whole, first, rest = handoff.whole, handoff.prefill_part, handoff.decode_part
         whole.token_times += rest.token_times
         whole.preemptions = first.preemptions + rest.preemptions
         whole.finished_at = rest.finished_at
+        self.ended(whole, engine_id)
+
+    def ended(self, request: SimRequest, engine_id: str) -> None:
+        """A request given to `run` has its last token (at its `finished_at`), on `engine_id` (a split
+        one's decode engine): a hook for a subclass, which may add requests to that engine here (bench
+        sim_car's closed-loop clients send their next turn). Called as the step that ended it ends, or,
+        in a decode run, when the run is applied (at a heartbeat, a cut or its end: later than the
+        request's end, so a closed loop wants `max_run_steps` 0)."""
 
     # -- engines ----------------------------------------------------------------------------------
 
@@ -267,7 +273,7 @@ class Cluster:
             self.events.schedule(run.end, RUN_DONE, (engine_id, run, run.version))
             return []
         steps = len(run.ends)
-        self._ended(decode_run.apply(member.engine, run, steps, steps))
+        self._ended(decode_run.apply(member.engine, run, steps, steps), engine_id)
         member.run, member.busy = None, False
         return [engine_id]
 
@@ -302,14 +308,16 @@ class Cluster:
         run = member.run
         if run is not None:
             steps = run.in_progress(self.events.now)
-            self._ended(decode_run.apply(member.engine, run, steps, steps - 1))
+            self._ended(decode_run.apply(member.engine, run, steps, steps - 1), engine_id)
         return member.engine
 
-    def _ended(self, parts: list[SimRequest]) -> None:
+    def _ended(self, parts: list[SimRequest], engine_id: str) -> None:
         """Requests a decode run ended: a split one's record takes its decode part's tokens."""
         for part in parts:
             if part.request_id in self.handoffs:
-                self._finish(self.handoffs.pop(part.request_id))
+                self._finish(self.handoffs.pop(part.request_id), engine_id)
+            else:
+                self.ended(part, engine_id)
 
     def _start_pull(self, handoff: Handoff, events: EventQueue) -> None:
         transfer = pull(self.link, self.geometry, self.members[handoff.decode].engine.spec.block_size,

@@ -230,9 +230,9 @@ class SimEngine:
             loads, writes = step.staged.get(layer, (0.0, 0.0))
             step.staged[layer] = (loads + load, writes + write)
 
-    def complete(self, step: Step, done: float) -> None:
+    def complete(self, step: Step, done: float) -> list[SimRequest]:
         """The step's KV is computed; a chunk that reached its request's last token samples the next.
-        The blocks lent for its staging area are free again."""
+        The blocks lent for its staging area are free again. The requests it ended."""
         if isinstance(self.blocks, LayerCount):
             self.blocks.give_back()
         self.scheduler.iteration_s.append(self.seconds(step))  # CacheOpt's T_I^max reads recent step times
@@ -241,13 +241,16 @@ class SimEngine:
         for request, n in step.chunks:  # every chunk's KV first, offered to the prefix cache; then the samples
             request.num_computed += n
             self.blocks.commit(request, done)
+        ended = []
         for request in sampling:
             request.token_times.append(done)
             if request.num_generated >= request.max_tokens:
                 self.finish(request, done)
+                ended.append(request)
         if isinstance(self.blocks, PrefixCount):
             self.blocks.loads_done()
             self.blocks.offload_idle()  # CaR III-C.2: idle nodes out to the cxl tier past the high-water mark
+        return ended
 
     def pulled(self, request: SimRequest) -> None:
         """Its KV has arrived: it decodes from its last prompt token on (a prefix cache stamps the

@@ -188,6 +188,33 @@ def test_a_workload_finishes_whole_with_nothing_held(topology, routing, mode):
     assert_no_leak(cluster)
 
 
+class Ends(Cluster):
+    """A cluster that notes each request's end through the public hook."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.noted: list[tuple[str, str, float]] = []
+
+    def ended(self, request: SimRequest, engine_id: str) -> None:
+        self.noted.append((request.request_id, engine_id, request.finished_at))
+
+
+@pytest.mark.parametrize("topology, mode, max_run_steps", [
+    ("colocated:2", "pull", 0), ("colocated:2", "pull", 4096), ("pd:1:2", "pull", 4096), ("pd:1:2", "push", 0)])
+def test_a_subclass_hears_of_each_request_given_to_run_once_as_it_ends(topology, mode, max_run_steps):
+    requests = poisson(40.0, 200, Lengths.parse("uniform:16-400"), Lengths.parse("exp:24"), seed=3)
+    engines = {engine_id: (role, SimEngine(SPEC, COST)) for engine_id, role in Topology.parse(topology).roles().items()}
+    cluster = Ends(engines, link=LINK, transfer_mode=mode, max_run_steps=max_run_steps)
+    cluster.run(requests)
+    by_id = {r.request_id: r for r in requests}
+    assert sorted(request_id for request_id, _, _ in cluster.noted) == sorted(by_id)
+    for request_id, engine_id, finished_at in cluster.noted:
+        request = by_id[request_id]
+        assert finished_at == request.finished_at is not None and request.num_generated == request.max_tokens
+        if request.max_tokens > 1:  # served whole on its engine, or split: its decode engine's
+            assert cluster.members[engine_id].role == ("decode" if topology.startswith("pd") else "both")
+
+
 def test_a_decode_engine_that_can_never_hold_the_request_lets_the_held_kv_go():
     small = EngineSpec(block_size=16, device_blocks=8)
     prefill, decode = SimEngine(SPEC, COST), SimEngine(small, COST)
