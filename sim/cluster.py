@@ -292,22 +292,14 @@ class Cluster:
         """The engine, its decode run (if any) cut after the step in progress and applied through it
         (those the step ends leave at its end): what it is about to be told changes its batch from the
         next step on."""
-        run = self.members[engine_id].run
+        member = self.members[engine_id]
+        run = member.run
         if run is not None:
             steps = run.in_progress(self.events.now)
             shorter = steps < len(run.ends)
             run.cut(steps)  # it ends with the step in progress, whatever it could have gone on to
             if shorter:
                 self.events.schedule(run.end, RUN_DONE, (engine_id, run, run.version))
-        return self._caught_up(engine_id)
-
-    def _caught_up(self, engine_id: str) -> SimEngine:
-        """The engine as a single step would have it now: its decode run (if any) applied through the
-        step in progress, and not cut (a heartbeat reads the engine's load and changes nothing)."""
-        member = self.members[engine_id]
-        run = member.run
-        if run is not None:
-            steps = run.in_progress(self.events.now)
             self._ended(decode_run.apply(member.engine, run, steps, steps - 1), engine_id)
         return member.engine
 
@@ -348,9 +340,14 @@ class Cluster:
     def _report(self, now: float) -> None:
         """The engines' heartbeats, every `heartbeat_s` from 0, all at once: each new report replaces
         an engine's last and the routes counted since it."""
-        for engine_id, member in self.members.items():
-            engine = self._caught_up(engine_id)
-            member.report = EngineLoad(engine.free, engine.spec.device_blocks, len(engine.waiting), len(engine.running))
+        for member in self.members.values():
+            engine, run = member.engine, member.run
+            if run is None:
+                free, waiting, running = engine.free, len(engine.waiting), len(engine.running)
+            else:  # as if applied through the step in progress, as a cut is: nothing changes
+                steps = run.in_progress(self.events.now)
+                free, waiting, running = decode_run.load(engine, run, steps, steps - 1)
+            member.report = EngineLoad(free, engine.spec.device_blocks, waiting, running)
             member.routed = member.routed_blocks = 0
         self.table.reset(self._view(engine_id) for engine_id in self.members)
         self.reported_at = now - (now % self.heartbeat_s if self.heartbeat_s > 0 else 0.0)

@@ -20,7 +20,8 @@ A run is cut by anything else that would change the batch (sim/cluster.py): a re
 engine that cannot join, or a pull landing. It is then applied through the step in progress, which
 ends as planned (those it ends leave at its end), and the engine schedules as usual after it; a
 request that had joined at a later step is still waiting there, and the scheduler admits it. A load
-report applies a run through the step in progress without cutting it."""
+report reads what applying a run through the step in progress would leave (`load`), and neither
+applies nor cuts it: the requests take their tokens once, when the run is cut or ends."""
 
 from __future__ import annotations
 
@@ -216,6 +217,35 @@ def apply(engine, run: DecodeRun, through: int, ended: int) -> list[SimRequest]:
     engine.steps += through - run.applied
     run.applied = through
     return done
+
+
+def load(engine, run: DecodeRun, through: int, ended: int) -> tuple[int, int, int]:
+    """The engine's free device blocks, waiting and running requests as `apply(engine, run, through,
+    ended)` would leave them, nothing applied: a heartbeat reads them, and the requests take their
+    tokens once, when the run is cut or ends (apply's blocks, admissions and ends, counted)."""
+    free, waiting, running = engine.free, len(engine.waiting), len(engine.running)
+    block_size, num_layers, applied = engine.spec.block_size, engine.spec.num_layers, run.applied
+    for request, start, stop in run.members:  # every request of every run, at every heartbeat: no calls
+        first = applied if applied < stop else stop
+        first = start if first < start else first
+        last = through if through < stop else stop
+        computed, held = request.num_computed, request.blocks_per_layer
+        admitted = last > first and first == start and start
+        if last > first:
+            computed += last - first + (request.prompt_len - 1 if admitted else 0)
+        blocks = -(-computed // block_size)  # policies.views.blocks_for
+        if admitted:
+            waiting -= 1
+            running += 1
+        if stop <= ended:  # it ends: its blocks, those it grew to included, are given back
+            running -= 1
+            if request.hold_kv:
+                free -= (blocks - held if blocks > held else 0) * num_layers
+            else:
+                free += held * num_layers
+        elif blocks > held:
+            free -= (blocks - held) * num_layers
+    return free, waiting, running
 
 
 def _covered(running: list[SimRequest], left: list[int], steps: int, block_size: int, num_layers: int,

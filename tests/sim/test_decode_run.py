@@ -2,6 +2,8 @@
 request's token times, finish, preemptions and hand-off are the same floats as when each engine
 takes one step at a time, whatever cuts the runs (arrivals, load reports, pulls, preemptions)."""
 
+import copy
+
 import pytest
 
 from kvmesh.sim import decode_run
@@ -148,3 +150,20 @@ def test_an_arrival_the_step_cannot_take_whole_does_not_join():
     assert run.ends == ends and run.version == version and not engine.waiting
     assert run.join(engine, SimRequest("d", 0.01, 5, 3), 0.012)
     assert not run.join(engine, SimRequest("e", 0.01, 1, 3), 0.012)  # a, b and d: the limit of 3
+
+
+def test_a_runs_load_is_what_applying_it_would_leave_without_applying_it():
+    """A heartbeat reads the free blocks, waiting and running requests that applying the run through
+    the step in progress would leave (one joining, some ending, blocks growing), and changes nothing."""
+    first, second, late = SimRequest("a", 0.0, 8, 12), SimRequest("b", 0.0, 8, 10), SimRequest("c", 0.015, 6, 3)
+    engine = decoding(EngineSpec(block_size=4, device_blocks=64), first, second)
+    run = decode_run.plan(engine, 0.01, max_steps=100)
+    assert run.join(engine, late, run.ends[1] - 1e-4)
+    run.extend(run.end, 100)
+    loads = [decode_run.load(engine, run, steps, steps - 1) for steps in range(1, 12)]
+    assert run.applied == 0 and late in engine.waiting and first.num_computed == 8
+    for steps, load in zip(range(1, 12), loads):
+        copy_engine, copy_run = copy.deepcopy((engine, run))
+        decode_run.apply(copy_engine, copy_run, steps, steps - 1)
+        assert load == (copy_engine.free, len(copy_engine.waiting), len(copy_engine.running))
+    assert [running for _, _, running in loads] == [2, 2, 3, 3, 3, 2, 2, 2, 2, 1, 1]
