@@ -340,13 +340,14 @@ class Cluster:
     def _report(self, now: float) -> None:
         """The engines' heartbeats, every `heartbeat_s` from 0, all at once: each new report replaces
         an engine's last and the routes counted since it."""
-        for member in self.members.values():
+        for engine_id, member in self.members.items():
             engine, run = member.engine, member.run
             if run is None:
                 free, waiting, running = engine.free, len(engine.waiting), len(engine.running)
-            else:  # as if applied through the step in progress, as a cut is: nothing changes
+            else:  # as if applied through the step in progress, as a cut is; it goes on
                 steps = run.in_progress(self.events.now)
-                free, waiting, running = decode_run.load(engine, run, steps, steps - 1)
+                ended, free, waiting, running = decode_run.report(engine, run, steps, steps - 1)
+                self._ended(ended, engine_id)
             member.report = EngineLoad(free, engine.spec.device_blocks, waiting, running)
             member.routed = member.routed_blocks = 0
         self.table.reset(self._view(engine_id) for engine_id in self.members)

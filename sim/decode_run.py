@@ -20,8 +20,8 @@ A run is cut by anything else that would change the batch (sim/cluster.py): a re
 engine that cannot join, or a pull landing. It is then applied through the step in progress, which
 ends as planned (those it ends leave at its end), and the engine schedules as usual after it; a
 request that had joined at a later step is still waiting there, and the scheduler admits it. A load
-report reads what applying a run through the step in progress would leave (`load`), and neither
-applies nor cuts it: the requests take their tokens once, when the run is cut or ends."""
+report ends the requests whose last token has come, and reads what applying the rest through the
+step in progress would leave without applying them (`report`); it does not cut the run."""
 
 from __future__ import annotations
 
@@ -190,62 +190,69 @@ def apply(engine, run: DecodeRun, through: int, ended: int) -> list[SimRequest]:
     """Give the requests the tokens, KV and blocks of the run's steps up to `through` (admitting those
     that joined at them), and end those whose last token came by step `ended` (<= through); the
     requests it ended."""
-    done, block_size, scheduler, applied, ends = [], engine.spec.block_size, engine.scheduler, run.applied, run.ends
-    for request, start, stop in run.members:  # every request of the run, at every heartbeat: no calls to spare
-        first = applied if applied < stop else stop
-        first = start if first < start else first
-        last = through if through < stop else stop
-        if last > first:
-            tokens = last - first
-            if first == start and start:  # it joined: admitted at its start, its prompt computed then
-                scheduler.waiting.remove(request)
-                request.status = Status.RUNNING
-                scheduler.running.append(request)
-                request.scheduled_at = ends[start - 1] if request.scheduled_at is None else request.scheduled_at
-                tokens += request.prompt_len - 1
-            request.num_computed += tokens
-            request.token_times.extend(ends[first:last])
-            blocks = blocks_for(request.num_computed, block_size)
-            if blocks > request.blocks_per_layer and not engine.blocks.reserve(request, blocks, tokens):
-                raise AssertionError("a decode run's blocks were counted before it started")
+    done, ends = [], run.ends
+    for request, start, stop in run.members:
+        _take(engine, run, request, start, stop, through)
         if stop <= ended and request.finished_at is None:
             engine.finish(request, ends[stop - 1])
             done.append(request)
     if done:
         run.members = [member for member in run.members if member[0].finished_at is None]
-    scheduler.iteration_s.extend(run.seconds[run.applied:through])
+    engine.scheduler.iteration_s.extend(run.seconds[run.applied:through])
     engine.steps += through - run.applied
     run.applied = through
     return done
 
 
-def load(engine, run: DecodeRun, through: int, ended: int) -> tuple[int, int, int]:
-    """The engine's free device blocks, waiting and running requests as `apply(engine, run, through,
-    ended)` would leave them, nothing applied: a heartbeat reads them, and the requests take their
-    tokens once, when the run is cut or ends (apply's blocks, admissions and ends, counted)."""
-    free, waiting, running = engine.free, len(engine.waiting), len(engine.running)
-    block_size, num_layers, applied = engine.spec.block_size, engine.spec.num_layers, run.applied
-    for request, start, stop in run.members:  # every request of every run, at every heartbeat: no calls
-        first = applied if applied < stop else stop
-        first = start if first < start else first
+def report(engine, run: DecodeRun, through: int, ended: int) -> tuple[list[SimRequest], int, int, int]:
+    """What a heartbeat reads of an engine in a run: the requests whose last token came by step `ended`
+    end (as `apply` would end them), and the others are counted, not applied, as `apply(engine, run,
+    through, ended)` would leave them (their tokens are given once, when the run is cut or ends). The
+    requests it ended, then the engine's free device blocks, waiting and running requests."""
+    done, grown, admitted, block_size, applied = [], 0, 0, engine.spec.block_size, run.applied
+    for request, start, stop in run.members:  # every request of every run, at every heartbeat: no calls to spare
+        if stop <= ended:
+            _take(engine, run, request, start, stop, through)
+            engine.finish(request, run.ends[stop - 1])
+            done.append(request)
+            continue
+        first = applied if applied > start else start
         last = through if through < stop else stop
-        computed, held = request.num_computed, request.blocks_per_layer
-        admitted = last > first and first == start and start
         if last > first:
-            computed += last - first + (request.prompt_len - 1 if admitted else 0)
-        blocks = -(-computed // block_size)  # policies.views.blocks_for
-        if admitted:
-            waiting -= 1
-            running += 1
-        if stop <= ended:  # it ends: its blocks, those it grew to included, are given back
-            running -= 1
-            if request.hold_kv:
-                free -= (blocks - held if blocks > held else 0) * num_layers
-            else:
-                free += held * num_layers
-        elif blocks > held:
-            free -= (blocks - held) * num_layers
-    return free, waiting, running
+            computed = request.num_computed + last - first
+            if first == start and start:  # admitted at its start, its prompt computed then
+                admitted += 1
+                computed += request.prompt_len - 1
+            blocks = -(-computed // block_size)  # policies.views.blocks_for
+            if blocks > request.blocks_per_layer:
+                grown += blocks - request.blocks_per_layer
+    if done:
+        run.members = [member for member in run.members if member[0].finished_at is None]
+    return done, engine.free - grown * engine.spec.num_layers, len(engine.waiting) - admitted, \
+        len(engine.running) + admitted
+
+
+def _take(engine, run: DecodeRun, request: SimRequest, start: int, stop: int, through: int) -> None:
+    """Give one request of the run its tokens, KV and blocks of the steps from those applied up to
+    `through` (admitting it at its start if it joined)."""
+    first = run.applied if run.applied < stop else stop
+    first = start if first < start else first
+    last = through if through < stop else stop
+    if last <= first:
+        return
+    tokens = last - first
+    if first == start and start:  # it joined: admitted at its start, its prompt computed then
+        scheduler = engine.scheduler
+        scheduler.waiting.remove(request)
+        request.status = Status.RUNNING
+        scheduler.running.append(request)
+        request.scheduled_at = run.ends[start - 1] if request.scheduled_at is None else request.scheduled_at
+        tokens += request.prompt_len - 1
+    request.num_computed += tokens
+    request.token_times.extend(run.ends[first:last])
+    blocks = blocks_for(request.num_computed, engine.spec.block_size)
+    if blocks > request.blocks_per_layer and not engine.blocks.reserve(request, blocks, tokens):
+        raise AssertionError("a decode run's blocks were counted before it started")
 
 
 def _covered(running: list[SimRequest], left: list[int], steps: int, block_size: int, num_layers: int,

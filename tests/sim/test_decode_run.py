@@ -152,18 +152,24 @@ def test_an_arrival_the_step_cannot_take_whole_does_not_join():
     assert not run.join(engine, SimRequest("e", 0.01, 1, 3), 0.012)  # a, b and d: the limit of 3
 
 
-def test_a_runs_load_is_what_applying_it_would_leave_without_applying_it():
-    """A heartbeat reads the free blocks, waiting and running requests that applying the run through
-    the step in progress would leave (one joining, some ending, blocks growing), and changes nothing."""
+def test_a_heartbeat_reads_what_applying_a_run_would_leave_and_only_ends_requests():
+    """A heartbeat ends the requests whose last token has come, as applying the run through the step in
+    progress would, and reads the free blocks, waiting and running requests that applying it would
+    leave (one joining, two ending, blocks growing); the others' tokens wait for the run's end."""
     first, second, late = SimRequest("a", 0.0, 8, 12), SimRequest("b", 0.0, 8, 10), SimRequest("c", 0.015, 6, 3)
     engine = decoding(EngineSpec(block_size=4, device_blocks=64), first, second)
     run = decode_run.plan(engine, 0.01, max_steps=100)
     assert run.join(engine, late, run.ends[1] - 1e-4)
     run.extend(run.end, 100)
-    loads = [decode_run.load(engine, run, steps, steps - 1) for steps in range(1, 12)]
-    assert run.applied == 0 and late in engine.waiting and first.num_computed == 8
-    for steps, load in zip(range(1, 12), loads):
-        copy_engine, copy_run = copy.deepcopy((engine, run))
-        decode_run.apply(copy_engine, copy_run, steps, steps - 1)
-        assert load == (copy_engine.free, len(copy_engine.waiting), len(copy_engine.running))
-    assert [running for _, _, running in loads] == [2, 2, 3, 3, 3, 2, 2, 2, 2, 1, 1]
+    running = []
+    for steps in range(1, 12):
+        applied_engine, applied_run = copy.deepcopy((engine, run))
+        ended = decode_run.apply(applied_engine, applied_run, steps, steps - 1)
+        reported_engine, reported_run = copy.deepcopy((engine, run))
+        reported, *load = decode_run.report(reported_engine, reported_run, steps, steps - 1)
+        assert [r.request_id for r in reported] == [r.request_id for r in ended]
+        assert load == [applied_engine.free, len(applied_engine.waiting), len(applied_engine.running)]
+        assert [r.token_times for r in reported] == [r.token_times for r in ended]
+        assert reported_run.applied == 0 and reported_run.members[0][0].num_computed == 8
+        running.append(load[2])
+    assert running == [2, 2, 3, 3, 3, 2, 2, 2, 2, 1, 1]
