@@ -20,7 +20,7 @@ from rich.progress import Progress
 
 from .engine import EngineSpec
 from .link import KVGeometry
-from .plan_search import (Candidate, Goodput, Run, Simulator, bisect_goodput, engine_choices, parse_counts,
+from .plan_search import (SEARCHED, Candidate, Goodput, Run, Simulator, bisect_goodput, engine_choices, parse_counts,
                           parse_slos, search_space)
 from .plan_workload import PREDICTOR, estimate_rule
 from .step_cost import load_profile
@@ -113,8 +113,8 @@ def _search(space: list[Candidate], simulator: Simulator, rate: float, target: f
 
 
 def _same_runs(ranked: list[Result], simulator: Simulator) -> list[list[Result]]:
-    """Neighbours in the ranking that differ only in preemption order or strategy and ran the same runs
-    (nobody was preempted), as one group."""
+    """Neighbours in the ranking that differ only in engine hooks of SEARCHED and ran the same runs,
+    every figure equal (nobody was preempted, or no allocation fell short), as one group."""
     groups: list[list[Result]] = []
     for result in ranked:
         if groups and _ran_alike(groups[-1][0], result, simulator):
@@ -125,23 +125,22 @@ def _same_runs(ranked: list[Result], simulator: Simulator) -> list[list[Result]]
 
 
 def _ran_alike(one: Result, other: Result, simulator: Simulator) -> bool:
-    if _any_preemption(one.candidate) != _any_preemption(other.candidate) or \
-            one.goodput.probes != other.goodput.probes:
+    if _without_hooks(one.candidate) != _without_hooks(other.candidate) or one.goodput.probes != other.goodput.probes:
         return False
-    return all(simulator.run(one.candidate, at) is simulator.run(other.candidate, at) for at, _ in one.goodput.probes)
+    return all(simulator.run(one.candidate, at) == simulator.run(other.candidate, at) for at, _ in one.goodput.probes)
 
 
-def _any_preemption(candidate: Candidate) -> Candidate:
-    return replace(candidate, preemption_order="", preemption_strategy="")
+def _without_hooks(candidate: Candidate) -> Candidate:
+    return replace(candidate, **{hook: "" for hook in SEARCHED})
 
 
 def _label(group: list[Result]) -> str:
-    """A group's configuration, its preemption orders and strategies each joined by `|`."""
-    def joined(hook: str) -> str:
-        return "|".join(dict.fromkeys(getattr(r.candidate, hook) for r in group))
-
-    return str(replace(group[0].candidate, preemption_order=joined("preemption_order"),
-                       preemption_strategy=joined("preemption_strategy")))
+    """A group's configuration, the names of each searched hook joined by `|` when the group is every
+    combination of them; else each configuration, joined by `; `."""
+    names = {hook: list(dict.fromkeys(getattr(r.candidate, hook) for r in group)) for hook in SEARCHED}
+    if len(group) != math.prod(len(each) for each in names.values()):
+        return "; ".join(str(r.candidate) for r in group)
+    return str(replace(group[0].candidate, **{hook: "|".join(each) for hook, each in names.items()}))
 
 
 def _pick(ranked: list[Result], simulator: Simulator, rate: float, target: float) -> dict:

@@ -193,3 +193,24 @@ def test_plan_searches_allocations_and_strategies_and_states_the_predictions(tmp
     predictions = body["config"]["predictions"]
     assert predictions["rules"] == {"cacheopt": "cacheopt"} and predictions["log_sigma"] == 0.5
     assert "predicted output lengths (cacheopt): each request's real output length" in capsys.readouterr().out
+
+
+def test_configurations_that_ran_the_same_runs_share_one_row(capsys):
+    """On a pool that never falls short, block at a time and rlp run alike, and so do the orders."""
+    assert main(["plan", *TINY_SEARCH, "--engines", "1", "--topologies", "colocated", "--kv-allocations",
+                 "block_at_a_time,rlp", "--preemption-orders", "latest_arrival_first,srtf"]) == 0
+    assert "colocated:1 least_loaded block_at_a_time|rlp latest_arrival_first|srtf recompute" in capsys.readouterr().out
+
+
+def test_a_group_that_is_not_every_combination_names_each_configuration():
+    from kvmesh.sim.plan import Result, _label
+    from kvmesh.sim.plan_search import Goodput
+
+    def result(allocation, strategy):
+        return Result(Candidate(Topology(colocated=1), "round_robin", "srtf", None, allocation, strategy),
+                      Goodput(1.0, 2.0, ()))
+
+    every = [result(a, s) for a in ("block_at_a_time", "rlp") for s in ("recompute", "swap")]
+    assert _label(every) == "colocated:1 round_robin block_at_a_time|rlp srtf recompute|swap"
+    assert _label(every[1:]) == ("colocated:1 round_robin block_at_a_time srtf swap; "
+                                 "colocated:1 round_robin rlp srtf recompute; colocated:1 round_robin rlp srtf swap")
