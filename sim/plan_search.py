@@ -202,6 +202,8 @@ class Simulator:
                  heartbeat_s: float = HEARTBEAT_S, policies: dict[str, str] | None = None):
         self.prompt, self.output, self.requests, self.seed, self.slos = prompt, output, requests, seed, slos
         self.policies = dict(policies or {})  # every configuration's engine policies but the searched ones
+        if set(self.policies) & set(SEARCHED):  # a candidate names its own: one given here would be overridden
+            raise ValueError(f"the candidates name {', '.join(SEARCHED)}; give the others only")
         self.spec, self.cost, self.link, self.geometry, self.heartbeat_s = spec, cost, link, geometry, heartbeat_s
         self.runs: dict[tuple[Candidate, float], Run] = {}
         self.simulated = self.shared = 0

@@ -214,3 +214,9 @@ def test_a_group_that_is_not_every_combination_names_each_configuration():
     assert _label(every) == "colocated:1 round_robin block_at_a_time|rlp srtf recompute|swap"
     assert _label(every[1:]) == ("colocated:1 round_robin block_at_a_time srtf swap; "
                                  "colocated:1 round_robin rlp srtf recompute; colocated:1 round_robin rlp srtf swap")
+
+
+def test_the_simulator_refuses_a_searched_hook_among_the_fixed_policies():
+    with pytest.raises(ValueError, match="the candidates name"):
+        Simulator(Lengths.parse("64"), Lengths.parse("8"), 50, 0, {"ttft": 0.1}, EngineSpec(), StepCost(a=1e-3),
+                  policies={"kv_allocation": "s3"})
