@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
@@ -59,10 +59,11 @@ class RunStats:
     served: list[Served]
     preemptions: dict[str, int]
     busy_s: float    # the run's real seconds: the engine busy, the idle gaps skipped before arrivals not counted
-    # What the run was given and what its steps took, for the simulator to replay it (bench/sim_cacheopt.py):
-    arrivals: list[float]       # seconds from the start
-    targets: list[Targets]
-    steps: list[dict]           # each turn of the replay's loop that stepped, as GET /v1/steps lists them
+    # What the run was given and what its steps took, for the simulator to replay it (bench/sim_cacheopt.py);
+    # empty for a run on stock vLLM (bench vllm_cacheopt), which the simulator does not replay.
+    arrivals: list[float] = field(default_factory=list)   # seconds from the start
+    targets: list[Targets] = field(default_factory=list)
+    steps: list[dict] = field(default_factory=list)       # each stepping turn of the loop, as GET /v1/steps lists them
 
 
 def replay(engine: Engine, requests: list[TraceRequest], arrivals: np.ndarray, targets: list[Targets],
