@@ -38,6 +38,7 @@ class PrefixCount(NodeTable, BlockCount):
         self.block_bytes = block_bytes
         self.cache_cxl = cache_cxl and "cxl" in totals
         self.layerwise_reload = self.cache_cxl   # as the native factory sets it: reloads at a turn run in its step
+        self.prefix_caching = True
         self.high_water = high_water
         self.cached: dict[str, CachedNode] = {}
         self.evictable: dict[str, CachedNode] = {}
@@ -106,28 +107,11 @@ class PrefixCount(NodeTable, BlockCount):
             request.cached_nodes, request.num_committed = [], 0
         return True
 
-    def attach_prefix(self, request: SimRequest, now: float) -> int:
-        """As PrefixCache.attach_prefix: the longest cached prefix, its cxl nodes brought back first as
-        far as the device has room; at least the last token is left to compute."""
-        if request.blocks_per_layer:
-            return 0
-        hits = self.cached_prefix(request)
-        found_in = [node.tier for node in hits]
-        self.reload(hits, layerwise=self.layerwise_reload)
-        for node, tier in zip(hits, found_in):
-            if node.tier != "device":
-                break
-            self.hit_blocks[tier] += 1
-            self._pin(node)
-            node.hits += 1
-            node.last_access = now
-            request.blocks_per_layer += 1
-            request.cached_nodes.append(node.node_id)
-        request.num_committed = len(request.cached_nodes)
-        request.num_computed = min(request.num_committed * self.block_size, request.num_tokens - 1)
-        self.hit_tokens += request.num_computed
-        self.lookup_blocks += min(request.num_tokens // self.block_size, len(request.block_names))
-        return request.num_computed
+    def _share(self, request: SimRequest, node: CachedNode) -> None:
+        request.blocks_per_layer += 1
+
+    def _named_full(self, request: SimRequest) -> int:
+        return min(request.num_tokens // self.block_size, len(request.block_names))
 
     def commit(self, request: SimRequest, now: float) -> None:
         """As PrefixCache.commit: the request's blocks that became full join the cache (one whose

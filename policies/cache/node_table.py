@@ -14,7 +14,9 @@ from .eviction_queue import EvictionQueue
 class NodeTable:
     """Reads and writes `cached`, `evictable` (nodes no request holds, in any tier), `_idle` (those of
     each tier, queued in the cache policy's order) and a request's `scores` (node id -> (node, what
-    the request added to its score))."""
+    the request added to its score)); looking a prompt up, also the hit counters (`hit_tokens`,
+    `lookup_blocks`, `hit_blocks`) and a request's `cached_nodes`, `num_committed` and `num_computed`,
+    through the keeper's `cached_prefix` and `reload`."""
 
     cached: dict[str, CachedNode]
     evictable: dict[str, CachedNode]
@@ -38,6 +40,40 @@ class NodeTable:
                 node.score -= given
                 self._rescored(node)
         request.scores = {}
+
+    def attach_prefix(self, request, now: float) -> int:
+        """Give a request with no blocks the longest cached prefix of its tokens; returns how many
+        tokens it need not compute. At least one token is always left to compute (its logits are
+        needed), so a fully cached prompt recomputes its last token into a copy of the last block.
+        Nodes of the prefix in the cxl tier come back to the device first (`reload`), as many as it
+        has room for; the prefix ends where one could not."""
+        if not self.prefix_caching or request.blocks_per_layer:
+            return 0
+        hits = self.cached_prefix(request)
+        found_in = [node.tier for node in hits]
+        self.reload(hits, layerwise=self.layerwise_reload)
+        for node, tier in zip(hits, found_in):
+            if node.tier != "device":
+                break
+            self.hit_blocks[tier] += 1
+            self._pin(node)
+            node.hits += 1
+            node.last_access = now
+            self._share(request, node)
+            request.cached_nodes.append(node.node_id)
+        request.num_committed = len(request.cached_nodes)
+        request.num_computed = min(request.num_committed * self.block_size, request.num_tokens - 1)
+        self.hit_tokens += request.num_computed
+        self.lookup_blocks += self._named_full(request)
+        return request.num_computed
+
+    def _share(self, request, node: CachedNode) -> None:
+        """The request holds the node's blocks as its next ones (each keeper counts or maps them)."""
+        raise NotImplementedError
+
+    def _named_full(self, request) -> int:
+        """How many of the request's leading full blocks have a name to look up."""
+        raise NotImplementedError
 
     def _pin(self, node: CachedNode) -> None:
         if node.refs == 0:

@@ -22,28 +22,6 @@ class PrefixCache(NodeTable):
     its layers' blocks. Room comes from BlockAccounting.free and BlockGrowth._take; nodes of the
     cxl tier come back through CacheTiers (_move, _defer), which also scores and journals them."""
 
-    def attach_prefix(self, request: Request, now: float) -> int:
-        """Give a request with no blocks the longest cached prefix of its tokens; returns how many
-        tokens it need not compute. At least one token is always left to compute (its logits are
-        needed), so a fully cached prompt recomputes its last token into a copy of the last block.
-        Nodes of the prefix in the cxl tier come back to the device first, as many as it has room
-        for; the prefix ends where one could not."""
-        if not self.prefix_caching or request.blocks_per_layer:
-            return 0
-        hits = self.cached_prefix(request)
-        found_in = [node.tier for node in hits]
-        self.reload(hits, layerwise=self.layerwise_reload)
-        for node, tier in zip(hits, found_in):
-            if node.tier != "device":
-                break
-            self.hit_blocks[tier] += 1
-            self._hold(request, node, now)
-        request.num_committed = len(request.cached_nodes)
-        request.num_computed = min(request.num_committed * self.block_size, request.num_tokens - 1)
-        self.hit_tokens += request.num_computed
-        self.lookup_blocks += len(request.node_ids)
-        return request.num_computed
-
     def cached_prefix(self, request: Request) -> list[CachedNode]:
         """The cached nodes of the request's leading full blocks, in order, in any tier."""
         if not self.prefix_caching:
@@ -111,11 +89,10 @@ class PrefixCache(NodeTable):
             request.node_ids += node_ids(request.all_ids[start:full * self.block_size], self.block_size, self.model,
                                          parent)
 
-    def _hold(self, request: Request, node: CachedNode, now: float) -> None:
-        self._pin(node)
-        node.hits += 1
-        node.last_access = now
+    def _share(self, request: Request, node: CachedNode) -> None:
         for layer, block in zip(request.layers, node.blocks):
             self.device.incref(block)
             layer.blocks.append(block)
-        request.cached_nodes.append(node.node_id)
+
+    def _named_full(self, request: Request) -> int:
+        return len(request.node_ids)  # cached_prefix named every full block
