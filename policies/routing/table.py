@@ -41,7 +41,11 @@ class EngineTable(Sequence[EngineView]):
         """A new view of an engine in the table (its id, role, model and layout as before)."""
         self._views[self._slots[view.id]] = view
         self._version += 1
-        heapq.heappush(self._heaps[view.role], load_key(view))  # its older key goes when it comes up
+        heap = self._heaps[view.role]
+        heapq.heappush(heap, load_key(view))  # its older key goes when it comes up
+        if len(heap) > 2 * len(self._views) + 64:  # older keys below the top never come up: drop them
+            heap[:] = [load_key(v) for v in self._views if v.role == view.role]
+            heapq.heapify(heap)
 
     def snapshot(self) -> EngineTable:
         """The table as it is now, for a policy to keep: later updates leave it as it is. It reads the

@@ -66,3 +66,18 @@ def test_a_snapshot_asked_after_the_table_moved_on_scans_its_own_views_and_leave
     table.update(EngineView("e5", "both", "m", EngineLoad(40, 40, 0, 0), 16, kv_layout=(16, 1)))
     assert old.least("both") == least
     assert table.least("both").id == "e5"
+
+
+def test_the_heap_keeps_no_more_than_a_bounded_count_of_old_keys():
+    """An engine whose load improves leaves its older key deep in the heap, where it never comes up:
+    the table drops such keys once they outnumber the engines, and still picks what a scan picks."""
+    rng = random.Random(3)
+    views = [view(f"e{i}", "both", rng) for i in range(4)]
+    table = EngineTable(views)
+    for _ in range(1000):
+        engine = view(f"e{rng.randrange(4)}", "both", rng)
+        table.update(engine)
+        views = [engine if v.id == engine.id else v for v in views]
+        assert len(table._heaps["both"]) <= 2 * len(views) + 65
+        assert table.least("both") == min(views, key=lambda v: (-v.load.free_device_blocks, v.load.waiting,
+                                                                 v.load.running, v.id))
