@@ -131,7 +131,7 @@ class DecodeRun:
         j = self.in_progress(now)
         spec, scheduler = engine.spec, engine.scheduler
         if j >= self.limit or scheduler.policies.prefill_admission is not fcfs or request.hold_kv or \
-                request.awaits_kv or not engine.fits(request):
+                request.awaits_kv or not engine.fits(request) or not scheduler.chunked_prefill:
             return False
         if len(self.ends) <= j:
             self.extend(self.end, j + 1 - len(self.ends))

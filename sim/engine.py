@@ -53,6 +53,7 @@ class EngineSpec:
     device_blocks: int = 4096     # the device tier's blocks, all layers together
     max_num_seqs: int = 64
     token_budget: int = 2048      # tokens computed per step (chunked prefill)
+    chunked_prefill: bool = True  # False: vLLM v0's default, steps of whole prompts while decodes stall
     cxl_blocks: int = 0           # the cxl tier's blocks, all layers together (0: none, a swap recomputes)
     block_bytes: int = 0          # KV bytes of one block of one layer: what a swap copies per block
     swap_out_bytes_per_s: float = 25e9  # device to cxl copy bandwidth (PCIe 4.0 x16, one direction)
@@ -137,7 +138,7 @@ class SimEngine:
         # CaR's window, scores and prefetch, read at the cxl tier's bandwidth (the native engine times its own).
         reuse = Reuse(self.blocks, spec.window, spec.swap_in_bytes_per_s) if spec.prefix_caching else None
         self.scheduler = Scheduler(self.blocks, self.policies, spec.max_num_seqs, spec.token_budget, allocation,
-                                   spec.staging_cap, spec.offload, reuse)
+                                   spec.staging_cap, spec.offload, reuse, spec.chunked_prefill)
         self.held: dict[str, SimRequest] = {}  # ended on this engine, their KV held for a decode engine
         self.refused: list[SimRequest] = []
         self.preemptions: list[tuple[float, str, str]] = []  # (when, request id, strategy)

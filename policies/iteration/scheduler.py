@@ -56,7 +56,7 @@ class Plan:
 class Scheduler:
     def __init__(self, blocks: Blocks | LayeredBlocks, policies: Policies, max_num_seqs: int, token_budget: int,
                  allocation: AllocationParams = AllocationParams(), staging_cap: int = 0,
-                 offload: OffloadParams = OffloadParams(), reuse: Reuse | None = None):
+                 offload: OffloadParams = OffloadParams(), reuse: Reuse | None = None, chunked_prefill: bool = True):
         self.blocks = blocks
         self.policies = policies
         self.max_num_seqs = max_num_seqs
@@ -67,6 +67,8 @@ class Scheduler:
         self.staging_cap = staging_cap
         self.offload = offload
         self.reuse = reuse  # CaR: the Shuffled Window, scores and prefetch (reuse.py)
+        # False: vLLM v0's default scheduler, a peer's baseline (_schedule_whole_prompts); not with LayerKV.
+        self.chunked_prefill = chunked_prefill
         self._staged = 0
         self._staging_waits = False  # a running request found no staging room last step: it goes first
         # Request layers put in the cxl tier (admitted, forecast) or brought back (restored), all time.
@@ -125,6 +127,8 @@ class Scheduler:
     # -- one iteration ----------------------------------------------------------------------------
 
     def schedule(self, now: float) -> Plan:
+        if not self.chunked_prefill:
+            return self._schedule_whole_prompts(now)
         plan = Plan()
         self._staged = 0
         retain = self._plan_offload(now) if self.layered else {}
@@ -146,6 +150,25 @@ class Scheduler:
             self._admit_waiting(plan, budget, now, grants, retain)
         if not stage_first:
             self._stage_running(plan, reserved, budget)
+        return plan
+
+    def _schedule_whole_prompts(self, now: float) -> Plan:
+        """vLLM v0 without chunked prefill (its default before V1): while nobody is swapped out (new
+        requests wait for them), a step prefills the whole prompts of waiting requests that the budget,
+        the sequence limit and the blocks take, in order, and the running requests' decodes stall;
+        when it admits nobody, it decodes them, preempting when blocks run short, and swaps back in
+        only if nobody was preempted."""
+        plan = Plan()
+        grants = self._plan_allocation(plan, now) if self.allots_ahead else None
+        if not self.swapped and not plan.preempted:
+            self._admit_waiting(plan, self.token_budget, now, grants, {})
+            if plan.chunks:
+                return plan
+        reserved, budget = self._reserve_running(plan, self.token_budget)
+        for request, n in reserved:
+            self._chunk(request, n, plan)
+        if not plan.preempted:
+            self._resume_swapped(plan, budget)
         return plan
 
     def _tpop_s(self) -> float:
@@ -293,6 +316,8 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
             request = by_id[grant.request_id]
+            if not self.chunked_prefill and request.num_tokens - request.num_computed > budget:
+                return  # whole prompts only: it waits for a step with room for all of it
             if not self.ledger.allot(request, grant):
                 return
             if request.awaits_kv:
