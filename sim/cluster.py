@@ -25,8 +25,8 @@ step at a time (the same events, slower)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from kvmesh.policies.routing import registry
 from kvmesh.policies.routing.table import EngineTable
@@ -38,6 +38,7 @@ from .decode_run import DecodeRun
 from .engine import EngineSpec, SimEngine, Step
 from .events import EventQueue
 from .link import KVGeometry, Link, LinkSpec, pull, push
+from .prefix_count import PrefixCount
 from .request import SimRequest
 from .step_cost import StepCost
 from .topology import Topology
@@ -129,7 +130,8 @@ class Cluster:
     def _arrive(self, request: SimRequest) -> list[str]:
         """Route it, as the scheduler does, and hand it (or its prefill part) to its engine."""
         decision, self.routing_state = self.route(RouteQuery(MODEL, request.prompt_len),
-                                                  self._views(request.arrival), self.routing_state)
+                                                  self._cached(request, self._views(request.arrival)),
+                                                  self.routing_state)
         if decision is None:
             raise RuntimeError(f"routing policy {self.routing!r} found no engine for {request.request_id}")
         for engine_id in (decision.prefill, decision.decode, decision.engine):
@@ -327,6 +329,21 @@ class Cluster:
         if self.reported_at is None or now - self.reported_at >= self.heartbeat_s:
             self._report(now)
         return self.table.snapshot()  # the policy's own: routes change the cluster's table
+
+    def _cached(self, request: SimRequest, table: EngineTable) -> Sequence[EngineView]:
+        """The views with what each engine's prefix cache holds of the prompt's leading blocks, and of
+        those how many on its device, as the scheduler reads kvmeta's cache table for every route (prefix
+        aware routing scores them); the table itself for a prompt of no named blocks."""
+        if not request.block_names:
+            return table
+        views = list(table)
+        for i, view in enumerate(views):
+            blocks = self.members[view.id].engine.blocks
+            nodes = blocks.cached_prefix(request) if isinstance(blocks, PrefixCount) and view.role != "decode" else []
+            if nodes:
+                views[i] = replace(view, cached_blocks=len(nodes),
+                                   cached_device_blocks=sum(node.tier == "device" for node in nodes))
+        return views
 
     def _view(self, engine_id: str) -> EngineView:
         member = self.members[engine_id]
