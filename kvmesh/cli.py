@@ -106,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     sim_run.add_argument("--rate", type=float, default=10.0, help="arrivals per second (%(default)s)")
     sim_run.add_argument("--requests", type=_positive, default=1000, help="how many (%(default)s)")
     _sim_workload_arguments(sim_run)
+    _conversation_arguments(sim_run)
+    sim_run.add_argument("--cache", choices=("none", "lru", "car"), default="none",
+                         help="the engines' prefix cache (%(default)s; car needs --cxl-blocks)")
     sim_run.add_argument("--topology", default="colocated:1",
                          help="colocated:N engines, or pd:P:D prefill and decode engines (%(default)s)")
     sim_run.add_argument("--routing", default="conditional", help="routing policy by name (%(default)s)")
@@ -140,14 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--rate", type=float, default=10.0,
                       help="arrivals per second to serve: where each bisection starts, what replicas are sized for")
     _sim_workload_arguments(plan)
+    _conversation_arguments(plan)
     plan.add_argument("--slo", action="append", default=[], metavar="NAME=MS",
                       help="ttft, tpot (a request's mean time per output token) or e2e, ms (e.g. ttft=250); repeatable")
     plan.add_argument("--attainment", type=float, default=90.0,
                       help="%% of requests that must meet every SLO (%(default)s: DistServe's goodput)")
     plan.add_argument("--engines", default="2", help="engine counts searched: N, LOW-HIGH or a list (%(default)s)")
     plan.add_argument("--topologies", type=_names, default="colocated,pd", help="colocated, pd or both (%(default)s)")
-    plan.add_argument("--routing", type=_names, default="conditional,least_loaded,round_robin",
-                      help="routing policies searched (%(default)s)")
+    plan.add_argument("--routing", type=_names, default=None,
+                      help="routing policies searched (conditional,least_loaded,round_robin; and prefix_aware on "
+                           "conversations)")
     plan.add_argument("--transfer-modes", type=_names, default="pull,push", help="for pd topologies (%(default)s)")
     plan.add_argument("--kv-allocations", type=_names, default="block_at_a_time,rlp,s3,cacheopt",
                       help="engine KV allocation policies searched (%(default)s)")
@@ -155,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="engine preemption orders searched (%(default)s)")
     plan.add_argument("--preemption-strategies", type=_names, default="recompute,swap,sweet_spot",
                       help="engine preemption strategies searched, with a cxl tier (%(default)s; without: recompute)")
+    plan.add_argument("--caches", type=_names, default="none,lru,car",
+                      help="prefix caches searched on conversations (%(default)s; car with --cxl-blocks)")
     plan.add_argument("--requests", type=_positive, default=1000, help="requests each simulation runs (%(default)s)")
     plan.add_argument("--tolerance", type=float, default=0.02,
                       help="bisection stops when its bracket is this share of its top (%(default)s)")
@@ -206,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             geometry = KVGeometry.parse(args.kv_geometry)
             spec = _engine_spec(args, geometry)
             policies = _engine_policies(args.policy)
+            conversation = _conversation(args)
         except ValueError as exc:
             print(f"kvmesh plan: {exc}", file=sys.stderr)
             return 2
@@ -213,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                         args.engines, args.topologies, args.routing, args.transfer_modes,
                         {"kv_allocation": args.kv_allocations, "preemption_order": args.preemption_orders,
                          "preemption_strategy": args.preemption_strategies}, args.requests, args.seed, args.tolerance,
-                        args.json_path, args.plot_path, geometry, policies)
+                        args.json_path, args.plot_path, geometry, policies, conversation, tuple(args.caches))
     return 2
 
 
@@ -245,7 +253,7 @@ def _sim(args: argparse.Namespace) -> int:
                         coalescing=not args.no_coalescing, block_runs=args.block_runs)
         return run_sim(args.profile, args.rate, args.requests, args.prompt, args.output, args.seed, spec, policies,
                        args.json_path, args.topology, args.routing, link, geometry, args.transfer_mode,
-                       args.heartbeat_s)
+                       args.heartbeat_s, _conversation(args), args.cache)
     except (KeyError, ValueError, FileNotFoundError) as exc:
         print(f"kvmesh sim run: {exc.args[0] if exc.args else exc}", file=sys.stderr)  # a KeyError's str quotes it
         return 2
@@ -285,6 +293,27 @@ def _sim_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--swap-gbps", type=_swap_gbps, metavar="OUT:IN",
                         help="the cxl tier's copy bandwidth, GB/s device to cxl and back, or one figure for both "
                              "(default: 25, PCIe 4.0 x16)")
+
+
+def _conversation_arguments(parser: argparse.ArgumentParser) -> None:
+    """Conversations instead of lone requests (sim run, plan; sim/conversations.py)."""
+    parser.add_argument("--turns", type=_positive, default=1,
+                        help="turns a conversation (%(default)s: lone requests). With more, or a system prompt, the "
+                             "workload is conversations: --rate counts conversations started a second, --prompt "
+                             "is each turn's new message, --output each answer")
+    parser.add_argument("--think-s", type=float, default=5.0,
+                        help="mean time from an answer to the conversation's next turn, s, exponential (%(default)s)")
+    parser.add_argument("--system-prompt", type=_count, default=0, metavar="TOKENS",
+                        help="a system prompt every conversation opens with, the same in all (%(default)s)")
+    parser.add_argument("--max-context", type=_positive, default=4096,
+                        help="the context window: a conversation ends there (%(default)s)")
+
+
+def _conversation(args: argparse.Namespace):
+    from kvmesh.sim.conversations import conversation_shape
+    from kvmesh.sim.workload import Lengths
+    return conversation_shape(args.turns, args.think_s, args.system_prompt, args.max_context,
+                              Lengths.parse(args.prompt), Lengths.parse(args.output))
 
 
 def _engine_spec(args: argparse.Namespace, geometry: KVGeometry) -> EngineSpec:

@@ -1,7 +1,8 @@
 """`kvmesh plan`: for a workload and its SLOs, the configuration with the highest SLO goodput per
 engine, searched in the simulator over topologies (colocated:N, pd:P:D), engine counts and policies
-(routing, pull or push, KV allocation, preemption order and strategy); the runner-up, which SLO binds
-it and at what rate; and how many replicas of the pick serve the rate asked.
+(routing, pull or push, KV allocation, preemption order and strategy, and on conversations the prefix
+cache); the runner-up, which SLO binds it and at what rate; and how many replicas of the pick serve
+the rate asked.
 
 Goodput is DistServe's (OSDI'24): the highest arrival rate at which at least X% of requests meet every
 SLO, found for each configuration by bisection on one workload (sim/plan_search.py); per engine, it is
@@ -18,15 +19,17 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import Progress
 
+from .conversations import Conversations
 from .engine import EngineSpec
 from .link import KVGeometry
-from .plan_search import (SEARCHED, Candidate, Goodput, Run, Simulator, bisect_goodput, engine_choices, parse_counts,
-                          parse_slos, search_space)
+from .plan_search import (SEARCHED, Candidate, Goodput, Run, Simulator, bisect_goodput, cache_choices, engine_choices,
+                          parse_counts, parse_slos, routing_choices, search_space)
 from .plan_workload import PREDICTOR, estimate_rule
 from .step_cost import load_profile
 from .workload import Lengths
 
 HORIZON = 10  # a run's arrivals last at least this many times the loosest TTFT or end-to-end SLO
+LIVES = 3     # and conversations' starts this many times a conversation's think times
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,21 +43,27 @@ class Result:
 
 
 def run(profile: str, rate: float, prompt: str, output: str, slos: list[str], attainment: float, spec: EngineSpec,
-        engines: str, kinds: list[str], routings: list[str], transfer_modes: list[str],
+        engines: str, kinds: list[str], routings: list[str] | None, transfer_modes: list[str],
         searched: dict[str, list[str]], requests: int, seed: int, tolerance: float, json_path: Path | None,
-        plot_path: Path | None, geometry: KVGeometry = KVGeometry(), policies: dict[str, str] | None = None) -> int:
-    """`attainment`: the percentage of requests that must meet every SLO; `searched`: the names searched
-    for each engine hook of SEARCHED; `policies`: engine policies every configuration runs (one of a
-    searched hook fixes it). Bad input: a message on stderr, exit status 2, nothing run or written."""
+        plot_path: Path | None, geometry: KVGeometry = KVGeometry(), policies: dict[str, str] | None = None,
+        conversation: Conversations | None = None, caches: tuple[str, ...] = ("none", "lru", "car")) -> int:
+    """`attainment`: the percentage of requests that must meet every SLO; `routings`: None for
+    routing_choices' default; `searched`: the names searched for each engine hook of SEARCHED;
+    `policies`: engine policies every configuration runs (one of a searched hook fixes it);
+    `conversation`: conversations instead of lone requests (its rate unused: `rate` is conversations
+    started per second), and `caches` the prefix caches searched on them. Bad input: a message on
+    stderr, exit status 2, nothing run or written."""
     try:
         if rate <= 0 or not 0 < attainment <= 100 or not 0 < tolerance < 1 or requests < 1:
             raise ValueError(f"rate must be above 0 (got {rate}), attainment in (0, 100] (got {attainment}), "
                              f"tolerance in (0, 1) (got {tolerance}), requests at least 1 (got {requests})")
         fixed, choices = engine_choices(policies or {}, searched, spec.cxl_blocks > 0)
         simulator = Simulator(Lengths.parse(prompt), Lengths.parse(output), requests, seed, parse_slos(slos), spec,
-                              load_profile(profile), geometry=geometry, policies=fixed)
+                              load_profile(profile), geometry=geometry, policies=fixed, conversation=conversation)
         counts = parse_counts(engines)
-        space = search_space(counts, kinds, routings, transfer_modes, choices)
+        routings = routing_choices(routings, conversation is not None)
+        cached = cache_choices(caches, conversation is not None, spec.cxl_blocks > 0)
+        space = search_space(counts, kinds, routings, transfer_modes, choices, cached)
     except (KeyError, ValueError, FileNotFoundError) as exc:
         print(f"kvmesh plan: {exc.args[0] if exc.args else exc}", file=sys.stderr)  # a KeyError's str quotes it
         return 2
@@ -68,9 +77,10 @@ def run(profile: str, rate: float, prompt: str, output: str, slos: list[str], at
     if predictions:
         print(f"predicted output lengths ({', '.join(predictions['rules'])}): {predictions['model']}")
     config = {"profile": profile, "rate_rps": rate, "prompt": prompt, "output": output,
+              "workload": _workload(conversation),
               "slos_ms": {name: limit * 1e3 for name, limit in simulator.slos.items()}, "attainment": target,
               "engine": asdict(spec),
-              "search": {"engines": counts, "topologies": kinds, "routing": routings,
+              "search": {"engines": counts, "topologies": kinds, "routing": routings, "caches": cached,
                          "transfer_modes": transfer_modes, **{hook: names for hook, names in choices.items()}},
               "engine_policies": simulator.policies, "predictions": predictions,
               "requests": requests, "seed": seed, "tolerance": tolerance, "link": asdict(simulator.link),
@@ -84,6 +94,17 @@ def run(profile: str, rate: float, prompt: str, output: str, slos: list[str], at
         from .plan_plot import plot  # matplotlib only when a plot is asked for
         plot([(_label(group), group[0]) for group in _same_runs(ranked, simulator)], target, plot_path)
     return 0
+
+
+def _workload(conversation: Conversations | None) -> dict:
+    """What a request is, and what the rates count."""
+    if conversation is None:
+        return {"kind": "requests", "rate_counts": "requests arriving per second (Poisson)"}
+    return {"kind": "conversations", "rate_counts": "conversations started per second (Poisson); attainment "
+                                                    "counts their turns", "turns": conversation.turns,
+            "think_s": conversation.think_s, "system_prompt": conversation.system,
+            "max_context": conversation.max_context, "sent": "closed loop: a turn a think time after the "
+                                                             "answer before it ended"}
 
 
 def _predictions(allocations: list[str]) -> dict | None:
@@ -104,7 +125,7 @@ def _search(space: list[Candidate], simulator: Simulator, rate: float, target: f
         task = progress.add_task("configurations", total=len(space))
         for candidate in space:
             def attained(at: float, candidate: Candidate = candidate) -> float:
-                progress.update(task, description=f"{candidate} @ {at:.3g} req/s")
+                progress.update(task, description=f"{candidate} @ {at:.3g} {simulator.unit}")
                 return simulator.run(candidate, at).attainment["all"]
 
             results.append(Result(candidate, bisect_goodput(attained, target, rate, tolerance)))
@@ -155,7 +176,9 @@ def _pick(ranked: list[Result], simulator: Simulator, rate: float, target: float
     for group in groups:
         best.setdefault(str(group[0].candidate.topology), group)
     others = [g for name, g in best.items() if name != str(winner.candidate.topology) and g is not runner]
-    lines = [f"pick: {_label(groups[0])}: goodput {_rate(winner.goodput)}, {winner.per_engine:.2f} req/s per engine"
+    unit = simulator.unit
+    lines = [f"pick: {_label(groups[0])}: goodput {_rate(winner.goodput, unit)}, {winner.per_engine:.2f} {unit} per "
+             f"engine"
              f"{_limit(winner, simulator)}"]
     if ties:
         lines.append(f"tied with it: {'; '.join(ties)}")
@@ -169,16 +192,16 @@ def _pick(ranked: list[Result], simulator: Simulator, rate: float, target: float
     compared = []
     for title, group in ([("runner-up", runner)] if runner else []) + [(f"best {g[0].candidate.topology}", g)
                                                                         for g in others]:
-        lines.append(f"{title}: {_label(group)}: goodput {_rate(group[0].goodput)}, {group[0].per_engine:.2f} "
-                     f"req/s per engine")
+        lines.append(f"{title}: {_label(group)}: goodput {_rate(group[0].goodput, unit)}, "
+                     f"{group[0].per_engine:.2f} {unit} per engine")
         why, line = _why(winner, group[0], simulator, target)
         compared.append({"role": title, "configuration": _label(group), "goodput_rps": group[0].goodput.rate,
                          "goodput_per_engine_rps": group[0].per_engine, "why": why})
         lines += [line] if line else []
     replicas = math.ceil(rate / winner.goodput.rate - 1e-9) if winner.goodput.rate > 0 else None
     lines.append(f"replicas: {replicas} of the pick ({replicas * winner.candidate.engines} engines) serve {rate:g} "
-                 f"req/s, {rate / replicas:.2f} each" if replicas else
-                 f"replicas: none serve {rate:g} req/s: the pick met the SLOs at no rate tried")
+                 f"{unit}, {rate / replicas:.2f} each" if replicas else
+                 f"replicas: none serve {rate:g} {unit}: the pick met the SLOs at no rate tried")
     return {"winner": {**_candidate(winner.candidate), "same_runs": _label(groups[0])},
             "goodput_rps": winner.goodput.rate, "goodput_per_engine_rps": winner.per_engine, "ties": ties,
             "runner_up": None if runner is None else compared[0], "other_topologies": compared[1 if runner else 0:],
@@ -190,16 +213,27 @@ def _short_horizon(winner: Result, simulator: Simulator) -> str | None:
     """A run's arrivals at the winner's goodput must last well beyond the SLOs a queue adds to (TTFT,
     end to end): in a run of T seconds, a rate above capacity leaves its late requests queued for a
     share of T, so against a limit of T / HORIZON or less the overload shows, and a goodput found on a
-    shorter run can be past what the configuration sustains."""
+    shorter run can be past what the configuration sustains. Conversations: their starts last the
+    run's requests over its turns per conversation over the rate, and must also outlast a
+    conversation's life (its turns' think times) LIVES times, or the conversations alive at once never
+    reach their steady count (Little's law: the rate times a life): a closed loop's load is bounded by
+    how many there are."""
     queued = {name: limit for name, limit in simulator.slos.items() if name in ("ttft", "e2e")}
-    if not queued or winner.goodput.rate <= 0:
+    conversation = simulator.conversation
+    turns = 1 if conversation is None else conversation.turns
+    limits = {f"{name} SLO": HORIZON * limit for name, limit in queued.items()}
+    if conversation is not None:
+        limits["conversation's life"] = LIVES * turns * conversation.think_s
+    if not limits or winner.goodput.rate <= 0:
         return None
-    horizon, (name, limit) = simulator.requests / winner.goodput.rate, max(queued.items(), key=lambda kv: kv[1])
-    if horizon >= HORIZON * limit:
+    horizon, (name, needed) = simulator.requests / turns / winner.goodput.rate, max(limits.items(),
+                                                                                      key=lambda kv: kv[1])
+    if horizon >= needed:
         return None
-    enough = math.ceil(HORIZON * limit * winner.goodput.rate)
-    return (f"note: at the pick's goodput a run's arrivals last {horizon:.1f} s, under {HORIZON}x the {name} SLO "
-            f"({limit:g} s): an overload that short can pass; give --requests {enough} or more to be sure")
+    enough = math.ceil(needed * winner.goodput.rate) * turns
+    times = f"{HORIZON}x the {name}" if name.endswith("SLO") else f"{LIVES}x a {name} ({turns} think times)"
+    return (f"note: at the pick's goodput a run's arrivals last {horizon:.1f} s, under {times} ({needed:g} s): "
+            f"an overload that short can pass; give --requests {enough} or more to be sure")
 
 
 def _why(winner: Result, other: Result, simulator: Simulator, target: float) -> tuple[dict | None, str]:
@@ -210,9 +244,23 @@ def _why(winner: Result, other: Result, simulator: Simulator, target: float) -> 
     missed, held = simulator.run(other.candidate, at), simulator.run(winner.candidate, at)
     binding = _binding(missed, simulator.slos)
     return ({"rate_rps": at, "binding_slo": binding, "it": _run(missed), "pick": _run(held)},
-            f"  why: at {at:.2f} req/s it meets every SLO for {missed.attainment['all']:.1%} of requests (target "
-            f"{target:.0%}); {binding} binds it ({_attained(missed, simulator.slos)}); the pick meets every SLO "
-            f"there for {held.attainment['all']:.1%}")
+            f"  why: at {at:.2f} {simulator.unit} it meets every SLO for {missed.attainment['all']:.1%} of requests "
+            f"(target {target:.0%}); {binding} binds it ({_attained(missed, simulator.slos)}); the pick meets every "
+            f"SLO there for {held.attainment['all']:.1%}{_cache_compared(missed, held)}")
+
+
+def _cache_compared(it: Run, pick: Run) -> str:
+    """The prefix cache's share of prompt tokens and hit rates, of each, where either ran one."""
+    if it.cache is None and pick.cache is None:
+        return ""
+    return f"; prompt tokens cached (hits on device / cxl): it {_hits(it)}, the pick {_hits(pick)}"
+
+
+def _hits(run: Run) -> str:
+    cache = run.cache
+    if cache is None:
+        return "no cache"
+    return f"{cache['prompt_tokens_cached']:.1%} ({cache['hit_rate_device']:.1%} / {cache['hit_rate_cxl']:.1%})"
 
 
 def _binding(run: Run, slos: dict[str, float]) -> str:
@@ -230,21 +278,26 @@ def _limit(result: Result, simulator: Simulator) -> str:
     if at is None:
         return ""
     missed = simulator.run(result.candidate, at)
-    return f" (at {at:.2f} req/s {_binding(missed, simulator.slos)} binds: {_attained(missed, simulator.slos)})"
+    return (f" (at {at:.2f} {simulator.unit} {_binding(missed, simulator.slos)} binds: "
+            f"{_attained(missed, simulator.slos)})")
 
 
-def _rate(goodput: Goodput) -> str:
-    return f"{'at least ' if goodput.failed_at is None else ''}{goodput.rate:.2f} req/s"
+def _rate(goodput: Goodput, unit: str) -> str:
+    return f"{'at least ' if goodput.failed_at is None else ''}{goodput.rate:.2f} {unit}"
 
 
 def _table(ranked: list[Result], simulator: Simulator) -> str:
-    header = ("configuration", "engines", "goodput req/s", "per engine", "first rate missed", "binding SLO")
+    cached = simulator.conversation is not None  # a column of what the cache gave, at the goodput
+    header = ("configuration", "engines", f"goodput {simulator.unit}", "per engine", "first rate missed",
+              "binding SLO") + (("prompt cached (device / cxl hits) at goodput",) if cached else ())
     rows = [header]
     for group in _same_runs(ranked, simulator):
         r, at = group[0], group[0].goodput.failed_at
-        rows.append((_label(group), str(r.candidate.engines), _rate(r.goodput).removesuffix(" req/s"),
+        rows.append((_label(group), str(r.candidate.engines), _rate(r.goodput, "").rstrip(),
                      f"{r.per_engine:.2f}", "-" if at is None else f"{at:.2f}",
-                     "-" if at is None else _binding(simulator.run(r.candidate, at), simulator.slos)))
+                     "-" if at is None else _binding(simulator.run(r.candidate, at), simulator.slos))
+                    + ((_hits(simulator.run(r.candidate, r.goodput.rate)) if r.goodput.rate > 0 else "-",)
+                       if cached else ()))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
                                enumerate(zip(row, widths))) for row in rows)
@@ -252,12 +305,14 @@ def _table(ranked: list[Result], simulator: Simulator) -> str:
 
 def _candidate(candidate: Candidate) -> dict:
     return {"configuration": str(candidate), "topology": str(candidate.topology), "engines": candidate.engines,
-            "routing": candidate.routing, "transfer_mode": candidate.transfer_mode, **candidate.engine_policies}
+            "routing": candidate.routing, "transfer_mode": candidate.transfer_mode, "cache": candidate.cache,
+            **candidate.engine_policies}
 
 
 def _run(run: Run) -> dict:
     return {"attainment": run.attainment, "ttft_p90_s": run.ttft_p90_s, "tpot_mean_s": run.tpot_mean_s,
-            "e2e_p90_s": run.e2e_p90_s, "preemptions": run.preemptions, "unfinished": run.unfinished}
+            "e2e_p90_s": run.e2e_p90_s, "preemptions": run.preemptions, "unfinished": run.unfinished,
+            "cache": run.cache}
 
 
 def _result(result: Result, simulator: Simulator) -> dict:

@@ -4,7 +4,8 @@ goodput, found by bisection on the simulator.
 Goodput is DistServe's (OSDI'24, section 2.2): the highest arrival rate at which at least X% of
 requests meet every SLO. Every run is the same workload: the same seed draws the same lengths and the
 same exponential gaps, scaled by the rate, so two configurations, or two rates, are compared on the
-same requests (paired)."""
+same requests (paired). With conversations (plan_workload.py) the rate is conversations started per
+second, and the goodput the highest such rate at which X% of their turns meet every SLO."""
 
 from __future__ import annotations
 
@@ -16,20 +17,24 @@ from dataclasses import dataclass, replace
 from kvmesh.policies import registry as engine_policies
 from kvmesh.policies.routing import registry as routing_policies
 
-from .cluster import HEARTBEAT_S, TRANSFER_MODES, build
+from .cache_choice import CACHES, cache_figures, with_cache
+from .cluster import HEARTBEAT_S, TRANSFER_MODES, Cluster, build
+from .conversations import Conversations, ConversationLoop
 from .engine import HOOKS as ENGINE_HOOKS
 from .engine import EngineSpec
 from .link import KVGeometry, LinkSpec
 from .metrics import slo_attainment, summarise
+from .request import SimRequest
 from .step_cost import StepCost
 from .topology import Topology
-from .plan_workload import planned_requests
+from .plan_workload import planned_requests, planned_turns
 from .workload import Lengths
 
 SLOS = ("ttft", "tpot", "e2e")
 KINDS = ("colocated", "pd")
 DOUBLINGS = 10  # the bracket's search stops 2**10 times above or below the starting rate
 SEARCHED = ("kv_allocation", "preemption_order", "preemption_strategy")  # the engine hooks the search varies
+ROUTINGS = ("conditional", "least_loaded", "round_robin")  # searched by default (and prefix_aware: routing_choices)
 
 
 def parse_slos(texts: Iterable[str]) -> dict[str, float]:
@@ -74,6 +79,8 @@ class Candidate:
     transfer_mode: str | None = None  # disaggregated topologies only
     kv_allocation: str = "block_at_a_time"
     preemption_strategy: str = "recompute"
+    cache: str | None = None  # the prefix cache (cache_choice.py); None: not searched, no blocks shared
+
 
     @property
     def engines(self) -> int:
@@ -84,8 +91,10 @@ class Candidate:
         return {hook: getattr(self, hook) for hook in SEARCHED}
 
     def __str__(self) -> str:
-        return " ".join(str(part) for part in (self.topology, self.routing, self.transfer_mode, self.kv_allocation,
-                                               self.preemption_order, self.preemption_strategy) if part is not None)
+        cache = None if self.cache is None else f"cache:{self.cache}"
+        return " ".join(str(part) for part in (self.topology, self.routing, self.transfer_mode, cache,
+                                               self.kv_allocation, self.preemption_order, self.preemption_strategy)
+                        if part is not None)
 
 
 def engine_choices(policies: dict[str, str], searched: dict[str, list[str]],
@@ -110,11 +119,40 @@ def engine_choices(policies: dict[str, str], searched: dict[str, list[str]],
     return {hook: name for hook, name in policies.items() if hook not in SEARCHED}, choices
 
 
+def routing_choices(routings: Sequence[str] | None, shares_blocks: bool) -> list[str]:
+    """The routings searched: those given, else ROUTINGS and, where requests share blocks (a cache can
+    hold a prompt's prefix), prefix_aware, which routes to it."""
+    if routings is not None:
+        return list(routings)
+    return [*ROUTINGS, "prefix_aware"] if shares_blocks else list(ROUTINGS)
+
+
+def cache_choices(caches: Sequence[str], shares_blocks: bool, cxl_tier: bool) -> list[str | None]:
+    """The prefix caches searched (cache_choice.py's names): none at all where no two requests share a
+    block (a cache would find nothing: the dimension is left out, [None]); car only with a cxl tier."""
+    unknown = [name for name in caches if name not in CACHES]
+    if unknown:
+        raise ValueError(f"cache {unknown[0]!r}: the caches are {', '.join(CACHES)}")
+    if not shares_blocks:
+        return [None]
+    return [name for name in caches if name != "car" or cxl_tier]
+
+
+def topology_caches(topology: Topology, caches: Sequence[str | None]) -> list[str | None]:
+    """The caches a topology runs: a pd topology's engines cache nothing in the simulator (a split
+    request's parts carry no block names through the hand-off), so they run only `none`."""
+    if topology.colocated or caches == [None] or not caches:
+        return list(caches)
+    return ["none"]
+
+
 def search_space(engine_counts: Sequence[int], kinds: Sequence[str], routings: Sequence[str],
-                 transfer_modes: Sequence[str], engine_searched: dict[str, list[str]]) -> list[Candidate]:
+                 transfer_modes: Sequence[str], engine_searched: dict[str, list[str]],
+                 caches: Sequence[str | None] = (None,)) -> list[Candidate]:
     """Every topology of each engine count (colocated:N; pd:P:D for every P + D = N) with every policy
-    choice (routing, transfer mode, and each hook of SEARCHED); transfer modes only where a KV
-    hand-off happens. In that order, so a tie goes to the configuration listed first."""
+    choice (routing, transfer mode, prefix cache, and each hook of SEARCHED); transfer modes only where
+    a KV hand-off happens, caches as topology_caches prunes them. In that order, so a tie goes to the
+    configuration listed first."""
     unknown = [kind for kind in kinds if kind not in KINDS] + [m for m in transfer_modes if m not in TRANSFER_MODES]
     if unknown:
         raise ValueError(f"{unknown[0]!r}: topologies are {' and '.join(KINDS)}, transfer modes "
@@ -128,13 +166,14 @@ def search_space(engine_counts: Sequence[int], kinds: Sequence[str], routings: S
             ([Topology(prefill=p, decode=n - p) for p in range(1, n)] if "pd" in kinds else [])
         for topology in topologies:
             modes = transfer_modes if topology.prefill else [None]
-            space += [Candidate(topology, routing, order, mode, allocation, strategy)
-                      for routing, mode, allocation, order, strategy in
-                      itertools.product(routings, modes, allocations, orders, strategies)]
+            space += [Candidate(topology, routing, order, mode, allocation, strategy, cache)
+                      for routing, mode, cache, allocation, order, strategy in
+                      itertools.product(routings, modes, topology_caches(topology, list(caches)), allocations,
+                                        orders, strategies)]
     if not space:
         raise ValueError(f"the search space is empty: engine counts {list(engine_counts)}, topologies {list(kinds)}, "
-                         f"routing {list(routings)}, transfer modes {list(transfer_modes)}, engine policies "
-                         f"{engine_searched} (pd needs 2 engines or more)")
+                         f"routing {list(routings)}, transfer modes {list(transfer_modes)}, caches {list(caches)}, "
+                         f"engine policies {engine_searched} (pd needs 2 engines or more; car a cxl tier)")
     return space
 
 
@@ -190,17 +229,21 @@ class Run:
     e2e_p90_s: float | None
     preemptions: int
     unfinished: int
+    cache: dict | None = None  # with a prefix cache: what it gave (cache_choice.cache_figures)
 
 
 class Simulator:
     """Runs a configuration at a rate on the planner's one workload, each (configuration, rate) once.
     A run in which nobody was preempted never called the preemption order or strategy, so it stands
-    for every order and strategy: the others reuse it (`shared` counts them)."""
+    for every order and strategy: the others reuse it (`shared` counts them). With `conversation` the
+    workload is its turns, closed-loop (plan_workload.planned_turns), the rate conversations a second."""
 
     def __init__(self, prompt: Lengths, output: Lengths, requests: int, seed: int, slos: dict[str, float],
                  spec: EngineSpec, cost: StepCost, link: LinkSpec = LinkSpec(), geometry: KVGeometry = KVGeometry(),
-                 heartbeat_s: float = HEARTBEAT_S, policies: dict[str, str] | None = None):
+                 heartbeat_s: float = HEARTBEAT_S, policies: dict[str, str] | None = None,
+                 conversation: Conversations | None = None):
         self.prompt, self.output, self.requests, self.seed, self.slos = prompt, output, requests, seed, slos
+        self.conversation = conversation
         self.policies = dict(policies or {})  # every configuration's engine policies but the searched ones
         if set(self.policies) & set(SEARCHED):  # a candidate names its own: one given here would be overridden
             raise ValueError(f"the candidates name {', '.join(SEARCHED)}; give the others only")
@@ -215,15 +258,33 @@ class Simulator:
             self.shared += 1
         if key in self.runs:
             return self.runs[key]
-        workload = planned_requests(rate, self.requests, self.prompt, self.output, self.seed, self.slos,
-                                    candidate.kv_allocation)
-        cluster = build(candidate.topology, self.spec, self.cost, self.policies | candidate.engine_policies,
-                        candidate.routing, self.link, self.geometry, candidate.transfer_mode or "pull",
-                        self.heartbeat_s)
+        workload, cluster = self._cluster(candidate, rate)
         summary = summarise(workload, cluster.run(workload), 0.0)
         self.runs[key] = run = Run(slo_attainment(workload, self.slos), summary["ttft_p90_s"], summary["tpot_mean_s"],
-                                   summary["e2e_p90_s"], summary["preemptions"], summary["unfinished"])
+                                   summary["e2e_p90_s"], summary["preemptions"], summary["unfinished"],
+                                   cache_figures(workload, cluster))
         self.simulated += 1
         if run.preemptions == 0:
             self.runs[any_order] = run
         return run
+
+    @property
+    def unit(self) -> str:
+        """What a rate counts: requests, or conversations started, a second."""
+        return "req/s" if self.conversation is None else "conv/s"
+
+    def _cluster(self, candidate: Candidate, rate: float) -> tuple[list[SimRequest], Cluster]:
+        """The run's requests, and the cluster that serves them with the candidate's policies and cache."""
+        spec, cache_policies = (self.spec, {}) if candidate.cache is None else with_cache(self.spec, candidate.cache)
+        policies = self.policies | cache_policies | candidate.engine_policies
+        cluster = dict(routing=candidate.routing, link=self.link, geometry=self.geometry,
+                       transfer_mode=candidate.transfer_mode or "pull", heartbeat_s=self.heartbeat_s)
+        if self.conversation is None:
+            workload = planned_requests(rate, self.requests, self.prompt, self.output, self.seed, self.slos,
+                                        candidate.kv_allocation)
+            return workload, build(candidate.topology, spec, self.cost, policies, **cluster)
+        talks = planned_turns(rate, self.requests, self.conversation, spec.block_size, self.seed, self.slos,
+                              candidate.kv_allocation)
+        loop = ConversationLoop.build(candidate.topology, spec, self.cost, policies, talks, **cluster)
+        return [request for talk in talks for request, _ in talk], loop
+

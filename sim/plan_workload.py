@@ -10,8 +10,11 @@ from their own generator, so every allocation runs on the same lengths and arriv
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
+from .conversations import Conversations, conversation_turns
 from .papers.predicted_lengths import PredictorModel, estimated
 from .request import SimRequest
 from .workload import Lengths, poisson
@@ -32,7 +35,22 @@ def planned_requests(rate: float, n: int, prompt: Lengths, output: Lengths, seed
     """`poisson`'s requests with the SLOs a request states (ttft; tpot as its TBT SLO, which CacheOpt's
     allocation reads) and the estimated output length of `allocation`'s rule."""
     workload = poisson(rate, n, prompt, output, seed)
+    _state(workload, rate, seed, slos, allocation)
+    return workload
+
+
+def planned_turns(rate: float, n: int, shape: Conversations, block_size: int, seed: int, slos: dict[str, float],
+                  allocation: str) -> list[list[tuple[SimRequest, float]]]:
+    """`n` turns of conversations started at `rate` a second, by conversation (conversation_turns), each
+    turn stating what `planned_requests`' requests do."""
+    talks = conversation_turns(replace(shape, rate=rate), n, block_size, seed)
+    _state([request for talk in talks for request, _ in talk], rate, seed, slos, allocation)
+    return talks
+
+
+def _state(workload: list[SimRequest], rate: float, seed: int, slos: dict[str, float], allocation: str) -> None:
     rule = estimate_rule(allocation)
+    n = len(workload)
     if rule != "none":
         actual = np.array([r.max_tokens for r in workload])
         predicted, directions = PREDICTOR.predict(np.random.default_rng([seed, 1]), actual)
@@ -42,4 +60,3 @@ def planned_requests(rate: float, n: int, prompt: Lengths, output: Lengths, seed
     for request in workload:
         request.ttft_slo_ms = slos["ttft"] * 1e3 if "ttft" in slos else None
         request.tbt_slo_ms = slos["tpot"] * 1e3 if "tpot" in slos else None
-    return workload

@@ -1,19 +1,23 @@
 """`kvmesh sim run`: a Poisson workload through a simulated cluster (one colocated engine unless a
 topology says otherwise), with a named step-cost profile, named policies and a link model for the KV
-hand-off; prints the latency figures, the transfer's share, the preemptions by strategy and what the
-swaps to a cxl tier copied, and how fast the simulation ran."""
+hand-off, or conversations started at the rate, sent closed-loop (sim/conversations.py), with a
+prefix cache by name (sim/cache_choice.py); prints the latency figures, the transfer's share, the
+preemptions by strategy and what the swaps to a cxl tier copied, what the prefix cache gave, and how
+fast the simulation ran."""
 
 from __future__ import annotations
 
 import json
 import time
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from kvmesh.policies.routing import registry
 
+from .cache_choice import cache_figures, with_cache
 from .cluster import HEARTBEAT_S, Cluster, build
+from .conversations import ConversationLoop, Conversations, conversation_turns
 from .engine import EngineSpec
 from .link import KVGeometry, LinkSpec
 from .metrics import summarise
@@ -25,18 +29,34 @@ from .workload import Lengths, poisson
 def run(profile: str, rate: float, requests: int, prompt: str, output: str, seed: int, spec: EngineSpec,
         policies: dict[str, str], json_path: Path | None, topology: str = "colocated:1",
         routing: str = registry.DEFAULT, link: LinkSpec = LinkSpec(), geometry: KVGeometry = KVGeometry(),
-        transfer_mode: str = "pull", heartbeat_s: float = HEARTBEAT_S) -> int:
-    workload = poisson(rate, requests, Lengths.parse(prompt), Lengths.parse(output), seed)
-    cluster = build(Topology.parse(topology), spec, load_profile(profile), policies, routing, link, geometry,
-                    transfer_mode, heartbeat_s)
+        transfer_mode: str = "pull", heartbeat_s: float = HEARTBEAT_S, conversation: Conversations | None = None,
+        cache: str = "none") -> int:
+    """`conversation`: conversations instead of lone requests, `rate` of them started a second and
+    `requests` turns in all; `cache`: the engines' prefix cache (its policies, unless `policies` names them)."""
+    spec, cache_policies = with_cache(spec, cache)
+    policies = cache_policies | policies
+    if conversation is None:
+        workload = poisson(rate, requests, Lengths.parse(prompt), Lengths.parse(output), seed)
+        cluster = build(Topology.parse(topology), spec, load_profile(profile), policies, routing, link, geometry,
+                        transfer_mode, heartbeat_s)
+    else:
+        talks = conversation_turns(replace(conversation, rate=rate), requests, spec.block_size, seed)
+        workload = [request for talk in talks for request, _ in talk]
+        cluster = ConversationLoop.build(Topology.parse(topology), spec, load_profile(profile), policies, talks,
+                                         routing=routing, link=link, geometry=geometry, transfer_mode=transfer_mode,
+                                         heartbeat_s=heartbeat_s)
     start = time.perf_counter()
     sim_seconds = cluster.run(workload)
-    summary = summarise(workload, sim_seconds, time.perf_counter() - start) | swaps(cluster, spec)
+    summary = summarise(workload, sim_seconds, time.perf_counter() - start) | swaps(cluster, spec) | \
+        {"cache": cache_figures(workload, cluster)}
     config = {"profile": profile, "rate": rate, "requests": requests, "prompt": prompt, "output": output,
               "seed": seed, "engine": asdict(spec),
               "policies": next(iter(cluster.members.values())).engine.names, "topology": topology,
               "routing": routing, "heartbeat_s": heartbeat_s, "transfer_mode": transfer_mode, "link": asdict(link),
-              "kv_geometry": asdict(geometry)}
+              "kv_geometry": asdict(geometry), "cache": cache,
+              "conversations": None if conversation is None else
+              {"turns": conversation.turns, "think_s": conversation.think_s, "system_prompt": conversation.system,
+               "max_context": conversation.max_context, "rate_counts": "conversations started per second"}}
     print(_table(summary, cxl=spec.cxl_blocks > 0))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -69,6 +89,10 @@ def _table(summary: dict, cxl: bool) -> str:
             ("throughput", rate("throughput_tok_s", "tokens/s")),
             ("requests/s", rate("throughput_req_s", "req/s")),
             ("preemptions", f"{summary['preemptions']} ({by_strategy})" if by_strategy else "0")]
+    if summary["cache"] is not None:
+        hits = summary["cache"]
+        rows.append(("prompt tokens cached (hits)", f"{hits['prompt_tokens_cached']:.1%} ({hits['hit_rate_device']:.1%}"
+                                                    f" device, {hits['hit_rate_cxl']:.1%} cxl)"))
     if cxl:
         rows.append(("swap copies out / in", f"{summary['swap_out_bytes'] / 1e6:.1f} / "
                                              f"{summary['swap_in_bytes'] / 1e6:.1f} MB"))
