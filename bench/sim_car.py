@@ -47,7 +47,7 @@ from kvmesh.libs.messages.engine import Targets
 from kvmesh.services.engine.native.factory import build_engine
 from kvmesh.sim.cluster import Cluster
 from kvmesh.sim.engine import SimEngine
-from kvmesh.sim.fit import fit_engine_steps
+from kvmesh.sim.fit import fit_engine_steps, recorded_shape
 from kvmesh.sim.request import SimRequest
 from kvmesh.sim.step_cost import StepCost
 
@@ -204,8 +204,7 @@ Replays = dict[tuple[str, str], tuple[Measured, list[Variation]]]
 def _longest(steps: list[dict], cost: StepCost, n: int = 3) -> list[dict]:
     """The run's `n` longest steps, each with what `cost` says of its shape: a step the machine
     slowed stands out (a P90 of a few dozen requests is two or three requests' figure)."""
-    shape = ("prefill_tokens", "decode_tokens", "decode_context", "prefill_context")
-    return [{"seconds": s["seconds"], "calibrated_s": cost.seconds(*(s[k] for k in shape)),
+    return [{"seconds": s["seconds"], "calibrated_s": cost.seconds(*recorded_shape(s)),
              "prefill_tokens": s["prefill_tokens"], "decode_tokens": s["decode_tokens"]}
             for s in sorted(steps, key=lambda s: -s["seconds"])[:n]]
 

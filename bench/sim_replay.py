@@ -18,7 +18,7 @@ from kvmesh.policies.views import RequestView
 from kvmesh.services.engine.native.engine import Engine
 from kvmesh.sim.cluster import Cluster
 from kvmesh.sim.engine import HOOKS, EngineSpec, SimEngine, Step
-from kvmesh.sim.fit import fit_engine_steps, fit_step_cost
+from kvmesh.sim.fit import fit_engine_steps, fit_step_cost, recorded_shape
 from kvmesh.sim.prefix_count import PrefixCount
 from kvmesh.sim.request import SimRequest
 from kvmesh.sim.step_cost import TERMS, StepCost
@@ -192,8 +192,7 @@ def variations(stats: RunStats, requests: list[TraceRequest], sent_max_tokens: i
 def relative_fit(steps: list[dict]) -> StepCost:
     """The step cost fitted to `steps` minimising the relative error (each step counts alike), not
     the error in seconds: the short steps' shape weighs as much as the long ones'."""
-    shapes = [(s["prefill_tokens"], s["decode_tokens"], s["decode_context"], s["prefill_context"]) for s in steps]
-    return fit_step_cost(shapes, [s["seconds"] for s in steps], relative=True)[0]
+    return fit_step_cost([recorded_shape(s) for s in steps], [s["seconds"] for s in steps], relative=True)[0]
 
 
 def scaled(cost: StepCost, factor: float) -> StepCost:

@@ -10,6 +10,8 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 
+from kvmesh.sim.fit import recorded_shape
+
 from .report import save_figure
 
 matplotlib.use("Agg")
@@ -29,8 +31,7 @@ def relative_error(simulated_value: float, measured_value: float) -> float:
 def step_time_ratio(cost, steps: list[dict]) -> float:
     """How long steps took, all together, against what `cost` (a sim.step_cost.StepCost) says of
     their shapes (`steps` as GET /v1/steps lists them)."""
-    predicted = sum(cost.seconds(s["prefill_tokens"], s["decode_tokens"], s["decode_context"], s["prefill_context"])
-                    for s in steps)
+    predicted = sum(cost.seconds(*recorded_shape(s)) for s in steps)
     return sum(s["seconds"] for s in steps) / predicted if predicted > 0 else math.nan
 
 

@@ -97,8 +97,8 @@ class DecodeRun:
                 gone += 1
             batch = planned + entered - gone  # no swaps: nobody is preempted
             if j in prefills:
-                prompt, pairs, _ = prefills[j]
-                cost = seconds(prompt, batch, context + batch * j, pairs)
+                prompt, pairs, sequences = prefills[j]
+                cost = seconds(prompt, batch, context + batch * j, pairs, sequences)
             else:
                 cost = seconds(0, batch, context + batch * j, 0)
             t = t + cost

@@ -99,6 +99,7 @@ class Step:
     decode_tokens: int = 0
     decode_context: int = 0
     prefill_context: int = 0
+    prefill_sequences: int = 0
     swap_s: float = 0.0  # the copies of this step's swaps and layer moves between tiers, which it waits for
     staged: dict[int, tuple[float, float]] = field(default_factory=dict)  # LayerKV: staged layer -> (load, write) s
     cache_offload_s: float = 0.0  # the copies of prefix-cache nodes evicted to the cxl tier for its room
@@ -106,11 +107,13 @@ class Step:
 
     def add(self, request: SimRequest, n: int) -> None:
         self.chunks.append((request, n))
-        prefill, decode, decode_context, prefill_context = chunk_shape(request.prompt_len, request.num_computed, n)
+        prefill, decode, decode_context, prefill_context, sequences = chunk_shape(request.prompt_len,
+                                                                                 request.num_computed, n)
         self.prefill_tokens += prefill
         self.decode_tokens += decode
         self.decode_context += decode_context
         self.prefill_context += prefill_context
+        self.prefill_sequences += sequences
 
 
 class SimEngine:
@@ -187,7 +190,8 @@ class SimEngine:
         return self.scheduler.has_work()
 
     def seconds(self, step: Step) -> float:
-        compute = self.cost.seconds(step.prefill_tokens, step.decode_tokens, step.decode_context, step.prefill_context)
+        compute = self.cost.seconds(step.prefill_tokens, step.decode_tokens, step.decode_context, step.prefill_context,
+                                    step.prefill_sequences)
         staged = staged_step_s(compute, self.spec.num_layers, step.staged)
         computed = max(staged, step.cache_load_s) if self.spec.reload_overlap else staged + step.cache_load_s
         return computed + step.swap_s + step.cache_offload_s

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvmesh.policies.step_shape import Shape
+from kvmesh.policies.step_shape import FIELDS, Shape
 
 from .step_cost import TERMS, StepCost
 
@@ -36,8 +36,8 @@ def fit_step_cost(shapes: Sequence[Shape], seconds: Sequence[float],
     fit = {"samples": len(y), "rms_residual_s": float(np.sqrt(np.mean((y - fitted) ** 2))),
            "mean_relative_error": float(errors.mean()), "max_relative_error": float(errors.max()),
            "held_at_zero": [TERMS[i] for i in range(len(TERMS)) if i not in free],
-           "steps": [{"prefill_tokens": p, "decode_tokens": d, "decode_context": dc, "prefill_context": pc,
-                      "measured_s": float(m), "fitted_s": float(f)} for (p, d, dc, pc), m, f in zip(shapes, y, fitted)]}
+           "steps": [{**dict(zip(FIELDS, shape)), "measured_s": float(m), "fitted_s": float(f)}
+                     for shape, m, f in zip(shapes, y, fitted)]}
     return StepCost(*coefficients.tolist()), fit
 
 
@@ -47,17 +47,21 @@ def fit_engine_steps(steps: Sequence[dict]) -> tuple[StepCost, dict]:
     In seconds, not relative: in service one shape's time scatters (the CPU is shared), and a relative
     fit sits low in that scatter, under the steps' mean. The simulator adds steps up, so the fit must
     get their sum right: least squares with a constant term does, its residuals summing to zero."""
-    shapes = [(s["prefill_tokens"], s["decode_tokens"], s["decode_context"], s["prefill_context"]) for s in steps]
     seconds = [s["seconds"] for s in steps]
-    cost, fit = fit_step_cost(shapes, seconds, relative=False)
+    cost, fit = fit_step_cost([recorded_shape(s) for s in steps], seconds, relative=False)
     summary = {k: v for k, v in fit.items() if k != "steps"}
     return cost, {**summary, "measured_s": float(sum(seconds)), "fitted_s": sum(r["fitted_s"] for r in fit["steps"])}
+
+
+def recorded_shape(step: dict) -> Shape:
+    """A step's shape as `GET /v1/steps` lists it."""
+    return tuple(step[field] for field in FIELDS)
 
 
 def describe(cost: StepCost, fit: dict, what: str) -> str:
     """The coefficients and how well they fit `fit['samples']` of `what`, for a person."""
     return (f"a = {cost.a * 1e3:.3f} ms/step, b = {cost.b * 1e6:.3f} us/prefill token, "
             f"c = {cost.c * 1e6:.3f} us/decode token, d = {cost.d * 1e9:.3f} ns/decode context token, "
-            f"e = {cost.e * 1e9:.3f} ns/prefill (query, key) pair\n"
+            f"e = {cost.e * 1e9:.3f} ns/prefill (query, key) pair, f = {cost.f * 1e3:.3f} ms/prefill sequence\n"
             f"fit over {fit['samples']} {what}: mean relative error {fit['mean_relative_error']:.1%}, "
             f"max {fit['max_relative_error']:.1%}")

@@ -1,12 +1,17 @@
 """The engine step's cost as a function of its batch, and the JSON profiles it is loaded from.
 
-seconds = a + b * prefill_tokens + c * decode_tokens + d * decode_context + e * prefill_context, where
-prefill_tokens are the tokens computed as prompt (or recomputed) chunks, decode_tokens the requests
-decoding one token, decode_context the KV tokens the decodes' attention reads (each its whole
-context) and prefill_context the (query, key) pairs the chunks' attention computes (each prompt
-token with itself and the tokens before it: policies/step_shape.py). The two context terms differ in
-kind: a decode's attention is bound by reading the KV (bytes), a prefill's by computing the pairs (FLOPs),
-so on a GPU their costs per token differ by two orders of magnitude. A profile in `sim/profiles/`
+seconds = a + b * prefill_tokens + c * decode_tokens + d * decode_context + e * prefill_context
+          + f * prefill_sequences,
+where prefill_tokens are the tokens computed as prompt (or recomputed) chunks, decode_tokens the
+requests decoding one token, decode_context the KV tokens the decodes' attention reads (each its whole
+context), prefill_context the (query, key) pairs the chunks' attention computes (each prompt token
+with itself and the tokens before it: policies/step_shape.py) and prefill_sequences the prompt
+chunks. The two context terms differ in kind: a decode's attention is bound by reading the KV
+(bytes), a prefill's by computing the pairs (FLOPs), so on a GPU their costs per token differ by two
+orders of magnitude. The chunks' term is what a chunk pays whatever its length (the native engine
+runs each new prompt's causal attention apart, in every layer, and samples it): on this CPU a short
+prompt costs several times its tokens' share of a long one's, which the token and pair terms cannot
+say of 60- and 1536-token prompts together. A profile in `sim/profiles/`
 holds one (model, hardware, dtype, threads) fit, each coefficient with where it came from.
 
 A profile of kind "roofline" (a GPU deployment: sim/roofline.py, sim/hardware.py) is built from
@@ -21,7 +26,7 @@ from pathlib import Path
 from .roofline import Roofline, from_profile
 
 PROFILES = Path(__file__).parent / "profiles"
-TERMS = ("a", "b", "c", "d", "e")  # the coefficients of: 1, prefill, decode tokens, decode, prefill context
+TERMS = ("a", "b", "c", "d", "e", "f")  # the coefficients of: 1, then the shape's FIELDS (policies/step_shape.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,10 +36,13 @@ class StepCost:
     c: float = 0.0    # seconds per decode token
     d: float = 0.0    # seconds per KV token a decode's attention reads
     e: float = 0.0    # seconds per (query, key) pair a prefill chunk's attention computes
+    f: float = 0.0    # seconds per prefill sequence (prompt chunk) in the step
 
-    def seconds(self, prefill_tokens: int, decode_tokens: int, decode_context: int, prefill_context: int) -> float:
+    def seconds(self, prefill_tokens: int, decode_tokens: int, decode_context: int, prefill_context: int,
+                prefill_sequences: int = 0) -> float:
+        """A step's cost; `prefill_sequences` 0 for callers that count no prompt chunks (a shape without it)."""
         return self.a + self.b * prefill_tokens + self.c * decode_tokens + self.d * decode_context + \
-            self.e * prefill_context
+            self.e * prefill_context + self.f * prefill_sequences
 
 
 def profile_path(name: str) -> Path:
@@ -55,12 +63,13 @@ def read_profile(name: str) -> dict:
 
 
 def load_profile(name: str) -> StepCost | Roofline:
-    """A fitted profile's StepCost (kind "linear", the default) or a GPU profile's Roofline."""
+    """A fitted profile's StepCost (kind "linear", the default) or a GPU profile's Roofline. A term a
+    profile lacks is 0 (f: profiles fitted before it)."""
     body = read_profile(name)
     if body.get("kind", "linear") == "roofline":
         return from_profile(body)
     coefficients = body["coefficients"]
-    return StepCost(**{term: float(coefficients[term]["value"]) for term in TERMS})
+    return StepCost(**{term: float(coefficients[term]["value"]) for term in TERMS if term in coefficients})
 
 
 def write_profile(path: Path, cost: StepCost, origin: dict[str, str], about: dict, fit: dict) -> None:

@@ -11,7 +11,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from kvmesh.policies.step_shape import Shape
+from kvmesh.policies.step_shape import FIELDS, Shape
 
 CAPACITY = 16384  # steps kept: several minutes of a busy tiny engine, a few hundred kB
 
@@ -24,12 +24,13 @@ class EngineStep(msgspec.Struct, kw_only=True):
     decode_tokens: int
     decode_context: int     # KV tokens the decodes' attention read
     prefill_context: int    # (query, key) pairs the prompt chunks' attention computed
+    prefill_sequences: int  # prompt chunks (requests prefilling) in the step
 
 
 class EngineSteps(msgspec.Struct, kw_only=True):
     steps: list[EngineStep]   # oldest first, those after `since`
     recorded: int             # steps recorded all time (older ones than the last `capacity` are gone)
-    capacity: int
+    capacity: int | None      # steps kept; None: every step (an in-process bench's log, never the service's)
 
 
 class StepQuery(msgspec.Struct, kw_only=True, frozen=True):
@@ -37,17 +38,16 @@ class StepQuery(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class StepLog:
-    """A bounded ring of the latest steps: written by the engine's thread, read by the service's."""
+    """A ring of the latest steps, `capacity` of them (None: all, for a bench that reads its whole run):
+    written by the engine's thread, read by the service's."""
 
-    def __init__(self, capacity: int = CAPACITY):
+    def __init__(self, capacity: int | None = CAPACITY):
         self._steps: deque[EngineStep] = deque(maxlen=capacity)
         self._lock = threading.Lock()
         self.recorded = 0
 
     def record(self, index: int, end: float, seconds: float, shape: Shape) -> None:
-        prefill, decode, decode_context, prefill_context = shape
-        step = EngineStep(index=index, end=end, seconds=seconds, prefill_tokens=prefill, decode_tokens=decode,
-                          decode_context=decode_context, prefill_context=prefill_context)
+        step = EngineStep(index=index, end=end, seconds=seconds, **dict(zip(FIELDS, shape)))
         with self._lock:
             self._steps.append(step)
             self.recorded += 1

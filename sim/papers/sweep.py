@@ -54,8 +54,8 @@ class Overhead:
     cost: StepCost
     added_s: float
 
-    def seconds(self, prefill_tokens: int, decode_tokens: int, decode_context: int, prefill_context: int) -> float:
-        return self.cost.seconds(prefill_tokens, decode_tokens, decode_context, prefill_context) + self.added_s
+    def seconds(self, *shape: int) -> float:
+        return self.cost.seconds(*shape) + self.added_s
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ from kvmesh.bench.report import BenchResult, save
 from kvmesh.bench.sim_validation import FIGURES, TARGETED
 from kvmesh.libs.messages.engine import Targets
 from kvmesh.policies.allocation import AllocationParams
+from kvmesh.policies.step_shape import FIELDS
 from kvmesh.sim.engine import HOOKS, EngineSpec
 from kvmesh.sim.fit import fit_engine_steps
 from kvmesh.sim.step_cost import StepCost, load_profile
@@ -29,7 +30,7 @@ from .quick import BENCH_TIMEOUT, quick_bench
 TRACE = cacheopt.TRACES["instructions"]
 REQUESTS = TRACE.requests(12, seed=1)
 HIGH = TRACE.output.high
-TRUTH = StepCost(a=2e-3, b=5e-5, c=8e-5, d=3e-7, e=1e-7)
+TRUTH = StepCost(a=2e-3, b=5e-5, c=8e-5, d=3e-7, e=1e-7, f=3e-3)
 ENGINE = sim_replay.Configured(EngineSpec(block_size=16, num_layers=4, device_blocks=4096, token_budget=2048),
                           {"kv_allocation": "block_at_a_time"}, AllocationParams(reserved_blocks=0))
 
@@ -40,9 +41,9 @@ def recorded_steps(count: int, factor: float = 1.0, seed: int = 0) -> list[dict]
     steps = []
     for i in range(count):
         shape = (int(rng.integers(0, 512)), int(rng.integers(0, 16)), int(rng.integers(0, 20_000)),
-                 int(rng.integers(0, 100_000)))
+                 int(rng.integers(0, 100_000)), int(rng.integers(0, 8)))
         steps.append({"index": i + 1, "end": float(i), "seconds": factor * TRUTH.seconds(*shape),
-                      **dict(zip(("prefill_tokens", "decode_tokens", "decode_context", "prefill_context"), shape))})
+                      **dict(zip(FIELDS, shape))})
     return steps
 
 

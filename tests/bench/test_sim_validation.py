@@ -20,15 +20,16 @@ from kvmesh.bench.sim_serve_calibration import calibrate, served_profile_path, w
 from kvmesh.bench.sim_serving import sim_engines
 from kvmesh.bench.sim_validation import step_time_ratio
 from kvmesh.bench.workloads import WORKLOADS
+from kvmesh.policies.step_shape import FIELDS
 from kvmesh.sim.engine import EngineSpec
 from kvmesh.sim.request_path import RequestPath
-from kvmesh.sim.step_cost import StepCost, load_profile
+from kvmesh.sim.step_cost import TERMS, StepCost, load_profile
 from kvmesh.sim.topology import Topology
 
 from .quick import BENCH_TIMEOUT, quick_bench
 
 SPEC = EngineSpec(device_blocks=4096, num_layers=4)
-TRUTH = StepCost(a=2e-3, b=5e-5, c=8e-5, d=3e-7, e=1e-7)
+TRUTH = StepCost(a=2e-3, b=5e-5, c=8e-5, d=3e-7, e=1e-7, f=3e-3)
 
 
 def fake_load(rate: float, count: int, ttft: float = 0.05, tbt: float = 0.004, engine_ttft: float = 0.041,
@@ -54,14 +55,14 @@ def recorded_steps(count: int, cost: StepCost = TRUTH, seed: int = 0) -> list[di
     steps = []
     for i in range(count):
         shape = (int(rng.integers(0, 512)), int(rng.integers(0, 16)), int(rng.integers(0, 20_000)),
-                 int(rng.integers(0, 100_000)))
+                 int(rng.integers(0, 100_000)), int(rng.integers(0, 8)))
         steps.append({"index": i + 1, "end": float(i), "seconds": cost.seconds(*shape),
-                      **dict(zip(("prefill_tokens", "decode_tokens", "decode_context", "prefill_context"), shape))})
+                      **dict(zip(FIELDS, shape))})
     return steps
 
 
 def scaled(cost: StepCost, factor: float) -> StepCost:
-    return StepCost(*(factor * getattr(cost, t) for t in ("a", "b", "c", "d", "e")))
+    return StepCost(*(factor * getattr(cost, t) for t in TERMS))
 
 
 def test_the_replay_is_the_measured_loads_requests_and_arrivals():

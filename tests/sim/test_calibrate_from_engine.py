@@ -13,12 +13,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
+from kvmesh.policies.step_shape import FIELDS
 from kvmesh.sim.fit import fit_engine_steps
 from kvmesh.sim.request import SimRequest
 from kvmesh.sim.request_path import RequestPath, delivered, load_request_path, measure, profile_entry
 from kvmesh.sim.step_cost import TERMS, StepCost, load_profile, write_profile
 
-TRUTH = StepCost(a=2e-3, b=5e-5, c=8e-5, d=3e-7, e=1e-7)
+TRUTH = StepCost(a=2e-3, b=5e-5, c=8e-5, d=3e-7, e=1e-7, f=3e-3)
 
 
 def recorded_steps(count: int = 60) -> list[dict]:
@@ -27,9 +28,9 @@ def recorded_steps(count: int = 60) -> list[dict]:
     steps = []
     for i in range(count):
         shape = (int(rng.integers(0, 512)), int(rng.integers(0, 16)), int(rng.integers(0, 20_000)),
-                 int(rng.integers(0, 100_000)))
+                 int(rng.integers(0, 100_000)), int(rng.integers(0, 8)))
         steps.append({"index": i + 1, "end": 1000.0 + i, "seconds": TRUTH.seconds(*shape),
-                      **dict(zip(("prefill_tokens", "decode_tokens", "decode_context", "prefill_context"), shape))})
+                      **dict(zip(FIELDS, shape))})
     return steps
 
 

@@ -37,6 +37,7 @@ def records(topology: str, spec: EngineSpec, rate: float, max_run_steps: int, **
     ("pd:2:1", EngineSpec(device_blocks=1024), 10.0, {"transfer_mode": "push", "heartbeat_s": 0.25}),
     ("pd:1:1", EngineSpec(device_blocks=4096), 6.0, {"heartbeat_s": 0.0}),
     ("colocated:4", EngineSpec(device_blocks=8192), 40.0, {"cost": load_profile("opt-13b-a100-fp16-tp1")}),
+    ("colocated:2", EngineSpec(device_blocks=4096), 12.0, {"cost": StepCost(a=3e-3, b=1e-4, c=2e-4, f=5e-3)}),
 ])
 def test_decode_runs_simulate_the_same_events_as_single_steps(topology, spec, rate, options):
     stepped, steps = records(topology, spec, rate, 0, **dict(options))

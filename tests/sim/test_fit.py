@@ -11,22 +11,44 @@ from kvmesh.sim.step_cost import TERMS, StepCost, load_profile
 
 
 def test_the_fit_recovers_known_coefficients_from_exact_timings():
-    truth = StepCost(a=1.5e-3, b=8e-5, c=1.4e-4, d=3e-7, e=2e-8)
+    truth = StepCost(a=1.5e-3, b=8e-5, c=1.4e-4, d=3e-7, e=2e-8, f=4e-3)
     rng = np.random.default_rng(0)
     shapes = [tuple(int(x) for x in shape) for shape in zip(rng.integers(0, 4096, 40), rng.integers(0, 64, 40),
-                                                            rng.integers(0, 100_000, 40), rng.integers(0, 10**6, 40))]
-    cost, fit = fit_step_cost(shapes, [truth.seconds(*s) for s in shapes])
-    for term in TERMS:
-        assert getattr(cost, term) == pytest.approx(getattr(truth, term), rel=1e-9)
-    assert fit["max_relative_error"] < 1e-9 and fit["held_at_zero"] == []
+                                                            rng.integers(0, 100_000, 40), rng.integers(0, 10**6, 40),
+                                                            rng.integers(0, 16, 40))]
+    for relative in (True, False):
+        cost, fit = fit_step_cost(shapes, [truth.seconds(*s) for s in shapes], relative=relative)
+        for term in TERMS:
+            assert getattr(cost, term) == pytest.approx(getattr(truth, term), rel=1e-9)
+        assert fit["max_relative_error"] < 1e-9 and fit["held_at_zero"] == []
+
+
+def test_the_prefill_sequence_term_prices_a_short_prompt_beside_long_ones():
+    """Steps of 1 to 6 prompts of 60, 384 or 1536 tokens: with a cost per prompt chunk (f) in the truth,
+    the fit recovers it exactly; fitted on the long prompts alone without f, a short one is priced low."""
+    truth = StepCost(a=1e-3, b=1e-5, e=2e-9, f=2e-2)
+    shapes = [(n * p, 0, 0, n * p * (p + 1) // 2, n) for p in (60, 384, 1536) for n in range(1, 7)]
+    cost, _ = fit_step_cost(shapes, [truth.seconds(*s) for s in shapes])
+    assert cost.f == pytest.approx(truth.f, rel=1e-9) and cost.b == pytest.approx(truth.b, rel=1e-9)
+    long_only = [s for s in shapes if s[0] == 1536 * s[4]]
+    without, _ = fit_step_cost([(*s[:4], 0) for s in long_only], [truth.seconds(*s) for s in long_only])
+    assert without.seconds(60, 0, 0, 1830, 1) < 0.5 * truth.seconds(60, 0, 0, 1830, 1)
 
 
 def test_a_term_that_would_be_negative_is_held_at_zero():
-    shapes = [(p, 0, 0, p * p) for p in (10, 20, 40, 80)] + [(0, 1, 50, 0), (0, 2, 400, 0), (0, 4, 100, 0),
-                                                              (0, 8, 1600, 0)]
-    seconds = [1e-3 + 1e-4 * p + 5e-5 * d - 1e-7 * c + 1e-8 * pc for p, d, c, pc in shapes]  # the truth has d < 0
+    shapes = [(p, 0, 0, p * p, 1) for p in (10, 20, 40, 80)] + [(0, 1, 50, 0, 0), (0, 2, 400, 0, 0),
+                                                                 (0, 4, 100, 0, 0), (0, 8, 1600, 0, 0)]
+    seconds = [1e-3 + 1e-4 * p + 5e-5 * d - 1e-7 * c + 1e-8 * pc for p, d, c, pc, _ in shapes]  # the truth has d < 0
     cost, fit = fit_step_cost(shapes, seconds)
-    assert cost.d == 0 and "d" in fit["held_at_zero"] and min(cost.a, cost.b, cost.c, cost.e) >= 0
+    assert cost.d == 0 and "d" in fit["held_at_zero"] and min(cost.a, cost.b, cost.c, cost.e, cost.f) >= 0
+
+
+def test_a_profile_written_before_the_prefill_sequence_term_loads_with_it_at_zero(tmp_path):
+    body = {"model": "tiny", "coefficients": {term: {"value": value, "origin": "test"} for term, value in
+                                              zip("abcde", (1e-3, 4e-5, 5e-5, 2e-7, 1e-7))}}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(body))
+    assert load_profile(str(path)) == StepCost(a=1e-3, b=4e-5, c=5e-5, d=2e-7, e=1e-7, f=0.0)
 
 
 def test_a_short_calibration_on_tiny_writes_a_profile(tmp_path, monkeypatch):
@@ -42,4 +64,4 @@ def test_a_short_calibration_on_tiny_writes_a_profile(tmp_path, monkeypatch):
     assert all(body["coefficients"][term]["origin"] for term in TERMS)
     assert body["fit"]["samples"] == len(body["fit"]["steps"]) >= len(TERMS)
     cost = load_profile(str(path))
-    assert cost.a >= 0 and cost.seconds(128, 4, 1000, 8256) > 0
+    assert cost.a >= 0 and cost.seconds(128, 4, 1000, 8256, 1) > 0
