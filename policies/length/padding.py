@@ -71,3 +71,10 @@ def adaptive_confidence(arrival_rate: float, alpha: float = DEFAULT_ALPHA, beta:
         raise ValueError(f"arrival rate must be a finite number >= 0 requests/s, got {arrival_rate}")
     return alpha / (1 + beta * arrival_rate * RATE_PER_MS)
 
+
+def predicted_range(predicted: int, padding: float, max_tokens: int) -> tuple[int, int]:
+    """The lower bound and the median of a request's output length that the engines are told beside the
+    estimate: the prediction minus its padding, and the prediction, each within [1, max_tokens] (LayerKV
+    reads the lower bound for the tokens still to come, the median for when the request ends)."""
+    median = max(1, min(predicted, max_tokens))
+    return max(1, min(median, int(predicted - padding))), median

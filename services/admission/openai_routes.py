@@ -28,6 +28,7 @@ from kvmesh.libs.controlplane import read_body
 from kvmesh.libs.messages.engine import Targets
 from kvmesh.libs.messages.predictor import PredictedLength
 from kvmesh.observability import logs, tracing
+from kvmesh.policies.admission import behind_by
 
 from .config import Config
 from .engine_client import EngineClients
@@ -147,12 +148,12 @@ class OpenAIRoutes:
         """A 429 for a request that can expect to wait longer than its TTFT SLO (else max_wait_s) for the
         requests ahead of it to get their first tokens: under overload a queue as long as admission's
         would otherwise hold every request taken for minutes, and the ones after the load for as long."""
-        limit = slo.ttft_ms / 1000 if slo.ttft_ms is not None else self.config.max_wait_s
         wait = self.backlog.expected_wait_s(time.monotonic())
-        if limit is not None and wait is not None and wait > limit:
+        over = behind_by(wait, slo.ttft_ms, self.config.max_wait_s)
+        if over is not None:
             raise OpenAIError(429, f"the cluster is behind: a request now can expect to wait {wait:.1f} s for the "
                                    f"{self.backlog.pending} ahead of it to start answering, over its limit of "
-                                   f"{limit:g} s", type="requests", code="queue_full", retry_after_s=wait - limit)
+                                   f"{wait - over:g} s", type="requests", code="queue_full", retry_after_s=over)
 
     async def prepare_completion(self, request: web.Request, body: CompletionRequest) -> Prepared:
         completion_checks(body)

@@ -18,6 +18,7 @@ from kvmesh.libs.messages.engine import Targets
 from kvmesh.libs.messages.predictor import (MAX_PROMPT_CHARS, MAX_PROMPT_TOKENS, ObserveRequest, PredictedLength,
                                             PredictRequest)
 from kvmesh.observability import tracing
+from kvmesh.policies.length.padding import predicted_range
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +27,7 @@ def with_predicted_lengths(targets: Targets, prediction: PredictedLength, max_to
     """`targets` with what the engines' policies are told of a request's output length: the padded
     estimate to allocate for (CacheOpt), and the range predicted +- padding as its lower bound and
     median (LayerKV reads the lower bound for the tokens still to come, the median for when it ends)."""
-    median = max(1, min(prediction.predicted, max_tokens))
-    low = max(1, min(median, int(prediction.predicted - prediction.padding)))
+    low, median = predicted_range(prediction.predicted, prediction.padding, max_tokens)
     return msgspec.structs.replace(targets, predicted_output_len=prediction.estimated, predicted_output_low=low,
                                    predicted_output_median=median)
 
