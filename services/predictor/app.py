@@ -2,8 +2,8 @@
 padding (Eq. 3, c from Eq. 4 and the measured arrival rate), `POST /v1/observe` learns from the
 actual length when a request ends, `GET`/`PUT /v1/config` (docs/cacheopt.md, "The predictor service").
 
-The predictors are the pure ones of `policies/length`; this service adds the clock, the arrival rate
-(rate.py) and the metrics. It keeps one `history` predictor for its whole life, and a predictor built
+The predictors and the arrival-rate estimate are the pure ones of `policies/length`; this service adds
+the clock and the metrics. It keeps one `history` predictor for its whole life, and a predictor built
 on a base one (rlp, s3, embedding) gets it as its base, so switching predictor keeps what was learned.
 With `model_path` (a `kvmesh predictor train` directory) it also offers `embedding`, CacheOpt's learned
 predictor, kept for the service's life too and refitted as prompts are observed (learning.py).
@@ -33,10 +33,9 @@ from kvmesh.libs.controlplane import BadRequest, Service, ServiceConfig
 from kvmesh.libs.messages.predictor import (ConfigChange, ObserveRequest, OpenUnit, PredictRequest, PredictedLength,
                                             PredictorSettings)
 from kvmesh.policies.length import LengthPredictor, LengthQuery, adaptive_confidence, registry
+from kvmesh.policies.length.arrival_rate import ArrivalRate, arrive, rate_at
 from kvmesh.policies.length.padding import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_CONFIDENCE
 from kvmesh.policies.length.predictors import HistoryPredictor
-
-from .rate import ArrivalRate, arrive, rate_at
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""The arrival rate lambda that CacheOpt Eq. 4 reads, measured from the service's own `/v1/predict` calls.
+"""The arrival rate lambda that CacheOpt Eq. 4 reads, measured from the arrivals: the predictor
+service's `/v1/predict` calls, or the simulator's front door's arrivals (sim/front_door.py).
 
 An exponentially weighted rate: each arrival counts with weight exp(-age / window), and the estimate
 is that weighted count divided by `window` (seconds), in requests per second. So one arrival adds

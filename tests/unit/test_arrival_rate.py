@@ -1,4 +1,4 @@
-"""The predictor's arrival-rate estimate (services/predictor/rate.py), the lambda of CacheOpt Eq. 4:
+"""The predictor's arrival-rate estimate (policies/length/arrival_rate.py), the lambda of CacheOpt Eq. 4:
 exponentially weighted, time as an argument, worked numbers."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from kvmesh.services.predictor.rate import ArrivalRate, arrive, rate_at
+from kvmesh.policies.length.arrival_rate import ArrivalRate, arrive, rate_at
 
 
 def arrivals(times: list[float], window_s: float) -> ArrivalRate:
