@@ -110,9 +110,10 @@ class Cluster:
         while events:
             event = events.pop()
             if event.kind == ARRIVAL:
-                touched = self._arrive(event.payload)
-                if routed is not None:
-                    routed(event.payload)
+                request = self.admitted(event.payload)
+                touched = [] if request is None else self._arrive(request)
+                if routed is not None and request is not None:
+                    routed(request)
             elif event.kind == STEP_DONE:
                 touched = self._step_done(*event.payload, events)
             elif event.kind == RUN_DONE:
@@ -235,6 +236,16 @@ class Cluster:
         sim_car's closed-loop clients send their next turn). Called as the step that ended it ends, or,
         in a decode run, when the run is applied (at a heartbeat, a cut or its end: later than the
         request's end, so a closed loop wants `max_run_steps` 0)."""
+
+    def admitted(self, request: SimRequest) -> SimRequest | None:
+        """An arrival as admission lets it in: the request to route now (itself, here), or None to hold it
+        back. A hook for a subclass with a front door (sim/admission.py), which routes a held request
+        later through `arrive`."""
+        return request
+
+    def arrive(self, request: SimRequest) -> None:
+        """`request` arrives at its `arrival` (now or later), as one given to `run` does."""
+        self.events.schedule(request.arrival, ARRIVAL, request)
 
     # -- engines ----------------------------------------------------------------------------------
 
