@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     sim_run.add_argument("--block-runs", type=_positive, default=1,
                          help="contiguous runs a request's blocks make in a layer (%(default)s)")
     sim_run.add_argument("--json", dest="json_path", type=Path, help="also write the results here")
+    _admission_arguments(sim_run)
     paper = sim_commands.add_parser("paper", help="a paper's main experiment at its own scale, its headlines beside "
                                                   "the simulated ones (docs/sim.md)")
     paper.add_argument("name", help="the paper: kvdirect, cacheopt, layerkv or car")
@@ -253,7 +254,8 @@ def _sim(args: argparse.Namespace) -> int:
                         coalescing=not args.no_coalescing, block_runs=args.block_runs)
         return run_sim(args.profile, args.rate, args.requests, args.prompt, args.output, args.seed, spec, policies,
                        args.json_path, args.topology, args.routing, link, geometry, args.transfer_mode,
-                       args.heartbeat_s, _conversation(args), args.cache)
+                       args.heartbeat_s, _conversation(args), args.cache, _admission_limits(args), args.predictor,
+                       args.rate_window_s)
     except (KeyError, ValueError, FileNotFoundError) as exc:
         print(f"kvmesh sim run: {exc.args[0] if exc.args else exc}", file=sys.stderr)  # a KeyError's str quotes it
         return 2
@@ -265,6 +267,49 @@ def _engine_policies(values: list[str]) -> dict[str, str]:
     if bad:
         raise ValueError(f"--policy {bad[0]!r}: give HOOK=NAME, e.g. preemption_order=srtf")
     return dict(value.split("=", 1) for value in values)
+
+
+def _admission_arguments(parser: argparse.ArgumentParser) -> None:
+    """sim run's front door: admission's config by its names; any of them turns it on, with admission's
+    defaults for the rest (docs/sim.md, "Admission and the predictor")."""
+    door = parser.add_argument_group("admission's front door (off unless one of these is given)")
+    door.add_argument("--admission", action="store_true", help="on, with admission's defaults")
+    door.add_argument("--max-running", type=_positive, help="requests at the engines at once (admission: 64)")
+    door.add_argument("--max-queued", type=_count, help="more waiting in admission's queue (4096)")
+    door.add_argument("--rate-limit", dest="requests_per_s", type=float, metavar="REQ_PER_S",
+                      help="the API key's token bucket, requests/s on average (0: no limit, the default)")
+    door.add_argument("--burst", type=float, help="the API key's token bucket, requests at once (40)")
+    door.add_argument("--max-wait-s", type=_max_wait, metavar="S|none",
+                      help="the expected wait for a first token that refuses a request without a TTFT SLO (30)")
+    door.add_argument("--default-ttft-ms", type=float, help="every request's TTFT SLO (none)")
+    door.add_argument("--default-tbt-ms", type=float, help="every request's TBT SLO (none)")
+    door.add_argument("--predictor", help="the length predictor by name (history, rlp, s3, oracle): the engines get "
+                                          "its padded lengths (none)")
+    door.add_argument("--rate-window-s", type=float, default=10.0,
+                      help="the predictor's arrival-rate window, s (%(default)s)")
+
+
+def _admission_limits(args: argparse.Namespace):
+    """Admission's limits with what the flags change; None when no flag asks for the front door."""
+    from dataclasses import fields
+
+    from kvmesh.policies.admission import AdmissionLimits
+    given = {f.name: getattr(args, f.name) for f in fields(AdmissionLimits) if getattr(args, f.name) is not None}
+    if not (given or args.admission or args.predictor):
+        return None
+    if given.get("max_wait_s") == float("inf"):  # --max-wait-s none
+        given["max_wait_s"] = None
+    return AdmissionLimits(**given)
+
+
+def _max_wait(text: str) -> float:
+    """Seconds above 0, or `none` (no bound: read as infinity here)."""
+    if text == "none":
+        return float("inf")
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"give seconds above 0 or none, got {text!r}")
+    return value
 
 
 def _sim_workload_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,10 @@ slot, as nothing tells admission of it here."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping
+
+import numpy as np
 
 from kvmesh.policies.admission import Admit
 
@@ -68,6 +71,15 @@ class AdmittedCluster(Cluster):
     def queue_waits(self) -> list[float]:
         """Each request let in: the seconds from its arrival to its slot."""
         return [at - self.clients[request_id].arrival for request_id, at in self.let_in.items()]
+
+    def figures(self) -> dict:
+        """What the front door did: requests let in and refused (by reason), how many waited in its
+        queue, and their wait for a slot (mean and P90 over the requests let in)."""
+        waits = self.queue_waits()
+        return {"let_in": len(waits), "refused": len(self.door.refused),
+                "refused_by": dict(Counter(self.door.refused.values())), "queued": sum(w > 0 for w in waits),
+                "queue_wait_mean_s": float(np.mean(waits)) if waits else None,
+                "queue_wait_p90_s": float(np.percentile(waits, 90)) if waits else None}
 
     def _let_in(self, client: SimRequest, now: float) -> SimRequest:
         """What admission sends the cluster for `client` at `now`."""

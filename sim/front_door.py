@@ -39,6 +39,13 @@ class PredictorSettings:
     max_tokens: int
     rate_window_s: float = RATE_WINDOW_S
 
+    def __post_init__(self) -> None:
+        if self.name == "embedding":
+            raise ValueError("the embedding predictor reads a prompt's text, which simulated requests have not")
+        if self.max_tokens < 1 or not self.rate_window_s > 0:
+            raise ValueError(f"max_tokens must be >= 1 and the rate window > 0 s, got {self.max_tokens} and "
+                             f"{self.rate_window_s}")
+
 
 class FrontDoor:
     def __init__(self, limits: AdmissionLimits = AdmissionLimits(), predictor: PredictorSettings | None = None):

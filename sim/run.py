@@ -3,7 +3,8 @@ topology says otherwise), with a named step-cost profile, named policies and a l
 hand-off, or conversations started at the rate, sent closed-loop (sim/conversations.py), with a
 prefix cache by name (sim/cache_choice.py); prints the latency figures, the transfer's share, the
 preemptions by strategy and what the swaps to a cxl tier copied, what the prefix cache gave, and how
-fast the simulation ran."""
+fast the simulation ran. With `admission` (or a `predictor`), admission's front door stands in front of
+the cluster (sim/admission.py) and what it refused is counted."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ from collections import Counter
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from kvmesh.policies.admission import AdmissionLimits
 from kvmesh.policies.routing import registry
 
+from .admission import AdmittedCluster
 from .cache_choice import cache_figures, with_cache
 from .cluster import HEARTBEAT_S, Cluster, build
 from .conversations import ConversationLoop, Conversations, conversation_turns
 from .engine import EngineSpec
+from .front_door import RATE_WINDOW_S, FrontDoor, PredictorSettings
 from .link import KVGeometry, LinkSpec
 from .metrics import summarise
 from .step_cost import load_profile
@@ -30,15 +34,29 @@ def run(profile: str, rate: float, requests: int, prompt: str, output: str, seed
         policies: dict[str, str], json_path: Path | None, topology: str = "colocated:1",
         routing: str = registry.DEFAULT, link: LinkSpec = LinkSpec(), geometry: KVGeometry = KVGeometry(),
         transfer_mode: str = "pull", heartbeat_s: float = HEARTBEAT_S, conversation: Conversations | None = None,
-        cache: str = "none") -> int:
+        cache: str = "none", admission: AdmissionLimits | None = None, predictor: str | None = None,
+        rate_window_s: float = RATE_WINDOW_S) -> int:
     """`conversation`: conversations instead of lone requests, `rate` of them started a second and
-    `requests` turns in all; `cache`: the engines' prefix cache (its policies, unless `policies` names them)."""
+    `requests` turns in all; `cache`: the engines' prefix cache (its policies, unless `policies` names them);
+    `admission`: admission's front door with these limits (admission's defaults when only `predictor`,
+    the length predictor by name, is given; its arrival rate over `rate_window_s`)."""
+    if predictor is not None and admission is None:
+        admission = AdmissionLimits()
+    if admission is not None and conversation is not None:
+        raise ValueError("admission's front door in front of closed-loop conversations is not built")
     spec, cache_policies = with_cache(spec, cache)
     policies = cache_policies | policies
     if conversation is None:
         workload = poisson(rate, requests, Lengths.parse(prompt), Lengths.parse(output), seed)
-        cluster = build(Topology.parse(topology), spec, load_profile(profile), policies, routing, link, geometry,
-                        transfer_mode, heartbeat_s)
+        if admission is None:
+            cluster = build(Topology.parse(topology), spec, load_profile(profile), policies, routing, link, geometry,
+                            transfer_mode, heartbeat_s)
+        else:  # every client sends the workload's longest output as max_tokens
+            settings = None if predictor is None else \
+                PredictorSettings(predictor, max(r.max_tokens for r in workload), rate_window_s)
+            cluster = AdmittedCluster.build(Topology.parse(topology), spec, load_profile(profile), policies,
+                                            FrontDoor(admission, settings), routing=routing, link=link,
+                                            geometry=geometry, transfer_mode=transfer_mode, heartbeat_s=heartbeat_s)
     else:
         talks = conversation_turns(replace(conversation, rate=rate), requests, spec.block_size, seed)
         workload = [request for talk in talks for request, _ in talk]
@@ -48,7 +66,8 @@ def run(profile: str, rate: float, requests: int, prompt: str, output: str, seed
     start = time.perf_counter()
     sim_seconds = cluster.run(workload)
     summary = summarise(workload, sim_seconds, time.perf_counter() - start) | swaps(cluster, spec) | \
-        {"cache": cache_figures(workload, cluster)}
+        {"cache": cache_figures(workload, cluster)} | \
+        {"admission": cluster.figures() if isinstance(cluster, AdmittedCluster) else None}
     config = {"profile": profile, "rate": rate, "requests": requests, "prompt": prompt, "output": output,
               "seed": seed, "engine": asdict(spec),
               "policies": next(iter(cluster.members.values())).engine.names, "topology": topology,
@@ -56,7 +75,9 @@ def run(profile: str, rate: float, requests: int, prompt: str, output: str, seed
               "kv_geometry": asdict(geometry), "cache": cache,
               "conversations": None if conversation is None else
               {"turns": conversation.turns, "think_s": conversation.think_s, "system_prompt": conversation.system,
-               "max_context": conversation.max_context, "rate_counts": "conversations started per second"}}
+               "max_context": conversation.max_context, "rate_counts": "conversations started per second"},
+              "admission": None if admission is None else
+              asdict(admission) | {"predictor": predictor, "rate_window_s": rate_window_s}}
     print(_table(summary, cxl=spec.cxl_blocks > 0))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -74,8 +95,11 @@ def swaps(cluster: Cluster, spec: EngineSpec) -> dict:
 
 
 def _table(summary: dict, cxl: bool) -> str:
+    def ms_of(seconds: float | None) -> str:
+        return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
     def ms(key: str) -> str:
-        return "-" if summary[key] is None else f"{summary[key] * 1e3:.1f} ms"
+        return ms_of(summary[key])
 
     def rate(key: str, unit: str) -> str:
         return "-" if summary[key] is None else f"{summary[key]:.1f} {unit}"
@@ -93,6 +117,11 @@ def _table(summary: dict, cxl: bool) -> str:
         hits = summary["cache"]
         rows.append(("prompt tokens cached (hits)", f"{hits['prompt_tokens_cached']:.1%} ({hits['hit_rate_device']:.1%}"
                                                     f" device, {hits['hit_rate_cxl']:.1%} cxl)"))
+    if summary["admission"] is not None:
+        door = summary["admission"]
+        refused = ", ".join(f"{why} {n}" for why, n in sorted(door["refused_by"].items()))
+        rows += [("admission: refused", f"{door['refused']} ({refused})" if refused else "0"),
+                 ("admission: queued (wait P90)", f"{door['queued']} ({ms_of(door['queue_wait_p90_s'])})")]
     if cxl:
         rows.append(("swap copies out / in", f"{summary['swap_out_bytes'] / 1e6:.1f} / "
                                              f"{summary['swap_in_bytes'] / 1e6:.1f} MB"))

@@ -4,22 +4,27 @@ to the engines, and refused requests counted as failures."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
+from kvmesh.cli import main
 from kvmesh.policies.admission import AdmissionLimits
 from kvmesh.sim.admission import AdmittedCluster
+from kvmesh.sim.cluster import build
 from kvmesh.sim.engine import EngineSpec
 from kvmesh.sim.front_door import FrontDoor, PredictorSettings
 from kvmesh.sim.metrics import slo_attainment, summarise
 from kvmesh.sim.request import SimRequest
 from kvmesh.sim.step_cost import StepCost
 from kvmesh.sim.topology import Topology
+from kvmesh.sim.workload import Lengths, poisson
 
 STEP_S = 0.01  # every step, whatever its batch: one request alone is served in OUTPUT steps
 OUTPUT = 10
 SERVICE_S = OUTPUT * STEP_S
+COST = StepCost(a=3e-3, b=1e-4, c=2e-4, d=1e-6, e=3e-7)
 
 
 def serve(arrivals: list[float], limits: AdmissionLimits, predictor: PredictorSettings | None = None,
@@ -104,3 +109,48 @@ def test_requests_split_across_a_pair_free_their_slot_when_their_decode_ends():
     # one at a time: each starts, and so gets its first token, after the one before it ended
     assert all(after.token_times[0] > before.finished_at for before, after in zip(requests, requests[1:]))
     assert all(r.transfer_s is not None for r in requests)
+
+
+def test_a_front_door_that_refuses_and_queues_nothing_changes_nothing():
+    workload = dict(rate=30.0, n=200, prompt=Lengths.parse("uniform:64-512"), output=Lengths.parse("exp:64"), seed=1)
+    plain, admitted = poisson(**workload), poisson(**workload)
+    build(Topology.parse("pd:1:2"), EngineSpec(device_blocks=512), COST).run(plain)
+    open_door = AdmissionLimits(max_running=10_000, max_wait_s=None)
+    AdmittedCluster.build(Topology.parse("pd:1:2"), EngineSpec(device_blocks=512), COST, None,
+                          FrontDoor(open_door)).run(admitted)
+    assert [(r.token_times, r.finished_at, r.preemptions, r.transfer_s) for r in admitted] == \
+        [(r.token_times, r.finished_at, r.preemptions, r.transfer_s) for r in plain]
+
+
+def test_sim_run_turns_the_front_door_on_by_admissions_config_names(tmp_path, capsys):
+    out = tmp_path / "run.json"
+    assert main(["sim", "run", "--rate", "30", "--requests", "300", "--max-running", "8", "--max-queued", "5",
+                 "--rate-limit", "40", "--max-wait-s", "none", "--default-ttft-ms", "500", "--predictor", "history",
+                 "--json", str(out)]) == 0
+    assert "admission: refused" in capsys.readouterr().out
+    body = json.loads(out.read_text())
+    assert body["config"]["admission"] == {
+        "requests_per_s": 40.0, "burst": 40.0, "max_running": 8, "max_queued": 5, "max_wait_s": None,
+        "default_ttft_ms": 500.0, "default_tbt_ms": None, "predictor": "history", "rate_window_s": 10.0}
+    results = body["results"]
+    door = results["admission"]
+    assert set(door) == {"let_in", "refused", "refused_by", "queued", "queue_wait_mean_s", "queue_wait_p90_s"}
+    assert door["let_in"] + door["refused"] == results["requests"] == 300
+    assert door["refused"] == sum(door["refused_by"].values()) > 0 and results["unfinished"] == door["refused"]
+    assert 0 < door["queued"] <= door["let_in"] and door["queue_wait_p90_s"] > 0
+
+
+def test_sim_run_without_admission_flags_has_no_front_door(tmp_path):
+    out = tmp_path / "run.json"
+    assert main(["sim", "run", "--rate", "30", "--requests", "50", "--json", str(out)]) == 0
+    body = json.loads(out.read_text())
+    assert body["config"]["admission"] is None and body["results"]["admission"] is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--predictor", "embedding"], "prompt's text"),
+    (["--predictor", "nobody"], "nobody"),
+])
+def test_sim_run_refuses_a_predictor_it_cannot_run(capsys, argv, message):
+    assert main(["sim", "run", "--requests", "5", *argv]) == 2
+    assert message in capsys.readouterr().err
