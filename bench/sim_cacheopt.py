@@ -29,7 +29,8 @@ Keys, for each method m and rate r (the fraction of capacity), each a relative e
 Information, the same keys with a suffix, one assumption varied at a time (bench/sim_replay.py):
 `_rescaled`, the calibrated cost scaled to the run's own steps' total (the machine's speed in that
 run); `_own_steps`, each run's step cost fitted to its own steps (the best the cost's form
-reaches); `_relative_fit`, the calibration fitted in relative error; `_in_process`, the in-process
+reaches); `_relative_fit`, the calibration fitted in relative error; `_five_terms`, the calibration
+fitted without the prefill-sequence term f (the cost before it); `_in_process`, the in-process
 profile (PROFILE: Engine.step timed alone at a few shapes); and sim_elasticity_<figure>_<m>_<r>,
 a figure's relative change over the step cost's. CacheOpt's own figures beside them: P99 TBT and
 SLO attainment, measured and simulated, and each method's preemptions.
@@ -55,7 +56,7 @@ from .cacheopt_serving import RunStats, capacity, replay
 from .instruction_trace import TraceRequest
 from .loadgen import poisson_arrivals
 from .report import BenchResult, Row
-from .sim_replay import (SENSITIVITY, Configured, Variation, configured, figures, keys, relative_fit,
+from .sim_replay import (SENSITIVITY, Configured, Variation, calibration_variants, configured, figures, keys,
                          variations)
 from .sim_validation import FIGURES, TARGET, plot, step_time_ratio
 
@@ -87,8 +88,8 @@ def run(quick: bool) -> BenchResult:
     torch.set_num_threads(shape.threads)
     measured = measure(shape)
     calibrated, fit = fit_engine_steps(measured.calibration.steps)
-    others = [("_relative_fit", "calibration fitted in relative error", relative_fit(measured.calibration.steps)),
-              ("_in_process", "in-process steps", load_profile(PROFILE))]
+    others = [*calibration_variants(measured.calibration.steps), ("_in_process", "in-process steps",
+                                                                   load_profile(PROFILE))]
     replays = []
     for (method, rate), stats in measured.runs.items():
         fraction = shape.fractions[measured.rates.index(rate)]

@@ -23,7 +23,8 @@ Keys, for each method m (recompute, lru, car, car_prefetch) and workload w (mult
   sim_error_{p90_ttft,mean_tpot,p90_e2e}_<m>_<w>: target <= 0.15; sim_error_p50_ttft_...: no target.
 Information, one assumption varied at a time: `_rescaled`, `_own_steps` (as bench sim_cacheopt's),
 `_relative_fit` (the calibration's steps fitted in relative error, each step alike, as bench
-sim_layerkv's: the many short decode steps weigh as much as the long prefills), `_open_loop`, and
+sim_layerkv's: the many short decode steps weigh as much as the long prefills), `_five_terms`
+(the calibration fitted without the prefill-sequence term f: the cost before it), `_open_loop`, and
 for CaR's engines `_copy_25gbps` (the cxl tier copied at the simulator's default, a PCIe 4.0 link,
 not at the rate measured here) and `_reloads_before_step` (a turn's reloads copied before its step,
 not layer by layer under it, CaR III-C.1); sim_elasticity_...; and the prefix cache's hits by tier
@@ -56,8 +57,8 @@ from .cacheopt_serving import RunStats, Served
 from .car_workloads import ANSWER_LEN, conversations, system_prompt_requests
 from .instruction_trace import TraceRequest
 from .report import BenchResult, Row
-from .sim_replay import (SENSITIVITY, Configured, Variation, configured, figures, keys, relative_fit, simulated,
-                         variations)
+from .sim_replay import (SENSITIVITY, Configured, Variation, calibration_variants, configured, figures, keys,
+                         simulated, variations)
 from .sim_validation import FIGURES, TARGET, plot, step_time_ratio
 
 CALIBRATION_SEED = 11   # its conversations and system prompts (the runs': seeds 1 and 2)
@@ -125,8 +126,8 @@ def run(quick: bool) -> BenchResult:
     calibrated, fit = fit_engine_steps(calibration)
     runs = {(m, w): _served(m, w, n_conv, turns, n_sys) for m in car.METHODS for w in WORKLOADS}
     engines = {(m, w): configured_engine(m, w, n_conv, turns) for m in car.METHODS for w in WORKLOADS}
-    relative = relative_fit(calibration)
-    replays = {run: (measured, replayed(measured, engines[run], calibrated, relative))
+    others = calibration_variants(calibration)
+    replays = {run: (measured, replayed(measured, engines[run], calibrated, others))
                for run, measured in runs.items()}
     return _result(quick, (n_conv, turns, n_sys), engines, calibration, calibrated, fit, replays)
 
@@ -173,13 +174,13 @@ def configured_engine(method: str, workload: str, n_conv: int, turns: int) -> Co
     return configured(build_engine(car.engine_config(car.METHODS[method], *tiers)))
 
 
-def replayed(run: Measured, engine: Configured, calibrated: StepCost, relative: StepCost) -> list[Variation]:
-    """bench sim_replay's variations with the run's closed-loop clients (`relative`: the calibration
-    fitted in relative error, one of them); the requests sent when the
-    measured run sent them; and with CaR's cxl tier its copies at PCIe's rate and a turn's reloads
+def replayed(run: Measured, engine: Configured, calibrated: StepCost,
+             others: list[tuple[str, str, StepCost]]) -> list[Variation]:
+    """bench sim_replay's variations with the run's closed-loop clients (`others`: the calibration
+    fitted otherwise, sim_replay.calibration_variants); the requests sent when the measured run sent
+    them; and with CaR's cxl tier its copies at PCIe's rate and a turn's reloads
     before its step."""
     loop = functools.partial(ClosedLoop, clients=run.clients)
-    others = [("_relative_fit", "calibration fitted in relative error", relative)]
     found = variations(run.stats, run.requests, ANSWER_LEN, engine, calibrated, others, run.block_names, loop)
     plans = [("_open_loop", "sent when measured", engine, Cluster)]
     if engine.spec.cache_cxl:

@@ -20,7 +20,8 @@ Keys, for each method m (fcfs, layerkv_noslo, layerkv) and run (a<context>, b<sh
   sim_error_{p90_ttft,mean_tpot,p90_e2e}_<m>_<run>: target <= 0.15; sim_error_p50_ttft_...: no target.
 Information, one assumption varied at a time: `_rescaled`, `_own_steps` (as bench sim_cacheopt's),
 `_relative_fit` (the calibration's steps fitted in relative error, each step alike: short prefills
-weigh as much as the 1536-token ones), `_inline_copies` (LayerKV's engines: a staged layer's copies
+weigh as much as the 1536-token ones), `_five_terms` (the calibration fitted without the
+prefill-sequence term f: the cost before it), `_inline_copies` (LayerKV's engines: a staged layer's copies
 in its step, as the CPU engine copies, not overlapped); sim_elasticity_...; the layers each run
 offloaded, measured and simulated. With 4 and 12 requests a run, a P90 is one request's.
 """
@@ -43,7 +44,7 @@ from .cacheopt_serving import RunStats, replay
 from .instruction_trace import instruction_trace
 from .layerkv_traces import fixed
 from .report import BenchResult, Row
-from .sim_replay import (SENSITIVITY, Configured, Variation, configured, figures, keys, relative_fit,
+from .sim_replay import (SENSITIVITY, Configured, Variation, calibration_variants, configured, figures, keys,
                          variations)
 from .sim_validation import FIGURES, TARGET, plot, step_time_ratio
 
@@ -58,7 +59,7 @@ def run(quick: bool) -> BenchResult:
     served = layerkv.sweep(quick)
     engines = {method: configured_engine(method, served.profile) for method in layerkv.METHODS}
     calibrated, fit = fit_engine_steps(calibration.steps)
-    others = [("_relative_fit", "calibration fitted in relative error", relative_fit(calibration.steps))]
+    others = calibration_variants(calibration.steps)
     replays = {(method, name): (stats, variations(stats, requests, max(r.output_len for r in requests),
                                                   engines[method], calibrated, others))
                for (method, name), (requests, stats) in served.runs.items()}

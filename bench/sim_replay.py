@@ -25,7 +25,7 @@ from kvmesh.sim.step_cost import TERMS, StepCost
 
 from .cacheopt_serving import RunStats, Served
 from .instruction_trace import TraceRequest
-from .sim_validation import FIGURES, TARGET, TARGETED, relative_error, step_time_ratio
+from .sim_validation import FIGURES, TARGET, TARGETED, five_term_fit, relative_error, step_time_ratio
 
 ENGINE = "engine-c0"
 SENSITIVITY = 0.05  # the own-steps cost this much faster and slower: each figure's elasticity to the step cost
@@ -187,6 +187,13 @@ def variations(stats: RunStats, requests: list[TraceRequest], sent_max_tokens: i
     return [Variation(suffix, label, cost,
                       *simulated(stats, requests, sent_max_tokens, engine, cost, kind, block_names, cluster))
             for suffix, label, cost, kind in plans]
+
+
+def calibration_variants(steps: list[dict]) -> list[tuple[str, str, StepCost]]:
+    """The calibration's steps fitted otherwise, as `others` of variations(): in relative error, and
+    without the prefill-sequence term (the five-term cost before it)."""
+    return [("_relative_fit", "calibration fitted in relative error", relative_fit(steps)),
+            ("_five_terms", "calibration without f (five terms)", five_term_fit(steps))]
 
 
 def relative_fit(steps: list[dict]) -> StepCost:

@@ -10,7 +10,8 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 
-from kvmesh.sim.fit import recorded_shape
+from kvmesh.sim.fit import fit_engine_steps, recorded_shape
+from kvmesh.sim.step_cost import StepCost
 
 from .report import save_figure
 
@@ -26,6 +27,12 @@ def relative_error(simulated_value: float, measured_value: float) -> float:
     if math.isnan(simulated_value) or math.isnan(measured_value) or measured_value == 0:
         return math.nan
     return abs(simulated_value - measured_value) / measured_value
+
+
+def five_term_fit(steps: list[dict]) -> StepCost:
+    """`steps` fitted as the calibration is, without the prefill-sequence term (f held at 0): the
+    five-term cost before it, the `_five_terms` variation of every validation bench."""
+    return fit_engine_steps(steps, held=("f",))[0]
 
 
 def step_time_ratio(cost, steps: list[dict]) -> float:

@@ -12,18 +12,18 @@ from kvmesh.policies.step_shape import FIELDS, Shape
 from .step_cost import TERMS, StepCost
 
 
-def fit_step_cost(shapes: Sequence[Shape], seconds: Sequence[float],
-                  relative: bool = True) -> tuple[StepCost, dict]:
+def fit_step_cost(shapes: Sequence[Shape], seconds: Sequence[float], relative: bool = True,
+                  held: Sequence[str] = ()) -> tuple[StepCost, dict]:
     """The coefficients minimising the squared relative error (steps range from a millisecond to
     a second: each counts alike), or with `relative` False the squared error in seconds, with a term
-    whose best value is negative held at 0 (and the others refitted); the cost, and the residuals of
-    each timed step."""
+    whose best value is negative held at 0 (and the others refitted), and the terms `held` at 0 from
+    the start (a cost without them, to compare); the cost, and the residuals of each timed step."""
     if len(shapes) != len(seconds) or len(shapes) < len(TERMS):
         raise ValueError(f"need as many timings as shapes, at least {len(TERMS)}; got {len(shapes)} and {len(seconds)}")
     x = np.array([[1.0, *shape] for shape in shapes])
     y = np.asarray(seconds, dtype=float)
     scale = y if relative else np.ones_like(y)
-    free = list(range(len(TERMS)))
+    free = [i for i, term in enumerate(TERMS) if term not in held]
     while True:
         solved = np.linalg.lstsq(x[:, free] / scale[:, None], y / scale, rcond=None)[0]
         if (solved >= 0).all():
@@ -41,14 +41,15 @@ def fit_step_cost(shapes: Sequence[Shape], seconds: Sequence[float],
     return StepCost(*coefficients.tolist()), fit
 
 
-def fit_engine_steps(steps: Sequence[dict]) -> tuple[StepCost, dict]:
+def fit_engine_steps(steps: Sequence[dict], held: Sequence[str] = ()) -> tuple[StepCost, dict]:
     """The fit to steps as the engine service records them (`GET /v1/steps`: each its shape and the
     wall time of the loop's turn around it); the fit's summary, without its thousands of residuals.
     In seconds, not relative: in service one shape's time scatters (the CPU is shared), and a relative
     fit sits low in that scatter, under the steps' mean. The simulator adds steps up, so the fit must
-    get their sum right: least squares with a constant term does, its residuals summing to zero."""
+    get their sum right: least squares with a constant term does, its residuals summing to zero.
+    `held`: terms held at 0, as fit_step_cost's."""
     seconds = [s["seconds"] for s in steps]
-    cost, fit = fit_step_cost([recorded_shape(s) for s in steps], seconds, relative=False)
+    cost, fit = fit_step_cost([recorded_shape(s) for s in steps], seconds, relative=False, held=held)
     summary = {k: v for k, v in fit.items() if k != "steps"}
     return cost, {**summary, "measured_s": float(sum(seconds)), "fitted_s": sum(r["fitted_s"] for r in fit["steps"])}
 

@@ -114,7 +114,10 @@ def test_each_variation_changes_one_assumption():
     calibration = calibrate(run.calibration_load, run.calibration_steps)
     in_process = load_profile(bench_sim.PROFILE)
     found = {v.suffix: v for v in bench_sim.variations(calibration, run, in_process)}
-    assert list(found) == ["", "_constant_path", "_in_process", "_no_path", "_own_steps", "_own_path", "_own"]
+    assert list(found) == ["", "_constant_path", "_in_process", "_no_path", "_five_terms", "_own_steps", "_own_path",
+                           "_own"]
+    five = found["_five_terms"].costs[0]["engine-c0"]
+    assert five.f == 0 and five.a > 0 and found["_five_terms"].paths == [calibration.path] * 4
     assert found["_constant_path"].paths == \
         [RequestPath(calibration.path.first_token_s, calibration.path.last_token_lag_s)] * 4
     assert found[""].costs == [calibration.costs] * 4 and found[""].paths == [calibration.path] * 4

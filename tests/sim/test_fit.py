@@ -31,7 +31,8 @@ def test_the_prefill_sequence_term_prices_a_short_prompt_beside_long_ones():
     cost, _ = fit_step_cost(shapes, [truth.seconds(*s) for s in shapes])
     assert cost.f == pytest.approx(truth.f, rel=1e-9) and cost.b == pytest.approx(truth.b, rel=1e-9)
     long_only = [s for s in shapes if s[0] == 1536 * s[4]]
-    without, _ = fit_step_cost([(*s[:4], 0) for s in long_only], [truth.seconds(*s) for s in long_only])
+    without, fit = fit_step_cost(long_only, [truth.seconds(*s) for s in long_only], held=("f",))
+    assert without.f == 0 and fit["held_at_zero"] == ["f"]
     assert without.seconds(60, 0, 0, 1830, 1) < 0.5 * truth.seconds(60, 0, 0, 1830, 1)
 
 
