@@ -28,13 +28,18 @@ def with_cache(spec: EngineSpec, cache: str) -> tuple[EngineSpec, dict[str, str]
 
 
 def cache_figures(requests: Sequence[SimRequest], cluster: Cluster) -> dict | None:
-    """With a prefix cache: the share of the prompts' tokens it gave, the prompt blocks looked up, and
-    the shares of those found on the device and in the cxl tier (its hit rates); None without one."""
-    counts = [m.engine.blocks for m in cluster.members.values() if isinstance(m.engine.blocks, PrefixCount)]
-    if not counts:
+    """With a prefix cache: the share of the prompts' tokens it gave, the prompt blocks looked up, the
+    shares of those found on the device and in the cxl tier (its hit rates: a node the prefetcher
+    brought back before its turn is found on the device), and the nodes moved to the cxl tier and
+    prefetched back (CaR); None without one."""
+    engines = [m.engine for m in cluster.members.values() if isinstance(m.engine.blocks, PrefixCount)]
+    if not engines:
         return None
+    counts = [engine.blocks for engine in engines]
     lookups = sum(c.lookup_blocks for c in counts)
     device, cxl = (sum(c.hit_blocks[tier] for c in counts) for tier in ("device", "cxl"))
     return {"prompt_tokens_cached": sum(r.num_cached for r in requests) / sum(r.prompt_len for r in requests),
             "lookup_blocks": lookups, "hit_rate_device": device / lookups if lookups else 0.0,
-            "hit_rate_cxl": cxl / lookups if lookups else 0.0}
+            "hit_rate_cxl": cxl / lookups if lookups else 0.0,
+            "nodes_to_cxl": sum(c.moved_nodes["cxl"] for c in counts),
+            "nodes_prefetched": sum(e.scheduler.reuse.prefetched for e in engines if e.scheduler.reuse is not None)}

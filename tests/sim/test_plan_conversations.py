@@ -38,8 +38,11 @@ def test_plan_searches_the_prefix_cache_and_prefix_aware_routing_on_conversation
         else:  # a system prompt and earlier turns: most of a prompt is found
             assert cache["lookup_blocks"] > 0 and cache["prompt_tokens_cached"] > 0.3
             assert 0 < cache["hit_rate_device"] + cache["hit_rate_cxl"] <= 1
+            assert cache["nodes_to_cxl"] == 0 or r["cache"] == "car"  # only CaR moves nodes out
     assert "conv/s" in printed and "prompt cached" in printed
     assert body["pick"]["winner"]["cache"] in ("lru", "car")
+    # 30 conversations of 4 turns 0.5 s apart: their starts last under 3 lives (6 s) at the goodput
+    assert "3x a conversation's life (4 think times)" in body["pick"]["short_horizon"]
 
 
 def test_plan_on_lone_requests_searches_no_cache_and_the_routings_it_did():
