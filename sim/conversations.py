@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cluster import ARRIVAL, Cluster
+from .cluster import Cluster
 from .engine import EngineSpec, SimEngine
 from .request import SimRequest
 from .step_cost import StepCost
@@ -91,7 +91,7 @@ def turn(request: SimRequest) -> int:
 class ConversationLoop(Cluster):
     """A cluster whose clients are conversations, closed-loop: a conversation's first turn arrives at
     its start; each later one is sent its think time after the answer before it ended (its arrival set
-    then), and routed as any arrival. No decode runs: a run applies its requests' ends late, so a turn
+    then, and given to the cluster's `arrive`), and routed as any arrival. No decode runs: a run applies its requests' ends late, so a turn
     would be sent late."""
 
     def __init__(self, engines: Mapping[str, tuple[str, SimEngine]], talks: list[list[tuple[SimRequest, float]]],
@@ -117,7 +117,7 @@ class ConversationLoop(Cluster):
         if following is not None:
             sent, think = following
             sent.arrival = request.finished_at + think
-            self.events.schedule(sent.arrival, ARRIVAL, sent)
+            self.arrive(sent)
 
 
 def conversation_shape(turns: int, think_s: float, system: int, max_context: int, message: Lengths,
