@@ -126,6 +126,12 @@ VARIATIONS = {"predictor log sigma 1.0": ({"predictor": PredictorModel(log_sigma
               "chunked budget 2048": ({"chunk_budget": 2048}, (SARATHI, CACHEOPT)),
               "vLLM, RLP and S^3 chunked": ({"batching": CHUNKED}, (VLLM, RLP, S3)),
               "half the KV capacity": ({"kv_share": 0.5}, (VLLM, RLP, S3, SARATHI, CACHEOPT))}
+# Figure 17a-d: CacheOpt alone at ABLATION_LOAD with one setting changed: every request's SLO scale, and
+# AllocationParams' B, m and reserved blocks. Reported beside the paper's trends, without a target.
+SENSITIVITY = {**{f"Fig. 17a SLO scale {scale:g}": {"slo_scale": scale} for scale in (0.5, 1.5, 2.5)},
+               **{f"Fig. 17b B {b}": {"block_tokens": b} for b in (4, 16, 32)},
+               **{f"Fig. 17c m {m}": {"proactive_iterations": m} for m in (1, 3, 4)},
+               **{f"Fig. 17d reserved {n}": {"reserved_blocks": n} for n in (2, 4, 16)}}
 # Other readings of the same runs: (tail TBT figure, the per-request figure a TBT SLO is held against).
 READINGS = {"tail TBT: P99 of each request's mean TBT": ("tbt_mean_p99_s", "gap_per_slo_unit"),
             "tail TBT: P99 of each request's longest gap": ("tbt_max_p99_s", "gap_per_slo_unit"),
@@ -154,6 +160,7 @@ class CacheOptPoint(Point):
     estimate: str = "none"
     predictor: PredictorModel = field(default_factory=PredictorModel)
     slo_unit_ms: tuple[float, float] | None = None  # the mean TTFT and TBT the SLOs scale; None: no SLOs
+    slo_scale: float | None = None          # every request's SLO scale (Fig. 17a); None: drawn from SLO_SCALE
     chunk_budget: int = SARATHI_BUDGET  # the chunked methods' budget: a TTFT SLO counts a prompt's chunks of it
 
 
@@ -169,14 +176,16 @@ def points(deployment: Deployment, rates: Sequence[float], requests: int, seed: 
 def then(outcomes: Sequence[Outcome], deployment: Deployment, rates: Sequence[float], requests: int, seed: int,
          quick: bool) -> list[Point]:
     """The second stage: CacheOpt at every rate and its ablations at ABLATION_LOAD (the first rate
-    when it is not swept), with the SLOs the first stage's own points set."""
+    when it is not swept), with the SLOs the first stage's own points set; unless quick, CacheOpt under
+    each variation and, at ABLATION_LOAD, each of Figure 17's settings."""
     slo = {workload: slo_unit_ms(outcomes, workload) for workload in TRACES}
     at = ABLATION_LOAD if ABLATION_LOAD in rates else rates[0]
     own = [_point(deployment, CACHEOPT, w, load, requests, seed, slo=slo[w]) for w in TRACES for load in rates] + \
         [_point(deployment, name, w, at, requests, seed, ABLATION, slo[w]) for w in TRACES for name in ABLATIONS]
     return own if quick else own + [
         _point(deployment, CACHEOPT, w, load, requests, seed, variant, slo[w]) for variant, (_, series) in
-        VARIATIONS.items() if CACHEOPT in series for w in TRACES for load in _varied(rates)]
+        VARIATIONS.items() if CACHEOPT in series for w in TRACES for load in _varied(rates)] + [
+        _point(deployment, CACHEOPT, w, at, requests, seed, variant, slo[w]) for variant in SENSITIVITY for w in TRACES]
 
 
 def _varied(rates: Sequence[float]) -> list[float]:
@@ -186,7 +195,9 @@ def _varied(rates: Sequence[float]) -> list[float]:
 def _point(deployment: Deployment, name: str, workload: str, load: float, requests: int, seed: int,
            variant: str = "", slo: tuple[float, float] | None = None) -> CacheOptPoint:
     policies, allocation, rule, batching = METHODS[name]
-    changes = VARIATIONS[variant][0] if variant in VARIATIONS else {}
+    changes = VARIATIONS[variant][0] if variant in VARIATIONS else SENSITIVITY.get(variant, {})
+    allocation = replace(allocation, **{key: value for key, value in changes.items()
+                                        if key in AllocationParams.__dataclass_fields__})
     chunked, chunk_budget = changes.get("batching", batching), changes.get("chunk_budget", SARATHI_BUDGET)
     swap_blocks = SWAP_GIB_PER_GPU * 2**30 * deployment.tp // deployment.geometry.block_bytes(BLOCK_SIZE)
     spec = deployment.engine_spec(block_size=BLOCK_SIZE, cxl_blocks=swap_blocks, max_num_seqs=MAX_NUM_SEQS,
@@ -198,7 +209,7 @@ def _point(deployment: Deployment, name: str, workload: str, load: float, reques
                          seed, MAX_CONTEXT, variant=variant, trace=trace, load=load,
                          policies=tuple(policies.items()), allocation=allocation, estimate=rule,
                          predictor=changes.get("predictor", PredictorModel()), slo_unit_ms=slo,
-                         chunk_budget=chunk_budget)
+                         slo_scale=changes.get("slo_scale"), chunk_budget=chunk_budget)
 
 
 def requests(point: CacheOptPoint) -> list[TraceRequest]:
@@ -211,7 +222,7 @@ def requests(point: CacheOptPoint) -> list[TraceRequest]:
     prompts = np.minimum(prompts, point.max_context - outputs)
     at = np.cumsum(arrivals.exponential(1.0, n)) / point.rate
     predicted, directions = point.predictor.predict(predicting, outputs)
-    scales = scaling.uniform(*SLO_SCALE, n)
+    scales = scaling.uniform(*SLO_SCALE, n) if point.slo_scale is None else np.full(n, point.slo_scale)
     caps = [min(trace.output.high, point.max_context - p) for p in prompts.tolist()]
     estimates = estimated(point.estimate, predicted, directions, caps, point.rate, point.predictor)
     made = []
@@ -332,8 +343,9 @@ def headlines_at(at: dict, ablated: dict, slos: dict, tbt: str = "tbt_p99_s",
 
 
 def also(outcomes: Sequence[Outcome]) -> dict[str, float | None]:
-    """Without a target: each trace's SLO means (ms), and each main method's joint attainment and
-    preemptions at ABLATION_LOAD, the mean over the traces."""
+    """Without a target: each trace's SLO means (ms), each main method's joint attainment and
+    preemptions at ABLATION_LOAD, and CacheOpt's TTFT and TBT attainment under each of Figure 17's
+    settings there, the means over the traces."""
     at, slos = _index(outcomes, ""), _slos(outcomes)
     load = next(iter({load for (_, _, load) in _index(outcomes, ABLATION)}), None)
     found = {f"slo_{kind}_ms_{w}": slos[w][i] for w in slos for i, kind in enumerate(("ttft", "tbt"))}
@@ -341,6 +353,13 @@ def also(outcomes: Sequence[Outcome]) -> dict[str, float | None]:
         found[f"sim_slo_attainment_{series}"] = _mean([attainment(at[(w, series, load)], slos[w])["both"]
                                                        if (w, series, load) in at else None for w in TRACES])
         found[f"sim_preemptions_{series}"] = _mean_over(at, series, load, "preemptions")
+    for variant in SENSITIVITY:
+        ran = _index(outcomes, variant)
+        for kind in ("ttft", "tbt"):
+            slug = variant.lower().replace("fig. ", "fig").replace(" ", "_")
+            found[f"sim_{kind}_slo_attainment_cacheopt_{slug}"] = _mean(
+                [attainment(ran[(w, CACHEOPT, load)], slos[w])[kind] if (w, CACHEOPT, load) in ran else None
+                 for w in TRACES]) if ran else None
     return found
 
 

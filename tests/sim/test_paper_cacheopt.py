@@ -85,6 +85,12 @@ def test_requests_carry_the_same_lengths_and_predictions_for_every_method_and_sl
     assert all(r.predicted_output_len is None and r.ttft_slo_ms is None for r in a)
     assert all(r.ttft_slo_ms == pytest.approx(1000.0 * r.slo_scale * r.chunks) and
                r.tbt_slo_ms == pytest.approx(40.0 * r.slo_scale) and 0.5 <= r.slo_scale <= 2.5 for r in b)
+    # Figure 17's settings: every request's SLO at one scale; CacheOpt's B, m or reservation.
+    fixed = cacheopt._point(deployment, cacheopt.CACHEOPT, "sharegpt", 1.0, 50, 3, "Fig. 17a SLO scale 0.5",
+                            (1000.0, 40.0))
+    assert {(r.slo_scale, r.tbt_slo_ms) for r in cacheopt.requests(fixed)} == {(0.5, 20.0)}
+    assert cacheopt._point(deployment, cacheopt.CACHEOPT, "sharegpt", 1.0, 50, 3, "Fig. 17c m 3").allocation == \
+        replace(cacheopt.METHODS[cacheopt.CACHEOPT][1], proactive_iterations=3)
     # The policies see the trace's longest output (within the context) as max_tokens, not the length.
     r = max(b, key=lambda r: r.cap - r.max_tokens)
     assert r.view().max_tokens == r.cap == min(991, cacheopt.MAX_CONTEXT - r.prompt_len) > r.max_tokens
