@@ -15,7 +15,7 @@ slot, as nothing tells admission of it here."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from .request import SimRequest
 from .step_cost import StepCost
 from .topology import Topology
 
+# What the client's request takes from the copy that was routed, when it ends.
 _RESULTS = ("token_times", "finished_at", "preemptions", "transfer_s", "scheduled_at", "num_cached", "cache_hits")
 
 
@@ -46,7 +47,8 @@ class AdmittedCluster(Cluster):
         return cls({engine_id: (role, SimEngine(spec, cost, policies)) for engine_id, role in topology.roles().items()},
                    door, **cluster)
 
-    def run(self, requests: Iterable[SimRequest], routed=None) -> float:
+    def run(self, requests: Iterable[SimRequest], routed: Callable[[SimRequest], None] | None = None) -> float:
+        """Serve the clients' `requests` through the front door (`routed` hears of the copies routed)."""
         requests = list(requests)
         self.clients = {request.request_id: request for request in requests}
         return super().run(requests, routed)
