@@ -81,6 +81,8 @@ class EngineSpec:
         if self.cache_cxl and not (self.prefix_caching and self.cxl_blocks):
             raise ValueError("cache_cxl keeps prefix-cache nodes in the cxl tier: it needs prefix_caching and "
                              "cxl_blocks")
+        if self.staging_cap and not self.chunked_prefill:
+            raise ValueError("whole prompts a step (chunked_prefill False) is vLLM v0's scheduler: no staging_cap")
         if self.prefix_caching and self.layered:
             raise ValueError("the simulator counts the prefix cache or LayerKV's layers, not both at once")
 

@@ -6,6 +6,8 @@ would stall the run's decodes), so runs change how fast it simulates, not what."
 
 import copy
 
+import pytest
+
 from kvmesh.sim.cluster import MAX_RUN_STEPS, Cluster
 from kvmesh.sim.engine import EngineSpec, SimEngine
 from kvmesh.sim.request import SimRequest
@@ -68,3 +70,8 @@ def test_decode_runs_change_how_fast_it_runs_not_what():
 
     one_at_a_time = run(0)
     assert all(finished is not None for _, finished, _ in one_at_a_time) and run(MAX_RUN_STEPS) == one_at_a_time
+
+
+def test_layerkv_staging_is_refused_without_chunked_prefill():
+    with pytest.raises(ValueError, match="staging_cap"):
+        EngineSpec(cxl_blocks=64, block_bytes=1024, staging_cap=8, chunked_prefill=False)
