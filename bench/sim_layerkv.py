@@ -6,11 +6,14 @@ admission, on A (prompts of one context length, 128-token answers) and B (real i
 share of FCFS's capacity on them), every request with its SLOs and predicted output-length range.
 This bench runs the same sweep (bench.layerkv.sweep; `--quick` its quick shape: A, 4 requests of
 1536-token prompts at FCFS's capacity on them; B, 12 instructions at 3x; one torch thread), and:
-  0. calibration: before the sweep, FCFS serves requests of its own all at once, CALIBRATION_SEED's
-     A-shaped requests (1536-token prompts) and instructions, so its steps range from the budget's
-     prefill chunks to single decodes; each turn that stepped is recorded and the step cost fitted
-     to them (sim.fit.fit_engine_steps);
-  1. measured: bench layerkv's sweep, each run with its arrivals, targets and steps;
+  0. measured: bench layerkv's sweep, each run with its arrivals, targets and steps;
+  1. calibration: after the sweep (it needs the sweep's rates), FCFS serves requests of its own
+     shaped and arriving as the sweep's: CALIBRATION_SEED's A-shaped requests (1536-token prompts) at
+     A's rate, then its instructions at B's first share of capacity, each a Poisson process of the
+     seed; each turn that stepped is recorded and the step cost fitted to them
+     (sim.fit.fit_engine_steps). All at once, as before, the instructions were prefilled packed
+     with the long prompts into the budget's steps: the cost had no short prefill to fit, and B's
+     prefill steps took 3.6-3.7x what it said of them;
   2. simulated: each run replayed (bench/sim_replay.py) through a SimEngine configured from the
      method's engine: its pools, budget and policies, and with layer offload on, the staging area,
      Eq. 5's parameters, Eq. 3 and 4's fits (the sweep's one profile), layer copies at Eq. 4's
@@ -32,7 +35,6 @@ import dataclasses
 import math
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from kvmesh.libs.messages.engine import Targets
@@ -42,6 +44,7 @@ from kvmesh.sim.step_cost import StepCost
 from . import layerkv
 from .cacheopt_serving import RunStats, replay
 from .instruction_trace import instruction_trace
+from .loadgen import poisson_arrivals
 from .layerkv_traces import fixed
 from .report import BenchResult, Row
 from .sim_replay import (SENSITIVITY, Configured, Variation, calibration_variants, configured, figures, keys,
@@ -55,26 +58,29 @@ PLOTTED = ("measured", "simulated", "calibrated, rescaled to the run", "the run'
 
 def run(quick: bool) -> BenchResult:
     torch.set_num_threads(1 if quick else layerkv.THREADS)
-    calibration = calibration_run(quick)
     served = layerkv.sweep(quick)
+    calibration = calibration_run(served)
+    steps = [step for part in calibration for step in part.steps]
     engines = {method: configured_engine(method, served.profile) for method in layerkv.METHODS}
-    calibrated, fit = fit_engine_steps(calibration.steps)
-    others = calibration_variants(calibration.steps)
+    calibrated, fit = fit_engine_steps(steps)
+    others = calibration_variants(steps)
     replays = {(method, name): (stats, variations(stats, requests, max(r.output_len for r in requests),
                                                   engines[method], calibrated, others))
                for (method, name), (requests, stats) in served.runs.items()}
     return _result(quick, served, engines, calibration, calibrated, fit, replays)
 
 
-def calibration_run(quick: bool) -> RunStats:
-    """FCFS serving requests of its own, every one there at once: A-shaped ones of the longest
-    context and instructions, as many as a run of each."""
-    n_a, n_b = (4, 12) if quick else (32, 96)
-    requests = [*fixed(n_a, layerkv.LONGEST, seed=CALIBRATION_SEED),
-                *instruction_trace("serve", n_b, output_scale=layerkv.B_OUTPUT_SCALE, seed=CALIBRATION_SEED)]
-    engine = layerkv.method_engine("fcfs", [])
-    return replay(engine, requests, np.zeros(len(requests)), [Targets()] * len(requests),
-                  max(r.output_len for r in requests))
+def calibration_run(served: layerkv.Sweep) -> list[RunStats]:
+    """FCFS serving requests of its own as the sweep's two parts arrive, each part on a fresh engine:
+    A-shaped ones of the longest context at A's rate, instructions at B's first share of capacity,
+    as many as a run of each, so that its steps have the runs' shapes (a short prompt prefilled
+    beside a few decodes, as in B)."""
+    parts = ((fixed(served.n_a, layerkv.LONGEST, seed=CALIBRATION_SEED), served.rate_a),
+             (instruction_trace("serve", served.n_b, output_scale=layerkv.B_OUTPUT_SCALE, seed=CALIBRATION_SEED),
+              served.rates_b[0] * served.capacity_b))
+    return [replay(layerkv.method_engine("fcfs", []), requests,
+                   poisson_arrivals(len(requests), rate, seed=CALIBRATION_SEED), [Targets()] * len(requests),
+                   max(r.output_len for r in requests)) for requests, rate in parts]
 
 
 def configured_engine(method: str, profile: list) -> Configured:
@@ -95,7 +101,7 @@ def run_name(method: str, name: str) -> str:
 Replays = dict[tuple[str, str], tuple[RunStats, list[Variation]]]
 
 
-def _result(quick: bool, served: layerkv.Sweep, engines: dict[str, Configured], calibration: RunStats,
+def _result(quick: bool, served: layerkv.Sweep, engines: dict[str, Configured], calibration: list[RunStats],
             calibrated: StepCost, fit: dict, replays: Replays) -> BenchResult:
     rows, ratios, targets, tables, runs = [], {}, {}, {}, {}
     for (method, name), (stats, found) in replays.items():
@@ -127,8 +133,9 @@ def _result(quick: bool, served: layerkv.Sweep, engines: dict[str, Configured], 
               "rates_b": [s * served.capacity_b for s in served.rates_b], "rate_a": served.rate_a,
               "requests_a": served.n_a, "requests_b": served.n_b,
               "engines": {m: {**dataclasses.asdict(c.spec), "policies": c.policies} for m, c in engines.items()},
-              "calibration": {"seed": CALIBRATION_SEED, "requests": len(calibration.served),
-                              "steps": len(calibration.steps), "step_cost": dataclasses.asdict(calibrated),
+              "calibration": {"seed": CALIBRATION_SEED, "requests": sum(len(part.served) for part in calibration),
+                              "steps": sum(len(part.steps) for part in calibration),
+                              "step_cost": dataclasses.asdict(calibrated),
                               "fit": fit},
               "sensitivity": SENSITIVITY, "runs": runs}
     # A row of panels for each part of the sweep, the methods (in the sweep's order) along the x axis.
