@@ -15,11 +15,15 @@ def chunk_shape(prompt_len: int, num_computed: int, n: int) -> Shape:
     """A chunk of `n` tokens after `num_computed` as (prefill tokens, decode tokens, decode context,
     prefill context, prefill sequences): a decode when it computes one generated token's KV. Its context
     is the KV its attention reads, summed over its tokens (each reads itself and every token before it):
-    for a decode, its whole context; for a prompt chunk, (query, key) pairs. A prompt chunk is one
-    prefill sequence: what a step pays per request prefilling, whatever its length (on a CPU a short
-    prompt's chunk costs several times its tokens' share of a long one's)."""
+    for a decode, its whole context; for a prompt chunk, (query, key) pairs. A chunk that computes a
+    prompt from its first token (more than one token) is a prefill sequence: the native engine gives
+    each its own causal attention call in every layer (services/engine/native/attention/paged.py),
+    while a tail after a prefix-cache hit, a chunked prompt's later chunks and the decodes share one
+    paged call."""
     context = n * num_computed + n * (n + 1) // 2
-    return (0, 1, context, 0, 0) if n == 1 and num_computed >= prompt_len else (n, 0, 0, context, 1)
+    if n == 1 and num_computed >= prompt_len:
+        return 0, 1, context, 0, 0
+    return n, 0, 0, context, int(num_computed == 0 and n > 1)
 
 
 def step_shape(chunks: Iterable[tuple[int, int, int]]) -> Shape:
