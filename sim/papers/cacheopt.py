@@ -1,6 +1,7 @@
 """CacheOpt (seeds/004, section 5) at its own scale: OPT-13B on one A100-80GB (OPT-175B on 8 with
 --profile opt-175b-a100-fp16-tp8), one vLLM engine, Table 1's Alpaca, ShareGPT and BookCorpus shapes
-with Poisson arrivals; CacheOpt against vLLM's block allocation, RLP and S^3, and its ablations.
+with Poisson arrivals; CacheOpt against vLLM's block allocation, RLP, S^3 and Sarathi-Serve, its
+ablations, and Figure 17a-d's settings (SENSITIVITY).
 
 Methods (the engine policies of policies/, the estimated length of predicted_lengths.py, the batching):
   vllm      block_at_a_time, latest arrival preempted first, recompute   no estimate              whole prompts
@@ -10,7 +11,8 @@ Methods (the engine policies of policies/, the estimated length of predicted_len
   cacheopt  cacheopt (8 reserved blocks, B = 8, m = 2), cacheopt order, sweet_spot   Eq. 3-4 padding   chunked
   /CKA /RSA /PA /GR /PP /PSS: cacheopt without one part (section 5.2): 10% padding; RLP's allocation
   and estimate; m = 0; no reservation; FCFS order; recompute always.
-The simulator has no swap curves, so sweet_spot swaps whenever the tier has room (docs/sim.md).
+The simulator has no swap curves, so sweet_spot swaps whenever the tier has room (docs/sim.md). RLP's
+grouping of requests of like predicted lengths into a batch is not modelled: it admits in arrival order.
 
 Batching, as the paper's systems ran (assumptions, the uncertain ones varied). The paper's vLLM is
 vLLM's own scheduler ("defers new requests until preempted ones are completed", section 2.1), of a
@@ -35,9 +37,9 @@ EOS there.
 
 SLOs (section 5): each trace's mean TTFT and mean TBT over the methods that do not read SLOs (vLLM,
 RLP, S^3, Sarathi: the first stage, every rate), times a scale drawn from [0.5, 2.5] per request, the
-TTFT SLO times the prompt's chunks of the chunked methods' budget; then CacheOpt and its ablations run with them (the
-second stage). Tail TBT is the P99 of every gap between two tokens of the run; attainment is the share
-of requests meeting their TTFT SLO, all their gaps within the TBT SLO, or both.
+TTFT SLO times the prompt's chunks of the chunked methods' budget; then CacheOpt and its ablations
+run with them (the second stage). Tail TBT is the P99 of every gap between two tokens of the run;
+attainment is the share of requests meeting their TTFT SLO, all their gaps within the TBT SLO, or both.
 
 Rates: fractions of each trace's Table 1 rate (32, 28 and 1.2 req/s), `--rates` too; the paper plots
 the average over the three traces at each rate, so the headlines take the mean over the traces at each
@@ -71,7 +73,7 @@ from .predicted_lengths import PredictorModel, Shape, estimated
 from .sweep import Outcome, Point
 
 PROFILE = "opt-13b-a100-fp16-tp1"
-TITLE = "CacheOpt at its scale: tail TTFT, tail TBT and normalised latency against vLLM, RLP and S^3"
+TITLE = "CacheOpt at its scale: tail TTFT, tail TBT and normalised latency against vLLM, RLP, S^3 and Sarathi"
 MAX_CONTEXT = 2048          # OPT's context window
 BLOCK_SIZE, MAX_NUM_SEQS, TOKEN_BUDGET = 32, 256, 2048  # TOKEN_BUDGET: vLLM's max_num_batched_tokens, whole prompts
 SARATHI_BUDGET = 512        # the chunked methods' token budget (the module's docstring)
