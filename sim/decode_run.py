@@ -21,10 +21,13 @@ engine that cannot join, or a pull landing. It is then applied through the step 
 ends as planned (those it ends leave at its end), and the engine schedules as usual after it; a
 request that had joined at a later step is still waiting there, and the scheduler admits it. A load
 report ends the requests whose last token has come, and reads what applying the rest through the
-step in progress would leave without applying them (`report`); it does not cut the run."""
+step in progress would leave without applying them (`report`); it does not cut the run. It counts
+the blocks they would hold without visiting them: a decoding request's blocks at a step follow from
+its base and the step, and the run keeps the sum of its requests' bases by block (`_held_at`)."""
 
 from __future__ import annotations
 
+import heapq
 from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 
@@ -46,16 +49,19 @@ class DecodeRun:
 
     Steps are numbered from 0, the run's first. A request decodes at each step from its first decode
     to its `stop`, exclusive; one that joined is admitted at its `start` and prefills its prompt then.
-    A decode at step j reads its context `base` + j (the base counts back from the step it starts at)."""
+    A decode at step j reads its context `base` + j (the base counts back from the step it starts at),
+    and once the steps before `through` are applied a request holds base + through - 1 tokens' blocks."""
 
-    # (request, start, stop) of each request it has not ended: its admission step (0 but for those that
-    # joined) and the step after its last, which samples its last token
-    members: list[tuple[SimRequest, int, int]]
     limit: int             # the steps it may take
     cost: object           # the engine's step cost
+    block_size: int
     leaving: list[tuple[int, int]]  # (stop, base) of each request, by stop
     slack: int             # free blocks, all layers, that its steps leave: what requests joining it may take
-    entering: list[tuple[int, int]] = field(default_factory=list)  # (first decode, base) of those that joined
+    # Each request it has not ended, in the order they came (the running ones, then those that joined),
+    # by a number of its own: (request, start, stop, base), its admission step (0 but for those that
+    # joined) and the step after its last, which samples its last token
+    members: dict[int, tuple[SimRequest, int, int, int]] = field(default_factory=dict)
+    entering: list[tuple[int, int]] = field(default_factory=list)  # (first decode, base) of those that joined, by step
     prefills: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # step -> joined prompts' tokens,
     #                                                                            their context, how many
     ends: list[float] = field(default_factory=list)     # each step's end time, so far
@@ -68,10 +74,41 @@ class DecodeRun:
     _entered: int = 0      # joined requests decoding by the next step to cost
     _gone: int = 0         # requests that ended before the next step to cost
     _context: int = 0      # the bases of the requests decoding at the next step to cost
+    # What a heartbeat reads (`report`) without visiting every request: the members' stops (a heap of
+    # (stop, number), each taken off as the member ends), the (start, base) of those that
+    # joined at a step not yet applied, the blocks per layer the members hold, and their bases by
+    # block: sum((base + block_size - 2) // block_size) and a count by (base + block_size - 2) % block_size.
+    _stops: list[tuple[int, int]] = field(default_factory=list)
+    _unapplied: list[tuple[int, int]] = field(default_factory=list)
+    _numbered: int = 0
+    _held: int = 0
+    _whole: int = 0
+    _residues: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._planned = len(self.members)
+        self._planned = len(self.leaving)
         self._context = sum(base for _, base in self.leaving)
+        self._residues = [0] * self.block_size
+
+    def add(self, request: SimRequest, start: int, stop: int, base: int) -> None:
+        """Count the request among the run's (its steps are costed by `leaving` and `entering`)."""
+        number = self._numbered
+        self._numbered += 1
+        self.members[number] = (request, start, stop, base)
+        heapq.heappush(self._stops, (stop, number))
+        self._held += request.blocks_per_layer
+        whole, residue = divmod(base + self.block_size - 2, self.block_size)
+        self._whole += whole
+        self._residues[residue] += 1
+        if start:
+            insort(self._unapplied, (start, base))
+
+    def _held_at(self, through: int) -> int:
+        """The blocks per layer its members would hold with the steps before `through` applied, if each
+        were decoding by then: ceil((base + through - 1) / block_size) summed, through the counts by
+        block (as the residue plus through passes a block or not)."""
+        size = self.block_size
+        return self._whole + len(self.members) * (through // size) + sum(self._residues[size - through % size:])
 
     @property
     def end(self) -> float:
@@ -143,10 +180,10 @@ class DecodeRun:
             return False
         engine.add(request)
         self.slack -= blocks
-        self.members.append((request, j, stop))
         self._restart(j)
         base = prompt - j  # its first decode, at j + 1, reads the prompt and its first token
-        insort(self.entering, (j + 1, base))
+        self.add(request, j, stop, base)
+        self.entering.append((j + 1, base))  # after those before it: none joins at an earlier step
         insort(self.leaving, (stop, base))
         shape = chunk_shape(prompt, 0, prompt)
         self.prefills[j] = (prompts + shape[0], pairs + shape[3], joining + 1)
@@ -176,12 +213,16 @@ def plan(engine, now: float, max_steps: int) -> DecodeRun | None:
         return None
     if any(r.num_computed != r.num_tokens - 1 or r.num_computed < r.prompt_len for r in running):
         return None  # someone computes a prompt chunk, or its last prompt token: not a decode
+    if any(r.blocks_per_layer != blocks_for(r.num_computed, spec.block_size) for r in running):
+        return None  # blocks held ahead of its tokens: a heartbeat would count them wrong (DecodeRun._held_at)
     left = [r.max_tokens - r.num_generated for r in running]
     steps, need = _covered(running, left, min(max_steps, max(left)), spec.block_size, spec.num_layers, engine.free)
     if steps < 2:
         return None
     leaving = sorted((steps_left, r.num_computed + 1) for steps_left, r in zip(left, running))
-    run = DecodeRun([(r, 0, n) for r, n in zip(running, left)], steps, engine.cost, leaving, engine.free - need)
+    run = DecodeRun(steps, engine.cost, spec.block_size, leaving, engine.free - need)
+    for r, n in zip(running, left):
+        run.add(r, 0, n, r.num_computed + 1)
     run.extend(now, FIRST_STEPS)
     return run
 
@@ -190,14 +231,14 @@ def apply(engine, run: DecodeRun, through: int, ended: int) -> list[SimRequest]:
     """Give the requests the tokens, KV and blocks of the run's steps up to `through` (admitting those
     that joined at them), and end those whose last token came by step `ended` (<= through); the
     requests it ended."""
-    done, ends = [], run.ends
-    for request, start, stop in run.members:
+    done = []
+    for number, (request, start, stop, _) in list(run.members.items()):
         _take(engine, run, request, start, stop, through)
-        if stop <= ended and request.finished_at is None:
-            engine.finish(request, ends[stop - 1])
-            done.append(request)
-    if done:
-        run.members = [member for member in run.members if member[0].finished_at is None]
+        if stop <= ended:
+            done.append(_end(engine, run, number))
+    while run._stops and run._stops[0][0] <= ended:
+        heapq.heappop(run._stops)
+    del run._unapplied[:bisect_left(run._unapplied, (through,))]
     engine.scheduler.iteration_s.extend(run.seconds[run.applied:through])
     engine.steps += through - run.applied
     run.applied = through
@@ -206,30 +247,25 @@ def apply(engine, run: DecodeRun, through: int, ended: int) -> list[SimRequest]:
 
 def report(engine, run: DecodeRun, through: int, ended: int) -> tuple[list[SimRequest], int, int, int]:
     """What a heartbeat reads of an engine in a run: the requests whose last token came by step `ended`
-    end (as `apply` would end them), and the others are counted, not applied, as `apply(engine, run,
-    through, ended)` would leave them (their tokens are given once, when the run is cut or ends). The
-    requests it ended, then the engine's free device blocks, waiting and running requests."""
-    done, grown, admitted, block_size, applied = [], 0, 0, engine.spec.block_size, run.applied
-    for request, start, stop in run.members:  # every request of every run, at every heartbeat: no calls to spare
-        if stop <= ended:
-            _take(engine, run, request, start, stop, through)
-            engine.finish(request, run.ends[stop - 1])
-            done.append(request)
-            continue
-        first = applied if applied > start else start
-        last = through if through < stop else stop
-        if last > first:
-            computed = request.num_computed + last - first
-            if first == start and start:  # admitted at its start, its prompt computed then
-                admitted += 1
-                computed += request.prompt_len - 1
-            blocks = -(-computed // block_size)  # policies.views.blocks_for
-            if blocks > request.blocks_per_layer:
-                grown += blocks - request.blocks_per_layer
-    if done:
-        run.members = [member for member in run.members if member[0].finished_at is None]
-    return done, engine.free - grown * engine.spec.num_layers, len(engine.waiting) - admitted, \
-        len(engine.running) + admitted
+    (through - 1 or through) end (as `apply` would end them), and the others are counted, not applied,
+    as `apply(engine, run, through, ended)` would leave them (their tokens are given once, when the run
+    is cut or ends). The requests it ended, then the engine's free device blocks, waiting and running
+    requests. It visits only the requests it ends: the others' blocks are the run's count
+    (`DecodeRun._held_at`), less those that join at `through` or later, which hold none by then."""
+    numbers = []
+    while run._stops and run._stops[0][0] <= ended:
+        numbers.append(heapq.heappop(run._stops)[1])
+    done = []
+    for number in sorted(numbers):  # in the order they came, as `apply` ends them
+        request, start, stop, _ = run.members[number]
+        _take(engine, run, request, start, stop, through)
+        done.append(_end(engine, run, number))
+    unapplied, size = run._unapplied, run.block_size
+    later = bisect_left(unapplied, (through,))
+    held = run._held_at(through) - sum((base + size - 2 + through) // size for _, base in unapplied[later:])
+    grown = held - run._held
+    return done, engine.free - grown * engine.spec.num_layers, len(engine.waiting) - later, \
+        len(engine.running) + later
 
 
 def _take(engine, run: DecodeRun, request: SimRequest, start: int, stop: int, through: int) -> None:
@@ -251,8 +287,23 @@ def _take(engine, run: DecodeRun, request: SimRequest, start: int, stop: int, th
     request.num_computed += tokens
     request.token_times.extend(run.ends[first:last])
     blocks = blocks_for(request.num_computed, engine.spec.block_size)
-    if blocks > request.blocks_per_layer and not engine.blocks.reserve(request, blocks, tokens):
-        raise AssertionError("a decode run's blocks were counted before it started")
+    if blocks > request.blocks_per_layer:
+        run._held += blocks - request.blocks_per_layer
+        if not engine.blocks.reserve(request, blocks, tokens):
+            raise AssertionError("a decode run's blocks were counted before it started")
+
+
+def _end(engine, run: DecodeRun, number: int) -> SimRequest:
+    """The member that has its last token leaves the run and the engine (at its last step's end)."""
+    request, start, stop, base = run.members.pop(number)
+    run._held -= request.blocks_per_layer
+    whole, residue = divmod(base + run.block_size - 2, run.block_size)
+    run._whole -= whole
+    run._residues[residue] -= 1
+    if start >= run.applied and start:  # joined at a step not applied before this
+        run._unapplied.remove((start, base))
+    engine.finish(request, run.ends[stop - 1])
+    return request
 
 
 def _covered(running: list[SimRequest], left: list[int], steps: int, block_size: int, num_layers: int,

@@ -174,3 +174,28 @@ def test_a_heartbeat_reads_what_applying_a_run_would_leave_and_only_ends_request
         assert reported_run.applied == 0 and reported_run.members[0][0].num_computed == 8
         running.append(load[2])
     assert running == [2, 2, 3, 3, 3, 2, 2, 2, 2, 1, 1]
+
+
+def test_heartbeats_one_after_another_and_after_an_apply_read_what_applying_would_leave():
+    """Reports on the same run, step after step (each ending some, the later ones after part of the run
+    was applied), with requests joining at the third and the sixth step: each reads the free blocks,
+    waiting and running requests that applying the run from the start through that step would leave."""
+    engine = decoding(EngineSpec(block_size=4, device_blocks=128), SimRequest("a", 0.0, 8, 14),
+                      SimRequest("b", 0.0, 5, 6), SimRequest("c", 0.0, 11, 21))
+    run = decode_run.plan(engine, 0.01, max_steps=100)
+    assert run.join(engine, SimRequest("d", 0.0, 6, 4), run.ends[1] - 1e-4)
+    assert run.join(engine, SimRequest("e", 0.0, 13, 9), run.ends[4] - 1e-4)
+    run.extend(run.end, 100)
+    start = copy.deepcopy((engine, run))
+    for steps in range(1, run.limit + 1):
+        applied_engine, applied_run = copy.deepcopy(start)
+        ended = decode_run.apply(applied_engine, applied_run, steps, steps - 1)
+        expected = [applied_engine.free, len(applied_engine.waiting), len(applied_engine.running)]
+        if steps == 9:  # part of the run applied: later reports count from there
+            decode_run.apply(engine, run, steps, steps - 1)
+            assert [engine.free, len(engine.waiting), len(engine.running)] == expected
+            continue
+        reported, *load = decode_run.report(engine, run, steps, steps - 1)
+        assert load == expected, steps
+        assert {r.request_id for r in reported} <= {r.request_id for r in ended}
+
