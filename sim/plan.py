@@ -92,7 +92,7 @@ def run(profile: str, rate: float, prompt: str, output: str, slos: list[str], at
         json_path.write_text(json.dumps(body, indent=2) + "\n")
     if plot_path is not None:
         from .plan_plot import plot  # matplotlib only when a plot is asked for
-        plot([(_label(group), group[0]) for group in _same_runs(ranked, simulator)], target, plot_path)
+        plot([(_label(group), group[0]) for group in _same_runs(ranked, simulator)], target, plot_path, simulator.unit)
     return 0
 
 
