@@ -244,7 +244,8 @@ def _why(winner: Result, other: Result, simulator: Simulator, target: float) -> 
     missed, held = simulator.run(other.candidate, at), simulator.run(winner.candidate, at)
     binding = _binding(missed, simulator.slos)
     return ({"rate_rps": at, "binding_slo": binding, "it": _run(missed), "pick": _run(held)},
-            f"  why: at {at:.2f} {simulator.unit} it meets every SLO for {missed.attainment['all']:.1%} of requests "
+            f"  why: at {at:.2f} {simulator.unit} it meets every SLO for {missed.attainment['all']:.1%} of "
+            f"{'requests' if simulator.conversation is None else 'turns'} "
             f"(target {target:.0%}); {binding} binds it ({_attained(missed, simulator.slos)}); the pick meets every "
             f"SLO there for {held.attainment['all']:.1%}{_cache_compared(missed, held)}")
 
