@@ -184,9 +184,13 @@ class SimEngine:
         return fits
 
     def fits(self, request: SimRequest) -> bool:
-        """Whether the pool could hold the request at its longest."""
-        longest = blocks_for(request.prompt_len + request.max_tokens, self.spec.block_size) * self.spec.num_layers
-        return longest <= self.spec.device_blocks
+        """Whether the pool could hold the request at its longest, and, without chunked prefill, one
+        step could compute it whole at its longest (a preempted request recomputes its answer too):
+        vLLM v0 needs max_num_batched_tokens >= max_model_len there, and ignores a longer prompt."""
+        tokens = request.prompt_len + request.max_tokens
+        if not self.spec.chunked_prefill and tokens > self.spec.token_budget:
+            return False
+        return blocks_for(tokens, self.spec.block_size) * self.spec.num_layers <= self.spec.device_blocks
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

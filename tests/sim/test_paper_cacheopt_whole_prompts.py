@@ -60,7 +60,7 @@ def test_nobody_is_admitted_while_a_request_is_swapped_out():
 
 
 def test_decode_runs_change_how_fast_it_runs_not_what():
-    spec = EngineSpec(block_size=16, device_blocks=400, max_num_seqs=32, token_budget=512, chunked_prefill=False)
+    spec = EngineSpec(block_size=16, device_blocks=400, max_num_seqs=32, token_budget=1024, chunked_prefill=False)
     requests = poisson(6.0, 200, Lengths.parse("uniform:16-400"), Lengths.parse("exp:60"), seed=3)
 
     def run(max_run_steps: int) -> list[tuple]:
@@ -75,3 +75,10 @@ def test_decode_runs_change_how_fast_it_runs_not_what():
 def test_layerkv_staging_is_refused_without_chunked_prefill():
     with pytest.raises(ValueError, match="staging_cap"):
         EngineSpec(cxl_blocks=64, block_bytes=1024, staging_cap=8, chunked_prefill=False)
+
+
+def test_a_request_one_step_could_not_compute_whole_is_refused_rather_than_waiting_for_ever():
+    engine = SimEngine(WHOLE, COST)
+    assert not engine.add(SimRequest("long", 0.0, 90, 20))  # recomputed at its longest: 110 > 100 tokens
+    assert engine.add(SimRequest("short", 0.0, 90, 10))
+    assert [r.request_id for r in engine.refused] == ["long"] and shapes(engine) == [("short", 90)]
