@@ -6,7 +6,7 @@ them, on TP GPUs:
 
     seconds   = overhead + max(compute, memory) + allreduce
     compute   = (2 N (P + D) + 4 L A (C_p + C_d)) / TP / (peak_flops x mfu)
-    memory    = (W + k (C_d + P + D)) / (hbm_bandwidth x hbm_efficiency)
+    memory    = (W + k (C_d x s + P + D)) / (hbm_bandwidth x hbm_efficiency)
     allreduce = 2 L x (latency + (P + D) h b x 2 (TP - 1) / TP / busbw)       (0 when TP = 1)
 
 - N: the blocks' matrix parameters (model_shapes.linear_params), 2 FLOPs each per token; the LM head's
@@ -15,6 +15,8 @@ them, on TP GPUs:
 - W: the bytes of weights one GPU reads once a step (blocks and LM head, split TP ways);
 - k: one token's KV bytes on one GPU (L x 2 x its KV heads x head_dim x b): the decodes' KV read, and
   the step's new KV written;
+- s = hbm_efficiency / decode_attention_efficiency: the decode attention kernel reads the KV at its own
+  share of the bandwidth, not the GEMV's (1 when a profile gives none);
 - h hidden size, b the dtype's bytes: two all-reduces a layer (after attention and after the MLP) of
   the step's activations, each a ring: NCCL's bus bandwidth (busbw = algbw x 2 (n - 1) / n) and a
   fixed latency.
@@ -40,6 +42,7 @@ class GPU:
     allreduce_busbw: float      # NCCL bus bandwidth of an all-reduce over the TP group, bytes/s
     allreduce_latency_s: float  # each all-reduce's fixed cost
     overhead_s: float           # each step's launch and scheduling cost
+    decode_attention_efficiency: float | None = None  # share a decode's KV read reaches; None: hbm_efficiency's
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +61,7 @@ class Roofline:
     _kv_token_s: float = field(init=False, repr=False)
     _allreduce_s: float = field(init=False, repr=False)
     _allreduce_token_s: float = field(init=False, repr=False)
+    _attention_read: float = field(init=False, repr=False)  # s: 1.0 when attention reads at the GEMV's share
 
     def __post_init__(self) -> None:
         m, g, tp = self.model, self.gpu, self.tp
@@ -70,7 +74,9 @@ class Roofline:
                             ("_pair_compute_s", 4 * m.layers * m.heads * m.head_dim / flops_s),
                             ("_weights_s", weights / bytes_s), ("_kv_token_s", kv / bytes_s),
                             ("_allreduce_s", 0.0 if tp == 1 else 2 * m.layers * g.allreduce_latency_s),
-                            ("_allreduce_token_s", 2 * m.layers * ring)):
+                            ("_allreduce_token_s", 2 * m.layers * ring),
+                            ("_attention_read", 1.0 if g.decode_attention_efficiency is None
+                             else g.hbm_efficiency / g.decode_attention_efficiency)):
             object.__setattr__(self, name, value)
 
     def seconds(self, prefill_tokens: int, decode_tokens: int, decode_context: int, prefill_context: int,
@@ -80,7 +86,7 @@ class Roofline:
         # kernel takes a step's prompts together (prefill_sequences is StepCost's, sim/step_cost.py).
         tokens = prefill_tokens + decode_tokens
         compute = self._token_compute_s * tokens + self._pair_compute_s * (decode_context + prefill_context)
-        memory = self._weights_s + self._kv_token_s * (decode_context + tokens)
+        memory = self._weights_s + self._kv_token_s * (decode_context * self._attention_read + tokens)
         return self.gpu.overhead_s + (compute if compute > memory else memory) + \
             (self._allreduce_s + self._allreduce_token_s * tokens)
 
@@ -88,7 +94,7 @@ class Roofline:
         return self._token_compute_s * tokens + self._pair_compute_s * pairs
 
     def memory_s(self, tokens: int, kv_read: int) -> float:
-        return self._weights_s + self._kv_token_s * (kv_read + tokens)
+        return self._weights_s + self._kv_token_s * (kv_read * self._attention_read + tokens)
 
     def allreduce_s(self, tokens: int) -> float:
         return self._allreduce_s + self._allreduce_token_s * tokens
@@ -102,7 +108,8 @@ def gpu(constants: dict) -> GPU:
     value = {name: float(entry["value"]) for name, entry in constants.items()}
     return GPU(peak_flops=value["peak_tflops"] * 1e12, hbm_bytes_s=value["hbm_gbs"] * 1e9, mfu=value["mfu"],
                hbm_efficiency=value["hbm_efficiency"], allreduce_busbw=value["allreduce_busbw_gbs"] * 1e9,
-               allreduce_latency_s=value["allreduce_latency_us"] * 1e-6, overhead_s=value["overhead_us"] * 1e-6)
+               allreduce_latency_s=value["allreduce_latency_us"] * 1e-6, overhead_s=value["overhead_us"] * 1e-6,
+               decode_attention_efficiency=value.get("decode_attention_efficiency"))
 
 
 def from_profile(body: dict) -> Roofline:

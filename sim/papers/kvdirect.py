@@ -15,9 +15,12 @@ whole prompts a step, 256 sequences, blocks of 16, recompute on preemption, late
 Without coalescing a read costs UNCOALESCED_READ_US (the profile's per-read cost is 0: Figure 15's
 22.23 GB/s already pays it, for coalesced reads). Varied: SPREAD, the fairness reading, a fixed
 time added to every step (STEP_OVERHEAD_S: the paper's TBT of 45-67 ms in Figure 12 is about twice the
-roofline's decode step), the link (one NIC's 22.23 GB/s rather than the profile's eight: one a GPU,
-each moving its own KV heads), and pull against push at PUSH_RATES on ShareGPT, where the decode
-engine's memory is full (on arXiv the prefill engine saturates first, and pushing changes nothing)."""
+roofline's decode step), the decodes' attention reading the KV at PAGED_ATTENTION_EFFICIENCY of the
+bandwidth (vLLM's own PagedAttention kernel as FlashInfer measured it on H100; the profile keeps the GEMV's
+share, as vLLM v0.5.3 decodes with FlashAttention-2 there), the link (one NIC's 22.23 GB/s rather than the
+profile's eight: one a GPU, each moving its own KV heads), and pull against push at PUSH_RATES on
+ShareGPT, where the decode engine's memory is full (on arXiv the prefill engine saturates first, and
+pushing changes nothing)."""
 
 from __future__ import annotations
 
@@ -27,9 +30,12 @@ from dataclasses import replace
 import numpy as np
 
 from ..hardware import Deployment
+from ..link import KVGeometry
+from ..roofline import Roofline
 from ..topology import Topology
 from ..workload import Lengths
 from .contract import Headline
+from . import sweep
 from .sweep import Outcome, Point
 
 PROFILE = "mistral-large-2407-h100-bf16-tp8"
@@ -41,6 +47,8 @@ RATES, QUICK_RATES = (0.05, 0.1, 0.15, 0.2, 0.25), (0.05, 0.2)  # per engine
 REQUESTS, QUICK_REQUESTS = 200, 12
 UNCOALESCED_READ_US = 1.0                                # a read's cost without coalescing (assumption)
 STEP_OVERHEAD_S = 0.025                                  # the step-cost variation
+PAGED_ATTENTION_EFFICIENCY = 0.28  # vLLM PagedAttention-v2, H100, batch 64, GQA 8, 8K tokens (FlashInfer's Fig. 9)
+PAGED_ATTENTION = f"decode attention at {PAGED_ATTENTION_EFFICIENCY:g} of HBM"
 PUSH_RATES = (0.35, 0.4)  # per engine: pull against push where ShareGPT fills the decode engine's memory
 PANELS = (("e2e_p90_s", "P90 latency (s)", 1.0), ("ttft_p90_s", "P90 TTFT (s)", 1.0),
           ("tbt_p90_s", "P90 TBT (ms)", 1e3))
@@ -73,10 +81,19 @@ def points(deployment: Deployment, rates: Sequence[float], requests: int, seed: 
     return own + [point(name, *at, f"spread {spread}", spread=spread) for spread in SPREADS for at in each
                   for name in (VLLM, KVDIRECT)] + \
         [point(name, *at, f"steps +{STEP_OVERHEAD_S * 1e3:g} ms", overhead_s=STEP_OVERHEAD_S) for at in each
-         for name in (VLLM, KVDIRECT)] + [point(TWO_VLLM, *at, TWO_VLLM) for at in each] + \
+         for name in (VLLM, KVDIRECT)] + \
+        [point(name, *at, PAGED_ATTENTION) for at in each for name in (VLLM, KVDIRECT)] + \
+        [point(TWO_VLLM, *at, TWO_VLLM) for at in each] + \
         [point(KVDIRECT, *at, "the link of one NIC", nics=1) for at in each] + \
         [point(name, "sharegpt", rate, f"sharegpt at {', '.join(map(str, PUSH_RATES))} per engine")
          for rate in PUSH_RATES for name in (KVDIRECT, PUSH)]
+
+
+def simulate(point: Point, cost: Roofline, geometry: KVGeometry) -> Outcome:
+    """sweep.simulate's, with the paged-attention variation's decodes reading the KV at its share."""
+    if point.variant == PAGED_ATTENTION:
+        cost = replace(cost, gpu=replace(cost.gpu, decode_attention_efficiency=PAGED_ATTENTION_EFFICIENCY))
+    return sweep.simulate(point, cost, geometry)
 
 
 def headlines(outcomes: Sequence[Outcome]) -> list[Headline]:

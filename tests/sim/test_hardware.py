@@ -6,6 +6,7 @@ import json
 import pytest
 
 from kvmesh.sim.hardware import GIB, check_value, load_deployment
+from kvmesh.sim.roofline import from_profile
 from kvmesh.sim.step_cost import PROFILES, load_profile
 
 GPU_PROFILES = sorted(p.stem for p in PROFILES.glob("*.json") if json.loads(p.read_text()).get("kind") == "roofline")
@@ -75,3 +76,25 @@ def test_an_engine_spec_override_wins_over_the_deployments_tier():
     spec = load_deployment("llama-2-7b-l20-fp16-tp1").engine_spec(block_size=16, cxl_blocks=10,
                                                                  swap_in_bytes_per_s=1e9)
     assert spec.swap_in_bytes_per_s == 1e9 and spec.swap_out_bytes_per_s == 25.0e9  # the tier's, from the device
+
+
+def test_decode_attention_reads_the_kv_at_its_own_share_of_the_bandwidth_and_only_the_decodes_kv():
+    body = json.loads((PROFILES / "mistral-large-2407-h100-bf16-tp8.json").read_text())
+    slow = body["constants"] | {"decode_attention_efficiency": {"value": 0.3835, "source": "half the GEMV's"}}
+    base, halved = from_profile(body), from_profile(body | {"constants": slow})
+    kv_s = base.kv_bytes_per_token_per_gpu / (3350e9 * 0.767)
+    # A decode of 13 sequences over 858,637 tokens: the KV read costs twice as long, the rest as before.
+    assert halved.memory_s(13, 858_637) - base.memory_s(13, 858_637) == pytest.approx(858_637 * kv_s, rel=1e-9)
+    assert halved.seconds(0, 13, 858_637, 0) - base.seconds(0, 13, 858_637, 0) == pytest.approx(858_637 * kv_s,
+                                                                                               rel=1e-9)
+    assert halved.seconds(4096, 0, 0, 8_390_656) == base.seconds(4096, 0, 0, 8_390_656)  # a prefill reads no KV
+
+
+@pytest.mark.parametrize("name", GPU_PROFILES)
+def test_a_decode_attention_efficiency_equal_to_the_gemvs_changes_no_float(name):
+    body = json.loads((PROFILES / f"{name}.json").read_text())
+    same = body["constants"] | {"decode_attention_efficiency": body["constants"]["hbm_efficiency"]}
+    without = {key: entry for key, entry in body["constants"].items() if key != "decode_attention_efficiency"}
+    for step in ((0, 96, 835_680, 0), (4096, 13, 858_637, 8_390_656), (1, 1, 191, 1)):
+        assert from_profile(body | {"constants": same}).seconds(*step) == from_profile(
+            body | {"constants": without}).seconds(*step)

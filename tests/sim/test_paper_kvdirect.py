@@ -12,6 +12,7 @@ import pytest
 from kvmesh.bench.report import BenchResult
 from kvmesh.cli import main
 from kvmesh.sim.engine import EngineSpec
+from kvmesh.sim.hardware import load_deployment
 from kvmesh.sim.link import LinkSpec
 from kvmesh.sim.papers import kvdirect
 from kvmesh.sim.papers.contract import Headline, result
@@ -110,3 +111,21 @@ def test_lognormal_lengths_have_the_mean_asked():
     for bad in ("lognormal:1000", "lognormal:1000:-1", "lognormal:0:0.5"):
         with pytest.raises(ValueError, match="lognormal:MEAN:SIGMA|SIGMA >= 0"):
             Lengths.parse(bad)
+
+
+def test_the_paged_attention_variation_alone_reads_the_kv_at_vllms_paged_attention_share(monkeypatch):
+    deployment = load_deployment(kvdirect.PROFILE)
+    points = kvdirect.points(deployment, (0.1,), 4, 0, quick=False)
+    varied = [p for p in points if p.variant == kvdirect.PAGED_ATTENTION]
+    assert {(p.workload, p.series) for p in varied} == {(w, s) for w in kvdirect.WORKLOADS
+                                                        for s in (kvdirect.VLLM, kvdirect.KVDIRECT)}
+    seen = []
+    monkeypatch.setattr(kvdirect.sweep, "simulate", lambda point, cost, geometry: seen.append(cost))
+    kvdirect.simulate(varied[0], deployment.cost, deployment.geometry)
+    kvdirect.simulate(points[0], deployment.cost, deployment.geometry)
+    assert seen[0].gpu.decode_attention_efficiency == kvdirect.PAGED_ATTENTION_EFFICIENCY == 0.28
+    assert seen[1] is deployment.cost and deployment.cost.gpu.decode_attention_efficiency == 0.767
+    # Only the decodes' KV read is slower: 0.767 / 0.28 of the profile's time for it.
+    extra = seen[0].seconds(0, 13, 858_637, 0) - deployment.cost.seconds(0, 13, 858_637, 0)
+    kv_s = deployment.cost.kv_bytes_per_token_per_gpu / (3350e9 * 0.767)
+    assert extra == pytest.approx(858_637 * kv_s * (0.767 / 0.28 - 1), rel=1e-9)
