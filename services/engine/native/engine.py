@@ -116,7 +116,6 @@ class Engine(EngineHandoff):
         tokens, logprobs = sample(logits, [c.request.sampling for c in sampling],
                                   [c.request.generator for c in sampling]) if sampling else ([], [])
         done = self.clock()
-        self.scheduler.iteration_s.append(done - now)
         for chunk in plan.chunks:
             prompt_left = len(chunk.request.prompt_ids) - chunk.request.num_computed
             self.computed_prompt_tokens += max(0, min(chunk.num_tokens, prompt_left))
@@ -132,6 +131,9 @@ class Engine(EngineHandoff):
                 continue
             events.frames.append(self._emit(request, token, logprob, done))
         self.blocks.offload_idle()  # CaR: idle prefix nodes out to the cxl tier past the high-water mark
+        # The whole step, the work after its sample too: what a running request waits a token (CaR's
+        # TPOP, weighed against the time it has run on this clock), and what a simulated step lasts.
+        self.scheduler.iteration_s.append(self.clock() - now)
         return events
 
     def _emit(self, request: Request, token: int, logprob: float, now: float) -> Frame:
