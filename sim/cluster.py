@@ -257,7 +257,7 @@ class Cluster:
             run = decode_run.plan(member.engine, events.now, self.max_run_steps) if self.max_run_steps else None
             if run is not None:
                 member.run, member.busy = run, True
-                events.schedule(run.end, RUN_DONE, (engine_id, run, run.version))
+                events.schedule(run.due, RUN_DONE, (engine_id, run, run.version))
                 break
             step = member.engine.schedule(events.now)
             for part in step.pulls:
@@ -276,14 +276,15 @@ class Cluster:
         return prefills
 
     def _run_done(self, engine_id: str, run: DecodeRun, version: int) -> list[str]:
-        """The last step a decode run has costed out ended (unless the run was cut or joined since: then
-        its new end is due): it goes on, or it is applied and the engine schedules as usual."""
-        member = self.members[engine_id]
+        """A decode run's event (unless it was cut since: then its new end is due): at the end of its last
+        step it is applied and the engine schedules as usual; before that it is costed out past now and
+        its event comes again."""
+        member, now = self.members[engine_id], self.events.now
         if member.run is not run or run.version != version:
             return []
-        if run.more:  # uncut so far: cost out more steps
-            run.go_on()
-            self.events.schedule(run.end, RUN_DONE, (engine_id, run, run.version))
+        run.in_progress(now)
+        if run.more or run.end > now:
+            self.events.schedule(run.due, RUN_DONE, (engine_id, run, run.version))
             return []
         steps = len(run.ends)
         self._ended(decode_run.apply(member.engine, run, steps, steps), engine_id)
@@ -292,14 +293,8 @@ class Cluster:
 
     def _joined(self, engine_id: str, request: SimRequest) -> bool:
         """Whether the request joined the engine's decode run (decode_run.py: the common arrival)."""
-        run = self.members[engine_id].run
-        if run is None:
-            return False
-        version = run.version
-        joined = run.join(self.members[engine_id].engine, request, self.events.now)
-        if run.version != version:  # costed again, or further: its end is due at its new last step
-            self.events.schedule(run.end, RUN_DONE, (engine_id, run, run.version))
-        return joined
+        run = self.members[engine_id].run  # its event stays: a join makes no step shorter
+        return run is not None and run.join(self.members[engine_id].engine, request, self.events.now)
 
     def _settled(self, engine_id: str) -> SimEngine:
         """The engine, its decode run (if any) cut after the step in progress and applied through it
@@ -309,7 +304,7 @@ class Cluster:
         run = member.run
         if run is not None:
             steps = run.in_progress(self.events.now)
-            shorter = steps < len(run.ends)
+            shorter = steps < run.limit
             run.cut(steps)  # it ends with the step in progress, whatever it could have gone on to
             if shorter:
                 self.events.schedule(run.end, RUN_DONE, (engine_id, run, run.version))

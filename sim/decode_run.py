@@ -39,13 +39,18 @@ from kvmesh.policies.views import blocks_for
 from .request import SimRequest
 
 
-FIRST_STEPS = 8  # the steps a run's plan costs out at first; it doubles them as they pass uncut
+# A run's next event comes at most its steps left at the least a step costs (the cost of a step of one
+# decode), less this share, whatever the float sums' rounding: below the end of its last step.
+ROUNDING = 2.0 ** -20
 
 
 @dataclass
 class DecodeRun:
-    """A run's requests and its steps' ends so far. The ends are costed out as they are needed: most
-    runs are cut or joined after a few steps, so a plan costs what is run of it, not what could be.
+    """A run's requests and its steps' ends so far. The ends are costed out as they are needed, up to
+    the step in progress when something reads the run (`in_progress`): a join changes the steps from
+    the next one on, so a run costs each step it takes once, and never one a join would cost again.
+    Its event (`due`) comes at the end of its last step when all are costed, and before that at a
+    bound below it: the steps left at the least a step costs (`floor`).
 
     Steps are numbered from 0, the run's first. A request decodes at each step from its first decode
     to its `stop`, exclusive; one that joined is admitted at its `start` and prefills its prompt then.
@@ -53,7 +58,8 @@ class DecodeRun:
     and once the steps before `through` are applied a request holds base + through - 1 tokens' blocks."""
 
     limit: int             # the steps it may take
-    cost: object           # the engine's step cost
+    cost: object           # the engine's step cost, which no step costs less than `floor` on
+    floor: float
     block_size: int
     leaving: list[tuple[int, int]]  # (stop, base) of each request, by stop
     slack: int             # free blocks, all layers, that its steps leave: what requests joining it may take
@@ -68,8 +74,7 @@ class DecodeRun:
     seconds: list[float] = field(default_factory=list)  # each step's cost, so far
     batches: list[int] = field(default_factory=list)    # each step's decodes, so far
     applied: int = 0       # steps whose tokens and blocks the requests have
-    version: int = 0       # moves on whenever the steps costed out change: an end event of an older one is stale
-    since: int = 0         # the step the costing last started again from (the plan, a join)
+    version: int = 0       # moves on when it is cut: an event of an older one is stale
     _planned: int = 0      # requests decoding from the first step
     _entered: int = 0      # joined requests decoding by the next step to cost
     _gone: int = 0         # requests that ended before the next step to cost
@@ -119,6 +124,12 @@ class DecodeRun:
         """Whether it may go on past the steps costed out."""
         return len(self.ends) < self.limit
 
+    @property
+    def due(self) -> float:
+        """When its event comes: the end of its last step if all are costed out, else a time before it."""
+        left = self.limit - len(self.ends)
+        return self.ends[-1] + left * self.floor * (1.0 - ROUNDING) if left else self.ends[-1]
+
     def extend(self, start: float, steps: int) -> None:
         """Cost out `steps` more steps (within the limit), the first from `start`."""
         # The loop runs for every step simulated: its state is in locals.
@@ -143,20 +154,19 @@ class DecodeRun:
             costs.append(cost)
             batches.append(batch)
         self._entered, self._gone, self._context = entered, gone, context
-        self.version += 1
-
-    def go_on(self) -> None:
-        """Cost out as many steps again as have passed since the costing last started."""
-        self.extend(self.end, max(FIRST_STEPS, len(self.ends) - self.since))
 
     def in_progress(self, now: float) -> int:
         """How many steps have started by `now` (one ending at `now` counts: what happens at a step's
-        end joins the step after it, as an arrival during a step does)."""
-        return min(len(self.ends), bisect_left(self.ends, now) + 1)
+        end joins the step after it, as an arrival during a step does), costing them out as far as
+        past `now`."""
+        ends = self.ends
+        while ends[-1] <= now and len(ends) < self.limit:  # as many steps as the last one's cost fills
+            self.extend(ends[-1], 1 + int((now - ends[-1]) / self.seconds[-1]))
+        return min(len(ends), bisect_left(ends, now) + 1)
 
     def cut(self, steps: int) -> None:
-        """Keep only the first `steps` steps."""
-        if steps < len(self.ends):
+        """Keep only the first `steps` steps (costed out)."""
+        if steps < self.limit:
             self.version += 1
         del self.ends[steps:], self.seconds[steps:], self.batches[steps:]
         self.limit = steps
@@ -187,14 +197,12 @@ class DecodeRun:
         insort(self.leaving, (stop, base))
         shape = chunk_shape(prompt, 0, prompt)
         self.prefills[j] = (prompts + shape[0], pairs + shape[3], joining + 1)
-        self.extend(self.ends[j - 1], FIRST_STEPS)
         return True
 
     def _restart(self, steps: int) -> None:
         """Forget the steps costed from `steps` on, to cost them again: the batch goes back to what it
         was before the first of them."""
         del self.ends[steps:], self.seconds[steps:], self.batches[steps:]
-        self.since = steps
         while self._entered and self.entering[self._entered - 1][0] >= steps:
             self._entered -= 1
             self._context -= self.entering[self._entered][1]
@@ -205,7 +213,9 @@ class DecodeRun:
 
 def plan(engine, now: float, max_steps: int) -> DecodeRun | None:
     """The steps from `now` the engine (sim.engine.SimEngine) can take together, at most `max_steps`,
-    or None when fewer than two; the first of them costed out."""
+    or None when fewer than two; the first of them costed out. Its step cost must not fall as a step
+    grows (the roofline; a fitted cost, none of whose terms is negative): a step of one decode is then
+    the least one costs."""
     scheduler, spec = engine.scheduler, engine.spec
     running = scheduler.running
     if scheduler.waiting or scheduler.swapped or scheduler.pulling or scheduler.allots_ahead or \
@@ -220,10 +230,10 @@ def plan(engine, now: float, max_steps: int) -> DecodeRun | None:
     if steps < 2:
         return None
     leaving = sorted((steps_left, r.num_computed + 1) for steps_left, r in zip(left, running))
-    run = DecodeRun(steps, engine.cost, spec.block_size, leaving, engine.free - need)
+    run = DecodeRun(steps, engine.cost, engine.cost.seconds(0, 1, 0, 0), spec.block_size, leaving, engine.free - need)
     for r, n in zip(running, left):
         run.add(r, 0, n, r.num_computed + 1)
-    run.extend(now, FIRST_STEPS)
+    run.extend(now, 1)
     return run
 
 

@@ -55,7 +55,8 @@ def test_a_run_goes_on_past_a_request_that_ends_and_stops_where_the_blocks_would
         engine.add(request)
     engine.complete(engine.schedule(0.0), 0.01)  # both prompts computed, first tokens sampled
     run = decode_run.plan(engine, 0.01, max_steps=100)
-    assert run.limit == 11 and len(run.ends) == decode_run.FIRST_STEPS  # the rest is costed out as it passes
+    assert run.limit == 11 and len(run.ends) == 1  # the rest is costed out as it is read
+    assert run.in_progress(0.01 + 2.5 * COST.seconds(0, 2, 18, 0)) == 3 and len(run.ends) == 3
     run.extend(run.end, 100)
     t, ends = 0.01, []
     for j in range(11):  # each decode reads its whole context: 9 + 9 tokens at the first step
@@ -121,8 +122,9 @@ def test_an_arrival_joins_a_run_at_the_next_step_and_prefills_its_whole_prompt_t
     first, second, late = SimRequest("a", 0.0, 8, 12), SimRequest("b", 0.0, 8, 10), SimRequest("c", 0.015, 6, 3)
     engine = decoding(EngineSpec(block_size=4, device_blocks=64), first, second)
     run = decode_run.plan(engine, 0.01, max_steps=100)
+    run.extend(run.end, 100)
     assert run.join(engine, late, run.ends[1] - 1e-4)
-    assert late in engine.waiting and run.limit == 11
+    assert late in engine.waiting and run.limit == 11 and len(run.ends) == 2  # the steps from the join go
     run.extend(run.end, 100)
     costs = [COST.seconds(0, 2, 18, 0), COST.seconds(0, 2, 20, 0), COST.seconds(6, 2, 22, 21),
              COST.seconds(0, 3, 24 + 7, 0), COST.seconds(0, 3, 26 + 8, 0)] + \
@@ -148,7 +150,7 @@ def test_an_arrival_the_step_cannot_take_whole_does_not_join():
     run = decode_run.plan(engine, 0.01, max_steps=100)
     ends, version = list(run.ends), run.version
     assert not run.join(engine, SimRequest("c", 0.01, 7, 3), 0.012)
-    assert run.ends == ends and run.version == version and not engine.waiting
+    assert run.ends[:len(ends)] == ends and run.version == version and not engine.waiting  # at most costed further
     assert run.join(engine, SimRequest("d", 0.01, 5, 3), 0.012)
     assert not run.join(engine, SimRequest("e", 0.01, 1, 3), 0.012)  # a, b and d: the limit of 3
 
@@ -160,6 +162,7 @@ def test_a_heartbeat_reads_what_applying_a_run_would_leave_and_only_ends_request
     first, second, late = SimRequest("a", 0.0, 8, 12), SimRequest("b", 0.0, 8, 10), SimRequest("c", 0.015, 6, 3)
     engine = decoding(EngineSpec(block_size=4, device_blocks=64), first, second)
     run = decode_run.plan(engine, 0.01, max_steps=100)
+    run.extend(run.end, 100)
     assert run.join(engine, late, run.ends[1] - 1e-4)
     run.extend(run.end, 100)
     running = []
@@ -183,7 +186,9 @@ def test_heartbeats_one_after_another_and_after_an_apply_read_what_applying_woul
     engine = decoding(EngineSpec(block_size=4, device_blocks=128), SimRequest("a", 0.0, 8, 14),
                       SimRequest("b", 0.0, 5, 6), SimRequest("c", 0.0, 11, 21))
     run = decode_run.plan(engine, 0.01, max_steps=100)
+    run.extend(run.end, 100)
     assert run.join(engine, SimRequest("d", 0.0, 6, 4), run.ends[1] - 1e-4)
+    run.extend(run.end, 100)
     assert run.join(engine, SimRequest("e", 0.0, 13, 9), run.ends[4] - 1e-4)
     run.extend(run.end, 100)
     start = copy.deepcopy((engine, run))
@@ -199,3 +204,18 @@ def test_heartbeats_one_after_another_and_after_an_apply_read_what_applying_woul
         assert load == expected, steps
         assert {r.request_id for r in reported} <= {r.request_id for r in ended}
 
+
+
+def test_a_runs_event_comes_before_its_end_until_its_steps_are_costed_out_then_at_its_end():
+    """Until every step is costed, a run's event (`due`) is at most its steps left at a step of one
+    decode's cost past the last costed end, below the run's end; a join, which makes steps longer,
+    leaves it below; once all are costed it is the end itself."""
+    engine = decoding(EngineSpec(block_size=4, device_blocks=64), SimRequest("a", 0.0, 8, 12),
+                      SimRequest("b", 0.0, 8, 10))
+    run = decode_run.plan(engine, 0.01, max_steps=100)
+    first_due = run.due
+    assert run.floor == COST.seconds(0, 1, 0, 0) and first_due < run.ends[0] + 10 * run.floor
+    assert run.join(engine, SimRequest("c", 0.0, 6, 3), run.ends[0] + 1e-4)
+    assert run.due < run.ends[-1] + (run.limit - len(run.ends)) * run.floor
+    run.extend(run.end, 100)
+    assert not run.more and run.due == run.end > first_due
