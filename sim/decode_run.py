@@ -215,7 +215,7 @@ def plan(engine, now: float, max_steps: int) -> DecodeRun | None:
     """The steps from `now` the engine (sim.engine.SimEngine) can take together, at most `max_steps`,
     or None when fewer than two; the first of them costed out. Its step cost must not fall as a step
     grows (the roofline; a fitted cost, none of whose terms is negative): a step of one decode is then
-    the least one costs."""
+    the least one costs, and it must cost something."""
     scheduler, spec = engine.scheduler, engine.spec
     running = scheduler.running
     if scheduler.waiting or scheduler.swapped or scheduler.pulling or scheduler.allots_ahead or \
@@ -225,12 +225,15 @@ def plan(engine, now: float, max_steps: int) -> DecodeRun | None:
         return None  # someone computes a prompt chunk, or its last prompt token: not a decode
     if any(r.blocks_per_layer != blocks_for(r.num_computed, spec.block_size) for r in running):
         return None  # blocks held ahead of its tokens: a heartbeat would count them wrong (DecodeRun._held_at)
+    floor = engine.cost.seconds(0, 1, 0, 0)
+    if floor <= 0:
+        return None  # a step may cost nothing: no bound below a run's end for its event
     left = [r.max_tokens - r.num_generated for r in running]
     steps, need = _covered(running, left, min(max_steps, max(left)), spec.block_size, spec.num_layers, engine.free)
     if steps < 2:
         return None
     leaving = sorted((steps_left, r.num_computed + 1) for steps_left, r in zip(left, running))
-    run = DecodeRun(steps, engine.cost, engine.cost.seconds(0, 1, 0, 0), spec.block_size, leaving, engine.free - need)
+    run = DecodeRun(steps, engine.cost, floor, spec.block_size, leaving, engine.free - need)
     for r, n in zip(running, left):
         run.add(r, 0, n, r.num_computed + 1)
     run.extend(now, 1)

@@ -219,3 +219,10 @@ def test_a_runs_event_comes_before_its_end_until_its_steps_are_costed_out_then_a
     assert run.due < run.ends[-1] + (run.limit - len(run.ends)) * run.floor
     run.extend(run.end, 100)
     assert not run.more and run.due == run.end > first_due
+
+
+def test_no_run_when_a_step_may_cost_nothing():
+    """A step cost that prices a decode at nothing bounds no run's end from below: every step alone."""
+    engine = decoding(EngineSpec(block_size=4, device_blocks=64), SimRequest("a", 0.0, 8, 12))
+    engine.cost = StepCost(a=0.0, b=1e-4)
+    assert decode_run.plan(engine, 0.01, max_steps=100) is None
