@@ -39,6 +39,12 @@ class Calibration:
 
 
 def calibrate(load: LoadResult, steps: Steps) -> Calibration:
+    for engine_id, engine_steps in steps.items():
+        if len(engine_steps) < len(TERMS):  # e.g. engines that never answered: nothing to fit
+            failed = sum(r.error is not None for r in load.results)
+            raise RuntimeError(f"the calibration load left no profile to fit: {engine_id} recorded "
+                               f"{len(engine_steps)} steps (a fit needs {len(TERMS)}); {failed} of "
+                               f"{len(load.results)} requests failed")
     fitted = {engine_id: fit_engine_steps(engine_steps) for engine_id, engine_steps in steps.items()}
     return Calibration({e: cost for e, (cost, _) in fitted.items()}, {e: fit for e, (_, fit) in fitted.items()},
                        measured_path(load), load, steps)

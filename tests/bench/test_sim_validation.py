@@ -109,6 +109,13 @@ def test_the_calibration_is_its_own_loads_steps_and_path():
     assert calibration.path.last_token_lag_s == pytest.approx(0.0, abs=1e-12)
 
 
+def test_a_calibration_load_that_left_an_engine_without_steps_says_so():
+    load = fake_load(6, 16)
+    load.results[0].error = "timeout"
+    with pytest.raises(RuntimeError, match=r"engine-d0 recorded 0 steps .* 1 of 16 requests failed"):
+        calibrate(load, {"engine-p0": recorded_steps(80), "engine-d0": []})
+
+
 def test_each_variation_changes_one_assumption():
     run = measured(bench_sim.CONFIGURATIONS[0])
     calibration = calibrate(run.calibration_load, run.calibration_steps)
