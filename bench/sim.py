@@ -24,7 +24,7 @@ Information, no target, the same keys with a suffix: the assumptions varied one 
 `_in_process`, the in-process profile (PROFILE, Engine.step timed alone) and no path, the simulator
 as it was; `_constant_path`, the path's lag after the first token without its growth with the
 requests in flight (sim/request_path.py); `_no_path`, the calibrated step costs without the path;
-`_five_terms`, the step costs fitted to the calibration without the prefill-sequence term f (before it);
+`_with_f`, the step costs fitted to the calibration with the prefill-sequence term f (five terms otherwise);
 `_own_steps`, each load's step costs fitted to that load's own steps; `_own_path`, each load's own
 measured path; `_own`, both (the best the model's form reaches: a mean cost per step shape, a path
 fitted to the load). Also the engine side
@@ -48,7 +48,6 @@ from rich.progress import Progress
 
 from kvmesh.sim.cluster import Cluster
 from kvmesh.sim.engine import EngineSpec, SimEngine
-from kvmesh.sim.fit import fit_engine_steps
 from kvmesh.sim.metrics import summarise
 from kvmesh.sim.request import SimRequest
 from kvmesh.sim.request_path import RequestPath, delivered
@@ -61,7 +60,7 @@ from .report import BenchResult, Row
 from .sim_serve_calibration import (CALIBRATION_RATE, CALIBRATION_SEED, WORKLOAD, Calibration, calibrate,
                                     calibration_load, measured_path, served_profile_path, write_served_profiles)
 from .sim_serving import Steps, serving_engines, sim_engines
-from .sim_validation import TARGET, TARGETED, five_term_fit, plot, relative_error, step_time_ratio
+from .sim_validation import TARGET, TARGETED, calibration_fit, plot, relative_error, six_term_fit, step_time_ratio
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,22 +144,22 @@ class Variation:
 def variations(calibration: Calibration, measured: Measured, in_process: StepCost) -> list[Variation]:
     """The replay with the calibrated profile, then with one assumption varied at a time: the step
     cost timed in process and no path (the simulator before), a constant path after the first token
-    (its growth with the requests in flight left out), no path, the calibration's step costs without
+    (its growth with the requests in flight left out), no path, the calibration's step costs with
     the prefill-sequence term, and each load's own step
     cost or own path measured on that load instead of the calibration's (how far the calibration
     load's figures carry to other rates), and both: the best the model's form reaches."""
     loads, n, none = measured.loads, len(measured.loads), RequestPath()
     engines = sim_engines(measured.configuration.topology, measured.states)
-    own_costs = [{e: fit_engine_steps(s)[0] for e, s in steps.items()} for steps in measured.load_steps]
+    own_costs = [{e: calibration_fit(s)[0] for e, s in steps.items()} for steps in measured.load_steps]
     own_paths = [measured_path(load) for load in loads]
-    five_terms = {e: five_term_fit(s) for e, s in measured.calibration_steps.items()}
+    with_f = {e: six_term_fit(s) for e, s in measured.calibration_steps.items()}
     constant = dataclasses.replace(calibration.path, last_token_lag_per_request_s=0.0)
     plans = [("", "simulated", [calibration.costs] * n, [calibration.path] * n),
              ("_constant_path", "constant path", [calibration.costs] * n, [constant] * n),
              ("_in_process", "in-process steps, no path", [dict.fromkeys(calibration.costs, in_process)] * n,
               [none] * n),
              ("_no_path", "no path", [calibration.costs] * n, [none] * n),
-             ("_five_terms", "calibrated without f", [five_terms] * n, [calibration.path] * n),
+             ("_with_f", "calibrated with f", [with_f] * n, [calibration.path] * n),
              ("_own_steps", "each load's own steps", own_costs, [calibration.path] * n),
              ("_own_path", "each load's own path", [calibration.costs] * n, own_paths),
              ("_own", "each load's own steps and path", own_costs, own_paths)]

@@ -10,7 +10,7 @@ of capacity, one torch thread; the full run its full shape, the ablations too), 
      requests and arrivals at CALIBRATION_FRACTION of capacity, no estimate, no SLO). Each turn of
      the replay's loop that computed a step is recorded as the engine service records its own
      (services/engine/steps.py: the step's shape, the turn's seconds), and the step cost is fitted
-     to them (sim.fit.fit_engine_steps, as bench sim fits an engine in service);
+     to them (five terms, sim_validation.calibration_fit, as bench sim fits an engine in service);
   1. measured: bench cacheopt's sweep (bench.cacheopt.sweep), each run with the arrivals and
      targets it gave its requests and the steps it took;
   2. simulated: each run's requests replayed through one SimEngine configured as the method's
@@ -29,8 +29,8 @@ Keys, for each method m and rate r (the fraction of capacity), each a relative e
 Information, the same keys with a suffix, one assumption varied at a time (bench/sim_replay.py):
 `_rescaled`, the calibrated cost scaled to the run's own steps' total (the machine's speed in that
 run); `_own_steps`, each run's step cost fitted to its own steps (the best the cost's form
-reaches); `_relative_fit`, the calibration fitted in relative error; `_five_terms`, the calibration
-fitted without the prefill-sequence term f (the cost before it); `_in_process`, the in-process
+reaches); `_relative_fit`, the calibration fitted in relative error; `_with_f`, the calibration
+fitted with the prefill-sequence term f (six terms; the calibrated cost holds it at 0); `_in_process`, the in-process
 profile (PROFILE: Engine.step timed alone at a few shapes); and sim_elasticity_<figure>_<m>_<r>,
 a figure's relative change over the step cost's. CacheOpt's own figures beside them: P99 TBT and
 SLO attainment, measured and simulated, and each method's preemptions.
@@ -48,7 +48,6 @@ from rich.progress import Progress
 
 from kvmesh.libs.messages.engine import Targets
 from kvmesh.services.predictor.encoder import encoder
-from kvmesh.sim.fit import fit_engine_steps
 from kvmesh.sim.step_cost import StepCost, load_profile
 
 from . import cacheopt
@@ -58,7 +57,7 @@ from .loadgen import poisson_arrivals
 from .report import BenchResult, Row
 from .sim_replay import (SENSITIVITY, Configured, Variation, calibration_variants, configured, figures, keys,
                          variations)
-from .sim_validation import FIGURES, TARGET, plot, step_time_ratio
+from .sim_validation import FIGURES, TARGET, calibration_fit, plot, step_time_ratio
 
 CALIBRATION_FRACTION = 0.9  # of capacity: between the validated rates, so its steps range from one request to batches
 CALIBRATION_SEED = 11       # its requests and arrivals (the sweep's: requests seed 1, arrivals seed 2)
@@ -87,7 +86,7 @@ def run(quick: bool) -> BenchResult:
     shape = QUICK if quick else FULL
     torch.set_num_threads(shape.threads)
     measured = measure(shape)
-    calibrated, fit = fit_engine_steps(measured.calibration.steps)
+    calibrated, fit = calibration_fit(measured.calibration.steps)
     others = [*calibration_variants(measured.calibration.steps), ("_in_process", "in-process steps",
                                                                    load_profile(PROFILE))]
     replays = []

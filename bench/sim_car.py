@@ -6,7 +6,7 @@ prefetch), on a multi-turn workload (closed-loop conversations) and on shared sy
 clients). This bench runs those eight (bench.car.serve_multi_turn and serve_system_prompts; `--quick`
 bench car's quick shape: 3 conversations of 4 turns, 24 system-prompt requests, one torch thread), and:
   0. calibration: first the recomputing engine serves conversations and system prompts of its own
-     (CALIBRATION_SEED), every step timed; the step cost is fitted to them (sim.fit.fit_engine_steps);
+     (CALIBRATION_SEED), every step timed; the step cost is fitted to them (five terms, sim_validation.calibration_fit);
   1. measured: the eight runs, each request's arrival, token ids and token times, each step timed;
   2. simulated: each run replayed (bench/sim_replay.py) through a SimEngine configured from the
      method's engine (its pools, budget, policies, prefix cache, cxl tier, high-water mark, window,
@@ -23,8 +23,8 @@ Keys, for each method m (recompute, lru, car, car_prefetch) and workload w (mult
   sim_error_{p90_ttft,mean_tpot,p90_e2e}_<m>_<w>: target <= 0.15; sim_error_p50_ttft_...: no target.
 Information, one assumption varied at a time: `_rescaled`, `_own_steps` (as bench sim_cacheopt's),
 `_relative_fit` (the calibration's steps fitted in relative error, each step alike, as bench
-sim_layerkv's: the many short decode steps weigh as much as the long prefills), `_five_terms`
-(the calibration fitted without the prefill-sequence term f: the cost before it), `_open_loop`, and
+sim_layerkv's: the many short decode steps weigh as much as the long prefills), `_with_f`
+(the calibration fitted with the prefill-sequence term f: six terms, where the calibrated has five), `_open_loop`, and
 for CaR's engines `_copy_25gbps` (the cxl tier copied at the simulator's default, a PCIe 4.0 link,
 not at the rate measured here) and `_reloads_before_step` (a turn's reloads copied before its step,
 not layer by layer under it, CaR III-C.1); sim_elasticity_...; and the prefix cache's hits by tier
@@ -48,7 +48,7 @@ from kvmesh.libs.messages.engine import Targets
 from kvmesh.services.engine.native.factory import build_engine
 from kvmesh.sim.cluster import Cluster
 from kvmesh.sim.engine import SimEngine
-from kvmesh.sim.fit import fit_engine_steps, recorded_shape
+from kvmesh.sim.fit import recorded_shape
 from kvmesh.sim.request import SimRequest
 from kvmesh.sim.step_cost import StepCost
 
@@ -59,7 +59,7 @@ from .instruction_trace import TraceRequest
 from .report import BenchResult, Row
 from .sim_replay import (SENSITIVITY, Configured, Variation, calibration_variants, configured, figures, keys,
                          simulated, variations)
-from .sim_validation import FIGURES, TARGET, plot, step_time_ratio
+from .sim_validation import FIGURES, TARGET, calibration_fit, plot, step_time_ratio
 
 CALIBRATION_SEED = 11   # its conversations and system prompts (the runs': seeds 1 and 2)
 WORKLOADS = ("multi_turn", "system_prompts")
@@ -123,7 +123,7 @@ def run(quick: bool) -> BenchResult:
     n_conv, turns, n_sys = (3, 4, 24) if quick else (car.CONVERSATIONS, car.TURNS, car.REQUESTS)
     calibration = [*_served("recompute", "multi_turn", n_conv, turns, n_sys, CALIBRATION_SEED).stats.steps,
                    *_served("recompute", "system_prompts", n_conv, turns, n_sys, CALIBRATION_SEED).stats.steps]
-    calibrated, fit = fit_engine_steps(calibration)
+    calibrated, fit = calibration_fit(calibration)
     runs = {(m, w): _served(m, w, n_conv, turns, n_sys) for m in car.METHODS for w in WORKLOADS}
     engines = {(m, w): configured_engine(m, w, n_conv, turns) for m in car.METHODS for w in WORKLOADS}
     others = calibration_variants(calibration)

@@ -11,7 +11,7 @@ This bench runs the same sweep (bench.layerkv.sweep; `--quick` its quick shape: 
      shaped and arriving as the sweep's: CALIBRATION_SEED's A-shaped requests (1536-token prompts) at
      A's rate, then its instructions at B's first share of capacity, each a Poisson process of the
      seed; each turn that stepped is recorded and the step cost fitted to them
-     (sim.fit.fit_engine_steps). All at once, as before, the instructions were prefilled packed
+     (five terms, sim_validation.calibration_fit). All at once, as before, the instructions were prefilled packed
      with the long prompts into the budget's steps: the cost had no short prefill to fit, and B's
      prefill steps took 3.6-3.7x what it said of them;
   2. simulated: each run replayed (bench/sim_replay.py) through a SimEngine configured from the
@@ -23,8 +23,8 @@ Keys, for each method m (fcfs, layerkv_noslo, layerkv) and run (a<context>, b<sh
   sim_error_{p90_ttft,mean_tpot,p90_e2e}_<m>_<run>: target <= 0.15; sim_error_p50_ttft_...: no target.
 Information, one assumption varied at a time: `_rescaled`, `_own_steps` (as bench sim_cacheopt's),
 `_relative_fit` (the calibration's steps fitted in relative error, each step alike: short prefills
-weigh as much as the 1536-token ones), `_five_terms` (the calibration fitted without the
-prefill-sequence term f: the cost before it), `_inline_copies` (LayerKV's engines: a staged layer's copies
+weigh as much as the 1536-token ones), `_with_f` (the calibration fitted with the
+prefill-sequence term f: six terms, where the calibrated has five), `_inline_copies` (LayerKV's engines: a staged layer's copies
 in its step, as the CPU engine copies, not overlapped); sim_elasticity_...; the layers each run
 offloaded, measured and simulated. With 4 and 12 requests a run, a P90 is one request's.
 """
@@ -38,7 +38,6 @@ from pathlib import Path
 import torch
 
 from kvmesh.libs.messages.engine import Targets
-from kvmesh.sim.fit import fit_engine_steps
 from kvmesh.sim.step_cost import StepCost
 
 from . import layerkv
@@ -49,7 +48,7 @@ from .layerkv_traces import fixed
 from .report import BenchResult, Row
 from .sim_replay import (SENSITIVITY, Configured, Variation, calibration_variants, configured, figures, keys,
                          variations)
-from .sim_validation import FIGURES, TARGET, plot, step_time_ratio
+from .sim_validation import FIGURES, TARGET, calibration_fit, plot, step_time_ratio
 
 CALIBRATION_SEED = 11   # its requests (the sweep's: A seed 1, B seed 2)
 PLOT = Path("bench-results/sim_layerkv.png")
@@ -62,7 +61,7 @@ def run(quick: bool) -> BenchResult:
     calibration = calibration_run(served)
     steps = [step for part in calibration for step in part.steps]
     engines = {method: configured_engine(method, served.profile) for method in layerkv.METHODS}
-    calibrated, fit = fit_engine_steps(steps)
+    calibrated, fit = calibration_fit(steps)
     others = calibration_variants(steps)
     replays = {(method, name): (stats, variations(stats, requests, max(r.output_len for r in requests),
                                                   engines[method], calibrated, others))

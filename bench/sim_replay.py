@@ -18,14 +18,15 @@ from kvmesh.policies.views import RequestView
 from kvmesh.services.engine.native.engine import Engine
 from kvmesh.sim.cluster import Cluster
 from kvmesh.sim.engine import HOOKS, EngineSpec, SimEngine, Step
-from kvmesh.sim.fit import fit_engine_steps, fit_step_cost, recorded_shape
+from kvmesh.sim.fit import fit_step_cost, recorded_shape
 from kvmesh.sim.prefix_count import PrefixCount
 from kvmesh.sim.request import SimRequest
 from kvmesh.sim.step_cost import TERMS, StepCost
 
 from .cacheopt_serving import RunStats, Served
 from .instruction_trace import TraceRequest
-from .sim_validation import FIGURES, TARGET, TARGETED, five_term_fit, relative_error, step_time_ratio
+from .sim_validation import (FIGURES, HELD, TARGET, TARGETED, calibration_fit, relative_error, six_term_fit,
+                             step_time_ratio)
 
 ENGINE = "engine-c0"
 SENSITIVITY = 0.05  # the own-steps cost this much faster and slower: each figure's elasticity to the step cost
@@ -175,7 +176,7 @@ def variations(stats: RunStats, requests: list[TraceRequest], sent_max_tokens: i
     `others` (suffix, label, cost), and with layer-wise offloading the staged layers' copies
     inline, not overlapped; and the run's own cost SENSITIVITY faster and slower (what a figure's
     error does with a small error in the step cost)."""
-    own, _ = fit_engine_steps(stats.steps)
+    own, _ = calibration_fit(stats.steps)
     plans = [("", "simulated", calibrated, SimEngine),
              ("_rescaled", "calibrated, rescaled to the run",
               scaled(calibrated, step_time_ratio(calibrated, stats.steps)), SimEngine),
@@ -191,15 +192,16 @@ def variations(stats: RunStats, requests: list[TraceRequest], sent_max_tokens: i
 
 def calibration_variants(steps: list[dict]) -> list[tuple[str, str, StepCost]]:
     """The calibration's steps fitted otherwise, as `others` of variations(): in relative error, and
-    without the prefill-sequence term (the five-term cost before it)."""
+    with the prefill-sequence term f (six terms)."""
     return [("_relative_fit", "calibration fitted in relative error", relative_fit(steps)),
-            ("_five_terms", "calibration without f (five terms)", five_term_fit(steps))]
+            ("_with_f", "calibration with f (six terms)", six_term_fit(steps))]
 
 
 def relative_fit(steps: list[dict]) -> StepCost:
     """The step cost fitted to `steps` minimising the relative error (each step counts alike), not
     the error in seconds: the short steps' shape weighs as much as the long ones'."""
-    return fit_step_cost([recorded_shape(s) for s in steps], [s["seconds"] for s in steps], relative=True)[0]
+    return fit_step_cost([recorded_shape(s) for s in steps], [s["seconds"] for s in steps], relative=True,
+                         held=HELD)[0]
 
 
 def scaled(cost: StepCost, factor: float) -> StepCost:

@@ -1,6 +1,6 @@
 """bench sim's calibration (issue 31 item 2): before the validated loads, the cluster serves a load
 of its own, and the profile is fitted to it: each engine's step cost to the steps it recorded while
-serving it (`GET /v1/steps`, each the wall time of its loop's turn: sim.fit.fit_engine_steps), and
+serving it (`GET /v1/steps`, each the wall time of its loop's turn: five terms, sim_validation.calibration_fit), and
 the request's path outside the engines to the client's timings against the engines' own
 (sim.request_path.measure over the admission's per-request `timings_ms`)."""
 
@@ -12,13 +12,13 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from kvmesh.sim.fit import fit_engine_steps
 from kvmesh.sim.request_path import RequestPath, measure, profile_entry, requests_in_flight
 from kvmesh.sim.step_cost import TERMS, StepCost, write_profile
 
 from . import serve
 from .loadgen import LoadResult, run_load, served_model
 from .sim_serving import Steps
+from .sim_validation import calibration_fit
 from .workloads import WORKLOADS
 
 WORKLOAD = "arxiv"               # the calibration's and the validated loads'
@@ -45,7 +45,7 @@ def calibrate(load: LoadResult, steps: Steps) -> Calibration:
             raise RuntimeError(f"the calibration load left no profile to fit: {engine_id} recorded "
                                f"{len(engine_steps)} steps (a fit needs {len(TERMS)}); {failed} of "
                                f"{len(load.results)} requests failed")
-    fitted = {engine_id: fit_engine_steps(engine_steps) for engine_id, engine_steps in steps.items()}
+    fitted = {engine_id: calibration_fit(engine_steps) for engine_id, engine_steps in steps.items()}
     return Calibration({e: cost for e, (cost, _) in fitted.items()}, {e: fit for e, (_, fit) in fitted.items()},
                        measured_path(load), load, steps)
 

@@ -30,7 +30,7 @@ from .quick import BENCH_TIMEOUT, quick_bench
 TRACE = cacheopt.TRACES["instructions"]
 REQUESTS = TRACE.requests(12, seed=1)
 HIGH = TRACE.output.high
-TRUTH = StepCost(a=2e-3, b=5e-5, c=8e-5, d=3e-7, e=1e-7, f=3e-3)
+TRUTH = StepCost(a=2e-3, b=5e-5, c=8e-5, d=3e-7, e=1e-7)  # five terms, as the benches calibrate (f held at 0)
 ENGINE = sim_replay.Configured(EngineSpec(block_size=16, num_layers=4, device_blocks=4096, token_budget=2048),
                           {"kv_allocation": "block_at_a_time"}, AllocationParams(reserved_blocks=0))
 

@@ -6,6 +6,7 @@ colocated engine and a real 1P1D pair."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from kvmesh.bench.loadgen import LoadResult, RequestResult, poisson_arrivals
 from kvmesh.bench.report import BenchResult, save
 from kvmesh.bench.sim_serve_calibration import calibrate, served_profile_path, write_served_profiles
 from kvmesh.bench.sim_serving import sim_engines
-from kvmesh.bench.sim_validation import step_time_ratio
+from kvmesh.bench.sim_validation import calibration_fit, six_term_fit, step_time_ratio
 from kvmesh.bench.workloads import WORKLOADS
 from kvmesh.policies.step_shape import FIELDS
 from kvmesh.sim.engine import EngineSpec
@@ -29,7 +30,7 @@ from kvmesh.sim.topology import Topology
 from .quick import BENCH_TIMEOUT, quick_bench
 
 SPEC = EngineSpec(device_blocks=4096, num_layers=4)
-TRUTH = StepCost(a=2e-3, b=5e-5, c=8e-5, d=3e-7, e=1e-7, f=3e-3)
+TRUTH = StepCost(a=2e-3, b=5e-5, c=8e-5, d=3e-7, e=1e-7)  # five terms, as the benches calibrate (f held at 0)
 
 
 def fake_load(rate: float, count: int, ttft: float = 0.05, tbt: float = 0.004, engine_ttft: float = 0.041,
@@ -101,10 +102,10 @@ def test_the_path_counts_in_the_simulated_latencies():
 
 def test_the_calibration_is_its_own_loads_steps_and_path():
     calibration = calibrate(fake_load(6, 16, ttft=0.05, engine_ttft=0.041, timed=True),
-                                      {"engine-p0": recorded_steps(80), "engine-d0": recorded_steps(60, seed=1)})
+                            {"engine-p0": recorded_steps(80), "engine-d0": recorded_steps(60, seed=1)})
     for cost in calibration.costs.values():
-        for term in ("a", "b", "c", "d", "e"):
-            assert getattr(cost, term) == pytest.approx(getattr(TRUTH, term), rel=1e-6)
+        for term in TERMS:
+            assert getattr(cost, term) == pytest.approx(getattr(TRUTH, term), rel=1e-6, abs=1e-15)
     assert calibration.path.first_token_s == pytest.approx(0.009)
     assert calibration.path.last_token_lag_s == pytest.approx(0.0, abs=1e-12)
 
@@ -116,15 +117,23 @@ def test_a_calibration_load_that_left_an_engine_without_steps_says_so():
         calibrate(load, {"engine-p0": recorded_steps(80), "engine-d0": []})
 
 
+def test_the_benches_calibrate_five_terms_and_their_with_f_variation_fits_six():
+    six_terms = dataclasses.replace(TRUTH, f=3e-3)
+    steps = recorded_steps(80, six_terms)
+    five, fit = calibration_fit(steps)
+    assert five.f == 0 and "f" in fit["held_at_zero"]
+    six = six_term_fit(steps)
+    assert [getattr(six, t) for t in TERMS] == pytest.approx([getattr(six_terms, t) for t in TERMS], rel=1e-6)
+
+
 def test_each_variation_changes_one_assumption():
     run = measured(bench_sim.CONFIGURATIONS[0])
     calibration = calibrate(run.calibration_load, run.calibration_steps)
     in_process = load_profile(bench_sim.PROFILE)
     found = {v.suffix: v for v in bench_sim.variations(calibration, run, in_process)}
-    assert list(found) == ["", "_constant_path", "_in_process", "_no_path", "_five_terms", "_own_steps", "_own_path",
+    assert list(found) == ["", "_constant_path", "_in_process", "_no_path", "_with_f", "_own_steps", "_own_path",
                            "_own"]
-    five = found["_five_terms"].costs[0]["engine-c0"]
-    assert five.f == 0 and five.a > 0 and found["_five_terms"].paths == [calibration.path] * 4
+    assert found["_with_f"].paths == [calibration.path] * 4
     assert found["_constant_path"].paths == \
         [RequestPath(calibration.path.first_token_s, calibration.path.last_token_lag_s)] * 4
     assert found[""].costs == [calibration.costs] * 4 and found[""].paths == [calibration.path] * 4
