@@ -91,8 +91,8 @@ def turn(request: SimRequest) -> int:
 class ConversationLoop(Cluster):
     """A cluster whose clients are conversations, closed-loop: a conversation's first turn arrives at
     its start; each later one is sent its think time after the answer before it ended (its arrival set
-    then, and given to the cluster's `arrive`), and routed as any arrival. No decode runs: a run applies its requests' ends late, so a turn
-    would be sent late."""
+    then, and given to the cluster's `arrive`), and routed as any arrival. No decode runs: a run applies
+    its requests' ends late, so a turn would be sent late."""
 
     def __init__(self, engines: Mapping[str, tuple[str, SimEngine]], talks: list[list[tuple[SimRequest, float]]],
                  **cluster: object):
