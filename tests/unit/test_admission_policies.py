@@ -59,7 +59,9 @@ def test_the_limits_default_to_the_admission_services_own():
         assert getattr(service, field.name) == getattr(limits, field.name), field.name
 
 
-async def test_the_services_queue_hands_a_slot_on_past_a_task_cancelled_while_queued():
+def one_slot_two_queued():
+    """The service's queue of one slot and two places, the order tasks got their slot in, the event
+    that lets them go, and the task body that holds a slot under a name until then."""
     queue = BoundedQueue(max_running=1, max_queued=2)
     order: list[str] = []
     release = asyncio.Event()
@@ -68,6 +70,12 @@ async def test_the_services_queue_hands_a_slot_on_past_a_task_cancelled_while_qu
         async with queue.slot():
             order.append(name)
             await release.wait()
+
+    return queue, order, release, hold
+
+
+async def test_the_services_queue_hands_a_slot_on_past_a_task_cancelled_while_queued():
+    queue, order, release, hold = one_slot_two_queued()
 
     first = asyncio.create_task(hold("a"))
     await asyncio.sleep(0)
@@ -85,14 +93,7 @@ async def test_the_services_queue_hands_a_slot_on_past_a_task_cancelled_while_qu
 
 
 async def test_a_task_cancelled_as_its_slot_came_passes_the_slot_on():
-    queue = BoundedQueue(max_running=1, max_queued=2)
-    order: list[str] = []
-    release = asyncio.Event()
-
-    async def hold(name: str) -> None:
-        async with queue.slot():
-            order.append(name)
-            await release.wait()
+    queue, order, release, hold = one_slot_two_queued()
 
     async def hold_then_cancel_the_next() -> None:
         await hold("a")
