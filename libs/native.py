@@ -8,6 +8,8 @@ logged and returns None: every extension has a plain-Python or plain-torch fallb
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -15,7 +17,7 @@ import os
 import platform
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -43,12 +45,26 @@ def load(name: str, sources: tuple[Path, ...], openmp: bool = False) -> ModuleTy
     omp = ["-fopenmp"] if openmp else []
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags(sources) + omp,
-                                  extra_ldflags=omp, build_directory=str(directory), verbose=False)
+        with build_lock(directory):
+            return cpp_extension.load(name=name, sources=[str(s) for s in sources],
+                                      extra_cflags=cflags(sources) + omp, extra_ldflags=omp,
+                                      build_directory=str(directory), verbose=False)
     except Exception as error:  # noqa: BLE001 - whatever failed, the fallback still works
         tail = "\n".join(str(error).splitlines()[-20:])  # the compiler's output can be long
         log.warning("%s: building in %s failed; using the fallback:\n%s", name, directory, tail)
         return None
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path) -> Iterator[None]:
+    """One kvmesh process at a time builds or loads in `directory`, under a kernel lock that dies
+    with its holder. torch's own baton (the file `lock`) outlives a build killed midway (a test's
+    timeout), and every later load then waits for it for ever; under the kernel lock a baton left
+    there is such a one, and is removed."""
+    with open(directory / "kvmesh.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)
+        yield
 
 
 def cflags(sources: Sequence[Path]) -> list[str]:
