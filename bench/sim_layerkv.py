@@ -25,8 +25,9 @@ Information, one assumption varied at a time: `_rescaled`, `_own_steps` (as benc
 `_relative_fit` (the calibration's steps fitted in relative error, each step alike: short prefills
 weigh as much as the 1536-token ones), `_with_f` (the calibration fitted with the
 prefill-sequence term f: six terms, where the calibrated has five), `_inline_copies` (LayerKV's
-engines: a staged layer's copies in its step, as the CPU engine copies, not overlapped); sim_elasticity_...; the layers each run
-offloaded, measured and simulated. With 4 and 12 requests a run, a P90 is one request's.
+engines: a staged layer's copies in its step, as the CPU engine copies, not overlapped);
+sim_elasticity_...; the layers each run offloaded, measured and simulated. With 4 and 12 requests a
+run, a P90 is one request's.
 """
 
 from __future__ import annotations
