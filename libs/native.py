@@ -61,10 +61,24 @@ def build_lock(directory: Path) -> Iterator[None]:
     with its holder. torch's own baton (the file `lock`) outlives a build killed midway (a test's
     timeout), and every later load then waits for it for ever; under the kernel lock a baton left
     there is such a one, and is removed."""
-    with open(directory / "kvmesh.lock", "w") as held:
+    with open(directory / "kvmesh.lock", "w") as held, _venv_tools_first():
         fcntl.flock(held, fcntl.LOCK_EX)
         (directory / "lock").unlink(missing_ok=True)
         yield
+
+
+@contextlib.contextmanager
+def _venv_tools_first() -> Iterator[None]:
+    """The virtualenv's own tools (its pip-installed ninja) first on PATH while torch builds. A
+    process started without the virtualenv on PATH ran the system's ninja, whose log hashes a
+    command otherwise than the pip one's (1.11 against 1.13): each took the other's objects for
+    stale, and every load by the other kind rebuilt the kernels."""
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
 
 
 def cflags(sources: Sequence[Path]) -> list[str]:

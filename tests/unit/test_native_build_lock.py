@@ -3,9 +3,11 @@ load wait for ever, and the lock itself goes with a holder that is killed."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from kvmesh.libs.native import build_lock
 
@@ -38,3 +40,10 @@ def test_a_killed_holder_leaves_the_lock_free(tmp_path):
         holder.wait()
     with build_lock(tmp_path):
         assert not (tmp_path / "lock").exists()
+
+
+def test_the_build_runs_the_virtualenvs_tools_first_and_leaves_path_as_it_was(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    with build_lock(tmp_path):
+        assert os.environ["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
+    assert os.environ["PATH"] == "/usr/bin:/bin"
