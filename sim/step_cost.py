@@ -36,7 +36,7 @@ class StepCost:
     c: float = 0.0    # seconds per decode token
     d: float = 0.0    # seconds per KV token a decode's attention reads
     e: float = 0.0    # seconds per (query, key) pair a prefill chunk's attention computes
-    f: float = 0.0    # seconds per prefill sequence (prompt chunk) in the step
+    f: float = 0.0    # seconds per prompt computed from its first token in the step (a prefill sequence)
 
     def seconds(self, prefill_tokens: int, decode_tokens: int, decode_context: int, prefill_context: int,
                 prefill_sequences: int = 0) -> float:

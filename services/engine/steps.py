@@ -24,7 +24,7 @@ class EngineStep(msgspec.Struct, kw_only=True):
     decode_tokens: int
     decode_context: int     # KV tokens the decodes' attention read
     prefill_context: int    # (query, key) pairs the prompt chunks' attention computed
-    prefill_sequences: int  # prompt chunks (requests prefilling) in the step
+    prefill_sequences: int  # prompts computed from their first token in the step (policies/step_shape.py)
 
 
 class EngineSteps(msgspec.Struct, kw_only=True):
