@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="engine preemption strategies searched, with a cxl tier (%(default)s; without: recompute)")
     plan.add_argument("--caches", type=_names, default="none,lru,car",
                       help="prefix caches searched on conversations (%(default)s; car with --cxl-blocks)")
+    plan.add_argument("--front-doors", type=_names, default="off,on",
+                      help="admission's front door, off, on (refusing by expected wait against the TTFT SLO, else "
+                           "the e2e one; only with either) or both (%(default)s)")
     plan.add_argument("--requests", type=_positive, default=1000, help="requests each simulation runs (%(default)s)")
     plan.add_argument("--tolerance", type=float, default=0.02,
                       help="bisection stops when its bracket is this share of its top (%(default)s)")
@@ -222,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                         args.engines, args.topologies, args.routing, args.transfer_modes,
                         {"kv_allocation": args.kv_allocations, "preemption_order": args.preemption_orders,
                          "preemption_strategy": args.preemption_strategies}, args.requests, args.seed, args.tolerance,
-                        args.json_path, args.plot_path, geometry, policies, conversation, tuple(args.caches))
+                        args.json_path, args.plot_path, geometry, policies, conversation, tuple(args.caches),
+                        tuple(args.front_doors))
     return 2
 
 

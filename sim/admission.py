@@ -8,6 +8,10 @@ when it ends, the client's request takes its tokens, so its latencies run from t
 count the wait in admission's queue. A refused request stays unfinished: a failure in every figure
 (metrics.py counts it unfinished, slo_attainment as meeting nothing).
 
+Conversations (`talks`, sim/conversations.py's closed loop): each turn is a client arrival at the door,
+sent a think time after the answer before it ended; a refused turn ends its conversation, the turns
+after it unsent (unfinished: failures, as the refused one).
+
 No decode runs (`max_run_steps` 0): a run tells of its requests' first tokens and ends late, which would
 free slots late and misread the backlog. A request an engine refuses (it could never fit) keeps its
 slot, as nothing tells admission of it here."""
@@ -22,6 +26,7 @@ import numpy as np
 from kvmesh.policies.admission import Admit
 
 from .cluster import Cluster
+from .conversations import following_turn, next_turns
 from .engine import EngineSpec, SimEngine
 from .front_door import FrontDoor
 from .request import SimRequest
@@ -33,25 +38,30 @@ _RESULTS = ("token_times", "finished_at", "preemptions", "transfer_s", "schedule
 
 
 class AdmittedCluster(Cluster):
-    def __init__(self, engines: Mapping[str, tuple[str, SimEngine]], door: FrontDoor, **cluster: object):
+    def __init__(self, engines: Mapping[str, tuple[str, SimEngine]], door: FrontDoor,
+                 talks: list[list[tuple[SimRequest, float]]] | None = None, **cluster: object):
         super().__init__(engines, **cluster, max_run_steps=0)
         self.door = door
+        self.next_turn = next_turns(talks or [])
         self.clients: dict[str, SimRequest] = {}
         self.let_in: dict[str, float] = {}        # request id -> when it was routed
         self.no_first_token: list[SimRequest] = []  # routed, no first token seen yet (the backlog's pending)
 
     @classmethod
     def build(cls, topology: Topology, spec: EngineSpec, cost: StepCost, policies: Mapping[str, str] | None,
-              door: FrontDoor, **cluster: object) -> AdmittedCluster:
+              door: FrontDoor, talks: list[list[tuple[SimRequest, float]]] | None = None,
+              **cluster: object) -> AdmittedCluster:
         """As cluster.build: the topology's engines, alike."""
         return cls({engine_id: (role, SimEngine(spec, cost, policies)) for engine_id, role in topology.roles().items()},
-                   door, **cluster)
+                   door, talks, **cluster)
 
     def run(self, requests: Iterable[SimRequest], routed: Callable[[SimRequest], None] | None = None) -> float:
-        """Serve the clients' `requests` through the front door (`routed` hears of the copies routed)."""
+        """Serve the clients' `requests` through the front door (`routed` hears of the copies routed);
+        with conversations, every turn of the talks: the first ones arrive as given, the rest when sent."""
         requests = list(requests)
         self.clients = {request.request_id: request for request in requests}
-        return super().run(requests, routed)
+        later = {sent.request_id for sent, _ in self.next_turn.values()}
+        return super().run([request for request in requests if request.request_id not in later], routed)
 
     def admitted(self, request: SimRequest) -> SimRequest | None:
         if request is not self.clients.get(request.request_id):
@@ -69,6 +79,9 @@ class AdmittedCluster(Cluster):
         following = self.door.finished(request)
         if following is not None:
             self.arrive(self._let_in(following, self.events.now))
+        sent = following_turn(self.next_turn, client)
+        if sent is not None:
+            self.arrive(sent)
 
     def queue_waits(self) -> list[float]:
         """Each request let in: the seconds from its arrival to its slot."""

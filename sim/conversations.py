@@ -98,8 +98,7 @@ class ConversationLoop(Cluster):
                  **cluster: object):
         super().__init__(engines, **cluster, max_run_steps=0)
         self.first = [talk[0][0] for talk in talks if talk]
-        self.next_turn = {request.request_id: (talk[k + 1][0], think)
-                          for talk in talks for k, (request, think) in enumerate(talk[:-1])}
+        self.next_turn = next_turns(talks)
 
     @classmethod
     def build(cls, topology: Topology, spec: EngineSpec, cost: StepCost, policies: Mapping[str, str],
@@ -113,11 +112,24 @@ class ConversationLoop(Cluster):
         return super().run(self.first)
 
     def ended(self, request: SimRequest, engine_id: str) -> None:
-        following = self.next_turn.get(request.request_id)
-        if following is not None:
-            sent, think = following
-            sent.arrival = request.finished_at + think
+        sent = following_turn(self.next_turn, request)
+        if sent is not None:
             self.arrive(sent)
+
+
+def next_turns(talks: list[list[tuple[SimRequest, float]]]) -> dict[str, tuple[SimRequest, float]]:
+    """Each turn's request id: the turn after it in its conversation, and the think time between."""
+    return {request.request_id: (talk[k + 1][0], think) for talk in talks for k, (request, think) in enumerate(talk[:-1])}
+
+
+def following_turn(next_turn: dict[str, tuple[SimRequest, float]], ended: SimRequest) -> SimRequest | None:
+    """Closed loop: the turn sent after `ended`'s answer, its arrival a think time after that answer ended."""
+    following = next_turn.get(ended.request_id)
+    if following is None:
+        return None
+    sent, think = following
+    sent.arrival = ended.finished_at + think
+    return sent
 
 
 def conversation_shape(turns: int, think_s: float, system: int, max_context: int, message: Lengths,

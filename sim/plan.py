@@ -1,12 +1,13 @@
 """`kvmesh plan`: for a workload and its SLOs, the configuration with the highest SLO goodput per
 engine, searched in the simulator over topologies (colocated:N, pd:P:D), engine counts and policies
-(routing, pull or push, KV allocation, preemption order and strategy, and on conversations the prefix
-cache); the runner-up, which SLO binds it and at what rate; and how many replicas of the pick serve
+(routing, pull or push, admission's front door, KV allocation, preemption order and strategy, and on
+conversations the prefix cache); the runner-up, which SLO binds it and at what rate; and how many replicas of the pick serve
 the rate asked.
 
 Goodput is DistServe's (OSDI'24): the highest arrival rate at which at least X% of requests meet every
 SLO, found for each configuration by bisection on one workload (sim/plan_search.py); per engine, it is
-divided by the configuration's engine count."""
+divided by the configuration's engine count. Every request counts: one the front door refused is a
+failure."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from .conversations import Conversations
 from .engine import EngineSpec
 from .link import KVGeometry
 from .plan_search import (SEARCHED, Candidate, Goodput, Run, Simulator, bisect_goodput, cache_choices, engine_choices,
-                          parse_counts, parse_slos, routing_choices, search_space)
+                          front_door_choices, parse_counts, parse_slos, routing_choices, search_space)
 from .plan_workload import PREDICTOR, estimate_rule
 from .step_cost import load_profile
 from .workload import Lengths
@@ -46,12 +47,14 @@ def run(profile: str, rate: float, prompt: str, output: str, slos: list[str], at
         engines: str, kinds: list[str], routings: list[str] | None, transfer_modes: list[str],
         searched: dict[str, list[str]], requests: int, seed: int, tolerance: float, json_path: Path | None,
         plot_path: Path | None, geometry: KVGeometry = KVGeometry(), policies: dict[str, str] | None = None,
-        conversation: Conversations | None = None, caches: tuple[str, ...] = ("none", "lru", "car")) -> int:
+        conversation: Conversations | None = None, caches: tuple[str, ...] = ("none", "lru", "car"),
+        front_doors: tuple[str, ...] = ("off", "on")) -> int:
     """`attainment`: the percentage of requests that must meet every SLO; `routings`: None for
     routing_choices' default; `searched`: the names searched for each engine hook of SEARCHED;
     `policies`: engine policies every configuration runs (one of a searched hook fixes it);
     `conversation`: conversations instead of lone requests (its rate unused: `rate` is conversations
-    started per second), and `caches` the prefix caches searched on them. Bad input: a message on
+    started per second), and `caches` the prefix caches searched on them; `front_doors`: off, on or
+    both (on only with a TTFT or end-to-end SLO: front_door_choices). Bad input: a message on
     stderr, exit status 2, nothing run or written."""
     try:
         if rate <= 0 or not 0 < attainment <= 100 or not 0 < tolerance < 1 or requests < 1:
@@ -63,7 +66,8 @@ def run(profile: str, rate: float, prompt: str, output: str, slos: list[str], at
         counts = parse_counts(engines)
         routings = routing_choices(routings, conversation is not None)
         cached = cache_choices(caches, conversation is not None, spec.cxl_blocks > 0)
-        space = search_space(counts, kinds, routings, transfer_modes, choices, cached)
+        doors = front_door_choices(front_doors, simulator.slos)
+        space = search_space(counts, kinds, routings, transfer_modes, choices, cached, doors)
     except (KeyError, ValueError, FileNotFoundError) as exc:
         print(f"kvmesh plan: {exc.args[0] if exc.args else exc}", file=sys.stderr)  # a KeyError's str quotes it
         return 2
@@ -81,6 +85,7 @@ def run(profile: str, rate: float, prompt: str, output: str, slos: list[str], at
               "slos_ms": {name: limit * 1e3 for name, limit in simulator.slos.items()}, "attainment": target,
               "engine": asdict(spec),
               "search": {"engines": counts, "topologies": kinds, "routing": routings, "caches": cached,
+                         "front_door": doors,
                          "transfer_modes": transfer_modes, **{hook: names for hook, names in choices.items()}},
               "engine_policies": simulator.policies, "predictions": predictions,
               "requests": requests, "seed": seed, "tolerance": tolerance, "link": asdict(simulator.link),
@@ -247,7 +252,18 @@ def _why(winner: Result, other: Result, simulator: Simulator, target: float) -> 
             f"  why: at {at:.2f} {simulator.unit} it meets every SLO for {missed.attainment['all']:.1%} of "
             f"{'requests' if simulator.conversation is None else 'turns'} "
             f"(target {target:.0%}); {binding} binds it ({_attained(missed, simulator.slos)}); the pick meets every "
-            f"SLO there for {held.attainment['all']:.1%}{_cache_compared(missed, held)}")
+            f"SLO there for {held.attainment['all']:.1%}{_refused_compared(missed, held, simulator)}"
+            f"{_cache_compared(missed, held)}")
+
+
+def _refused_compared(it: Run, pick: Run, simulator: Simulator) -> str:
+    """How many the front door refused, of each, where either ran one (refused: failures)."""
+    if it.refused is None and pick.refused is None:
+        return ""
+    total = simulator.requests
+    return "; refused at the front door: " + ", ".join(
+        f"{who} {'no door' if run.refused is None else f'{run.refused / total:.1%}'}" for who, run in
+        (("it", it), ("the pick", pick)))
 
 
 def _cache_compared(it: Run, pick: Run) -> str:
@@ -307,13 +323,14 @@ def _table(ranked: list[Result], simulator: Simulator) -> str:
 def _candidate(candidate: Candidate) -> dict:
     return {"configuration": str(candidate), "topology": str(candidate.topology), "engines": candidate.engines,
             "routing": candidate.routing, "transfer_mode": candidate.transfer_mode, "cache": candidate.cache,
+            "front_door": candidate.front_door,
             **candidate.engine_policies}
 
 
 def _run(run: Run) -> dict:
     return {"attainment": run.attainment, "ttft_p90_s": run.ttft_p90_s, "tpot_mean_s": run.tpot_mean_s,
             "e2e_p90_s": run.e2e_p90_s, "preemptions": run.preemptions, "unfinished": run.unfinished,
-            "cache": run.cache}
+            "cache": run.cache, "refused": run.refused}
 
 
 def _result(result: Result, simulator: Simulator) -> dict:

@@ -5,7 +5,8 @@ Goodput is DistServe's (OSDI'24, section 2.2): the highest arrival rate at which
 requests meet every SLO. Every run is the same workload: the same seed draws the same lengths and the
 same exponential gaps, scaled by the rate, so two configurations, or two rates, are compared on the
 same requests (paired). With conversations (plan_workload.py) the rate is conversations started per
-second, and the goodput the highest such rate at which X% of their turns meet every SLO."""
+second, and the goodput the highest such rate at which X% of their turns meet every SLO. Every request
+counts: one admission's front door refused meets no SLO."""
 
 from __future__ import annotations
 
@@ -15,13 +16,16 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from kvmesh.policies import registry as engine_policies
+from kvmesh.policies.admission import AdmissionLimits
 from kvmesh.policies.routing import registry as routing_policies
 
+from .admission import AdmittedCluster
 from .cache_choice import CACHES, cache_figures, with_cache
 from .cluster import HEARTBEAT_S, TRANSFER_MODES, Cluster, build
 from .conversations import Conversations, ConversationLoop
 from .engine import HOOKS as ENGINE_HOOKS
 from .engine import EngineSpec
+from .front_door import FrontDoor
 from .link import KVGeometry, LinkSpec
 from .metrics import slo_attainment, summarise
 from .request import SimRequest
@@ -35,6 +39,7 @@ KINDS = ("colocated", "pd")
 DOUBLINGS = 10  # the bracket's search stops 2**10 times above or below the starting rate
 SEARCHED = ("kv_allocation", "preemption_order", "preemption_strategy")  # the engine hooks the search varies
 ROUTINGS = ("conditional", "least_loaded", "round_robin")  # searched by default (and prefix_aware: routing_choices)
+FRONT_DOORS = ("off", "on")  # admission's front door, searched (front_door_choices)
 
 
 def parse_slos(texts: Iterable[str]) -> dict[str, float]:
@@ -80,7 +85,7 @@ class Candidate:
     kv_allocation: str = "block_at_a_time"
     preemption_strategy: str = "recompute"
     cache: str | None = None  # the prefix cache (cache_choice.py); None: not searched, no blocks shared
-
+    front_door: bool = False  # admission's front door, its limits from the SLOs (door_limits)
 
     @property
     def engines(self) -> int:
@@ -92,7 +97,8 @@ class Candidate:
 
     def __str__(self) -> str:
         cache = None if self.cache is None else f"cache:{self.cache}"
-        return " ".join(str(part) for part in (self.topology, self.routing, self.transfer_mode, cache,
+        door = "front_door" if self.front_door else None
+        return " ".join(str(part) for part in (self.topology, self.routing, self.transfer_mode, door, cache,
                                                self.kv_allocation, self.preemption_order, self.preemption_strategy)
                         if part is not None)
 
@@ -138,6 +144,24 @@ def cache_choices(caches: Sequence[str], shares_blocks: bool, cxl_tier: bool) ->
     return [name for name in caches if name != "car" or cxl_tier]
 
 
+def front_door_choices(names: Sequence[str], slos: dict[str, float]) -> list[bool]:
+    """Whether admission's front door stands in front, each of FRONT_DOORS given: on only with a TTFT or
+    end-to-end SLO, which its refusal by expected wait reads (door_limits); a TPOT SLO holds however
+    long a request waits, so refusing one cannot help it."""
+    unknown = [name for name in names if name not in FRONT_DOORS]
+    if unknown:
+        raise ValueError(f"front door {unknown[0]!r}: give {' or '.join(FRONT_DOORS)}")
+    return [name == "on" for name in names if name == "off" or "ttft" in slos or "e2e" in slos]
+
+
+def door_limits(slos: dict[str, float], engines: int, spec: EngineSpec) -> AdmissionLimits:
+    """Admission's limits for a front door the planner runs: a request is refused when it can expect to
+    wait for its first token past its TTFT SLO (every request carries it), else past the end-to-end
+    SLO; as many run at once as the engines batch (each `max_num_seqs`), the rest wait in admission's
+    queue (its default bound); no rate limit."""
+    return AdmissionLimits(max_running=engines * spec.max_num_seqs, max_wait_s=slos.get("e2e"))
+
+
 def topology_caches(topology: Topology, caches: Sequence[str | None]) -> list[str | None]:
     """The caches a topology runs: a pd topology's engines cache nothing in the simulator (a split
     request's parts carry no block names through the hand-off), so they run only `none`."""
@@ -148,11 +172,11 @@ def topology_caches(topology: Topology, caches: Sequence[str | None]) -> list[st
 
 def search_space(engine_counts: Sequence[int], kinds: Sequence[str], routings: Sequence[str],
                  transfer_modes: Sequence[str], engine_searched: dict[str, list[str]],
-                 caches: Sequence[str | None] = (None,)) -> list[Candidate]:
+                 caches: Sequence[str | None] = (None,), front_doors: Sequence[bool] = (False,)) -> list[Candidate]:
     """Every topology of each engine count (colocated:N; pd:P:D for every P + D = N) with every policy
-    choice (routing, transfer mode, prefix cache, and each hook of SEARCHED); transfer modes only where
-    a KV hand-off happens, caches as topology_caches prunes them. In that order, so a tie goes to the
-    configuration listed first."""
+    choice (routing, transfer mode, front door, prefix cache, and each hook of SEARCHED); transfer modes
+    only where a KV hand-off happens, caches as topology_caches prunes them. In that order, so a tie
+    goes to the configuration listed first."""
     unknown = [kind for kind in kinds if kind not in KINDS] + [m for m in transfer_modes if m not in TRANSFER_MODES]
     if unknown:
         raise ValueError(f"{unknown[0]!r}: topologies are {' and '.join(KINDS)}, transfer modes "
@@ -166,13 +190,14 @@ def search_space(engine_counts: Sequence[int], kinds: Sequence[str], routings: S
             ([Topology(prefill=p, decode=n - p) for p in range(1, n)] if "pd" in kinds else [])
         for topology in topologies:
             modes = transfer_modes if topology.prefill else [None]
-            space += [Candidate(topology, routing, order, mode, allocation, strategy, cache)
-                      for routing, mode, cache, allocation, order, strategy in
-                      itertools.product(routings, modes, topology_caches(topology, list(caches)), allocations,
-                                        orders, strategies)]
+            space += [Candidate(topology, routing, order, mode, allocation, strategy, cache, door)
+                      for routing, mode, door, cache, allocation, order, strategy in
+                      itertools.product(routings, modes, front_doors, topology_caches(topology, list(caches)),
+                                        allocations, orders, strategies)]
     if not space:
         raise ValueError(f"the search space is empty: engine counts {list(engine_counts)}, topologies {list(kinds)}, "
                          f"routing {list(routings)}, transfer modes {list(transfer_modes)}, caches {list(caches)}, "
+                         f"front doors {list(front_doors)}, "
                          f"engine policies {engine_searched} (pd needs 2 engines or more; car a cxl tier)")
     return space
 
@@ -230,6 +255,7 @@ class Run:
     preemptions: int
     unfinished: int
     cache: dict | None = None  # with a prefix cache: what it gave (cache_choice.cache_figures)
+    refused: int | None = None  # with a front door: the requests (turns) it refused
 
 
 class Simulator:
@@ -262,7 +288,8 @@ class Simulator:
         summary = summarise(workload, cluster.run(workload), 0.0)
         self.runs[key] = run = Run(slo_attainment(workload, self.slos), summary["ttft_p90_s"], summary["tpot_mean_s"],
                                    summary["e2e_p90_s"], summary["preemptions"], summary["unfinished"],
-                                   cache_figures(workload, cluster))
+                                   cache_figures(workload, cluster),
+                                   len(cluster.door.refused) if isinstance(cluster, AdmittedCluster) else None)
         self.simulated += 1
         if run.preemptions == 0:
             self.runs[any_order] = run
@@ -274,17 +301,23 @@ class Simulator:
         return "req/s" if self.conversation is None else "conv/s"
 
     def _cluster(self, candidate: Candidate, rate: float) -> tuple[list[SimRequest], Cluster]:
-        """The run's requests, and the cluster that serves them with the candidate's policies and cache."""
+        """The run's requests, and the cluster that serves them with the candidate's policies, cache and
+        front door."""
         spec, cache_policies = (self.spec, {}) if candidate.cache is None else with_cache(self.spec, candidate.cache)
         policies = self.policies | cache_policies | candidate.engine_policies
         cluster = dict(routing=candidate.routing, link=self.link, geometry=self.geometry,
                        transfer_mode=candidate.transfer_mode or "pull", heartbeat_s=self.heartbeat_s)
         if self.conversation is None:
-            workload = planned_requests(rate, self.requests, self.prompt, self.output, self.seed, self.slos,
-                                        candidate.kv_allocation)
+            workload, talks = planned_requests(rate, self.requests, self.prompt, self.output, self.seed, self.slos,
+                                               candidate.kv_allocation), None
+        else:
+            talks = planned_turns(rate, self.requests, self.conversation, spec.block_size, self.seed, self.slos,
+                                  candidate.kv_allocation)
+            workload = [request for talk in talks for request, _ in talk]
+        if candidate.front_door:
+            door = FrontDoor(door_limits(self.slos, candidate.engines, spec))
+            return workload, AdmittedCluster.build(candidate.topology, spec, self.cost, policies, door, talks, **cluster)
+        if talks is None:
             return workload, build(candidate.topology, spec, self.cost, policies, **cluster)
-        talks = planned_turns(rate, self.requests, self.conversation, spec.block_size, self.seed, self.slos,
-                              candidate.kv_allocation)
-        loop = ConversationLoop.build(candidate.topology, spec, self.cost, policies, talks, **cluster)
-        return [request for talk in talks for request, _ in talk], loop
+        return workload, ConversationLoop.build(candidate.topology, spec, self.cost, policies, talks, **cluster)
 

@@ -39,30 +39,28 @@ def run(profile: str, rate: float, requests: int, prompt: str, output: str, seed
     """`conversation`: conversations instead of lone requests, `rate` of them started a second and
     `requests` turns in all; `cache`: the engines' prefix cache (its policies, unless `policies` names them);
     `admission`: admission's front door with these limits (admission's defaults when only `predictor`,
-    the length predictor by name, is given; its arrival rate over `rate_window_s`)."""
+    the length predictor by name, is given; its arrival rate over `rate_window_s`), in front of lone
+    requests or conversations (a refused turn ends its conversation)."""
     if predictor is not None and admission is None:
         admission = AdmissionLimits()
-    if admission is not None and conversation is not None:
-        raise ValueError("admission's front door in front of closed-loop conversations is not built")
     spec, cache_policies = with_cache(spec, cache)
     policies = cache_policies | policies
     if conversation is None:
-        workload = poisson(rate, requests, Lengths.parse(prompt), Lengths.parse(output), seed)
-        if admission is None:
-            cluster = build(Topology.parse(topology), spec, load_profile(profile), policies, routing, link, geometry,
-                            transfer_mode, heartbeat_s)
-        else:  # every client sends the workload's longest output as max_tokens
-            settings = None if predictor is None else \
-                PredictorSettings(predictor, max(r.max_tokens for r in workload), rate_window_s)
-            cluster = AdmittedCluster.build(Topology.parse(topology), spec, load_profile(profile), policies,
-                                            FrontDoor(admission, settings), routing=routing, link=link,
-                                            geometry=geometry, transfer_mode=transfer_mode, heartbeat_s=heartbeat_s)
+        workload, talks = poisson(rate, requests, Lengths.parse(prompt), Lengths.parse(output), seed), None
     else:
         talks = conversation_turns(replace(conversation, rate=rate), requests, spec.block_size, seed)
         workload = [request for talk in talks for request, _ in talk]
+    served = dict(routing=routing, link=link, geometry=geometry, transfer_mode=transfer_mode, heartbeat_s=heartbeat_s)
+    if admission is not None:  # every client sends the workload's longest output as max_tokens
+        settings = None if predictor is None else \
+            PredictorSettings(predictor, max(r.max_tokens for r in workload), rate_window_s)
+        cluster = AdmittedCluster.build(Topology.parse(topology), spec, load_profile(profile), policies,
+                                        FrontDoor(admission, settings), talks, **served)
+    elif talks is None:
+        cluster = build(Topology.parse(topology), spec, load_profile(profile), policies, **served)
+    else:
         cluster = ConversationLoop.build(Topology.parse(topology), spec, load_profile(profile), policies, talks,
-                                         routing=routing, link=link, geometry=geometry, transfer_mode=transfer_mode,
-                                         heartbeat_s=heartbeat_s)
+                                         **served)
     start = time.perf_counter()
     sim_seconds = cluster.run(workload)
     summary = summarise(workload, sim_seconds, time.perf_counter() - start) | swaps(cluster, spec) | \

@@ -19,7 +19,7 @@ from kvmesh.sim.workload import Lengths
 TINY_SEARCH = ["--rate", "20", "--requests", "200", "--prompt", "uniform:64-256", "--output", "exp:32",
                "--slo", "ttft=200", "--slo", "tpot=20", "--engines", "2", "--routing", "least_loaded",
                "--transfer-modes", "pull,push", "--kv-allocations", "block_at_a_time",
-               "--preemption-orders", "latest_arrival_first"]
+               "--preemption-orders", "latest_arrival_first", "--front-doors", "off"]
 
 
 def test_plan_picks_the_configuration_of_the_highest_goodput_per_engine(tmp_path, capsys):
