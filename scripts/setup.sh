@@ -13,6 +13,9 @@
 # and NIXL into .venv-vllm for vLLM's NixlConnector (`kvmesh bench vllm`'s P/D baseline).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# One setup at a time: two at once (make test in two shells) would install into the same .venv.
+exec 9>.setup.lock
+flock 9
 
 apt_install() {  # apt_install PACKAGE: from Debian's packages
   echo "setup: installing $1 (Debian package)"
