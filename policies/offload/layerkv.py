@@ -64,8 +64,9 @@ def none(inp: OffloadInput) -> OffloadPlan:
 
 
 def layerkv(inp: OffloadInput) -> OffloadPlan:
-    """Per admitted request, every layer while the forecast has room for them, else x from Eq. 3
-    and 4 (3.1.2: the layers kept follow "available device memory and the total token count");
+    """Per admitted request, every layer while the forecast has room for them, else as many as it
+    has room for and at least x from Eq. 3 and 4 (3.1.2: the layers kept follow "available device
+    memory and the total token count");
     under a forecast shortfall, halve the device layers of the most recently scheduled running
     requests first, and if that is not enough take them all to none (3.1.1: "starting with x/2
     layers. If this proves insufficient, the full offloading"); with room to spare above the
@@ -90,8 +91,10 @@ def layerkv(inp: OffloadInput) -> OffloadPlan:
 def _retain(inp: OffloadInput, slack: int) -> tuple[dict[str, int], int]:
     """Of each request about to be admitted, in order, the layers it keeps: all of them while
     `slack` (forecast room above the threshold) holds its prompt and a block a stage of the horizon
-    on every layer; otherwise x (Eq. 4), and the two blocks per block of a layer its staging
-    borrows. Without a profile every layer is kept (absent from the plan). And the slack left."""
+    on every layer; otherwise as many as the slack holds beside the two blocks per block of a layer
+    its staging borrows, and at least x (Eq. 4): 3.1.1's x is the fewest layers kept, and 5.2.3
+    keeps LayerKV's decodes near vLLM's throughput "by maximizing the number of layers retained".
+    Without a profile every layer is kept (absent from the plan). And the slack left."""
     pool, retain = inp.pool, {}
     profiled = pool.prefill_cost is not None and pool.offload_cost is not None
     for r in inp.admitting:
@@ -100,7 +103,8 @@ def _retain(inp: OffloadInput, slack: int) -> tuple[dict[str, int], int]:
         keep = pool.num_layers
         if profiled and keep * per_layer > slack:
             seqlen = r.uncomputed_tokens
-            keep = retained_layers(seqlen, prefill_time_s(seqlen, pool.prefill_cost), pool.offload_cost)
+            least = retained_layers(seqlen, prefill_time_s(seqlen, pool.prefill_cost), pool.offload_cost)
+            keep = max(least, min(pool.num_layers - 1, (slack - 2 * blocks) // per_layer))
         if profiled:
             retain[r.request_id] = keep
         slack -= keep * per_layer + (2 * blocks if keep < pool.num_layers else 0)

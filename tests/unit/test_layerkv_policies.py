@@ -213,9 +213,12 @@ def test_a_request_keeps_every_layer_while_the_forecast_has_room_for_them():
     # x = 0 (Eq. 4: its 5.0 s prefill hides a 4 ms offload), its staging takes 2 x 63; w4 then gets x.
     assert retain(10, []) == {"w1": 4, "w2": 4, "w3": 0, "w4": 0}
     # A running request with every layer offloaded stages 5 blocks a layer each step: 2 x 5 less room.
-    # 100 - 20 - 10 = 70: w1 takes 40, w2's 40 no longer fits.
+    # 100 - 20 - 10 = 70: w1 takes 40, w2's 40 no longer fits in 30: it keeps what fits beside its
+    # own staging's 2 x 7, (30 - 14) // 10 = 1 layer, more than its x = 0; 6 are left, w3 and w4 get x.
     staged = view("s", device_layers=0, blocks_per_layer=5, predicted_output_median=90)
-    assert retain(20, [staged]) == {"w1": 4, "w2": 0, "w3": 0, "w4": 0}
+    assert retain(20, [staged]) == {"w1": 4, "w2": 1, "w3": 0, "w4": 0}
+    # At a threshold of 14, 100 - 14 - 10 = 76: w1 40, then w2 (36 - 14) // 10 = 2 layers, 2 left
+    assert retain(14, [staged]) == {"w1": 4, "w2": 2, "w3": 0, "w4": 0}
     assert retain(20, []) == {"w1": 4, "w2": 4, "w3": 0, "w4": 0}
 
 
