@@ -211,7 +211,7 @@ class KvmeshCluster:
 
     def __init__(self, setup: Setup, run_dir: Path, logs: Path):
         self.setup, self.run_dir, self.logs = setup, run_dir, logs
-        self.argv = [str(KVMESH), "up", "--run-dir", str(run_dir), *setup.args]
+        self.argv = [str(KVMESH), "up", "--run-dir", str(run_dir), "--exit-with-parent", *setup.args]
         self.env = {**{f"KVMESH_{name}_PORT": str(free_port()) for name in KVMESH_SERVICES},
                     "KVMESH_ENGINE_DEVICE_BYTES": str(KV_BYTES // setup.engines), "KVMESH_LOG_LEVEL": "WARNING",
                     "HF_HUB_OFFLINE": "1"}

@@ -120,7 +120,8 @@ class LocalCluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvmesh", "up", "--run-dir", str(self.run_dir), *self.setup.up_args],
+                [sys.executable, "-m", "kvmesh", "up", "--run-dir", str(self.run_dir), "--exit-with-parent",
+                 *self.setup.up_args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         try:
             self._wait_ready()

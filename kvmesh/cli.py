@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--otlp-endpoint", metavar="URL", help="every service exports its spans over OTLP here")
     up.add_argument("--trace-sample", type=float, metavar="R", help="fraction of requests traced (default 1.0)")
     up.add_argument("--log-format", choices=("text", "json"), help="service logs as text or JSON lines")
+    up.add_argument("--exit-with-parent", action="store_true",
+                    help="stop the cluster when the process that started it exits (tests, benchmarks, scripts)")
 
     scale = commands.add_parser("scale", help="add or remove engines while the local cluster serves")
     scale.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
@@ -181,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             topology = Topology(colocated=args.colocated, prefill=0, decode=0) if args.colocated else \
                 Topology(prefill=args.prefill, decode=args.decode)
-            return run_up(args.run_dir, args.config, args.redis_url, topology, args.backend, args.model)
+            return run_up(args.run_dir, args.config, args.redis_url, topology, args.backend, args.model,
+                          args.exit_with_parent)
         except (StartError, ValueError, FileNotFoundError) as exc:
             print(f"kvmesh up: {exc}", file=sys.stderr)
             return 1

@@ -46,7 +46,9 @@ console = Console(highlight=False)
 
 
 def up(run_dir: Path, config: str | None = None, redis_url: str | None = None,
-       topology: Topology = Topology(), backend: str = "native", model: str | None = None) -> int:
+       topology: Topology = Topology(), backend: str = "native", model: str | None = None,
+       exit_with_parent: bool = False) -> int:
+    parent = os.getppid() if exit_with_parent else None
     run_dir.mkdir(parents=True, exist_ok=True)
     previous = read_state(run_dir)
     if previous is not None and pid_alive(previous.launcher_pid):
@@ -80,7 +82,7 @@ def up(run_dir: Path, config: str | None = None, redis_url: str | None = None,
             cluster.start_service(name, {"KVMESH_API_KEY": key})
         cluster.save(token_file)
         _print_endpoints(cluster.children, token_file, key_file, run_dir, redis_url)
-        _supervise(cluster, stopping, rescale, token_file)
+        _supervise(cluster, stopping, rescale, token_file, parent)
         return 0
     finally:
         for child in reversed(cluster.children):
@@ -192,12 +194,18 @@ def _exists(service: str) -> bool:
     return importlib.util.find_spec(f"kvmesh.services.{service}.app") is not None
 
 
-def _supervise(cluster: _Cluster, stopping: threading.Event, rescale: threading.Event, token_file: Path) -> None:
+def _supervise(cluster: _Cluster, stopping: threading.Event, rescale: threading.Event, token_file: Path,
+               parent: int | None) -> None:
+    """Restart children that die and carry out `kvmesh scale`, until asked to stop or, when `parent` is
+    given, until that process has gone (this one is then re-parented)."""
     children = cluster.children
     streak: dict[str, int] = {}
     started: dict[str, float] = {}
     due: dict[str, float] = {}
     while not stopping.wait(0.2):
+        if parent is not None and os.getppid() != parent:
+            console.print(f"kvmesh: the process that started this cluster (pid {parent}) has exited; stopping")
+            return
         if rescale.is_set():
             rescale.clear()
             wanted = read_wanted(cluster.run_dir)

@@ -52,8 +52,8 @@ SERVICES = ["redis", "kvmeta", "predictor", "scheduler", "engine-p0", "engine-d0
 def launch(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     env = {**os.environ, "KVMESH_ENGINE_TORCH_THREADS": "1", **(env or {}),
            **{f"KVMESH_{name}_PORT": str(free_port()) for name in ("KVMETA", "PREDICTOR", "SCHEDULER", "ADMISSION", "ENGINE")}}
-    return subprocess.Popen([sys.executable, "-m", "kvmesh", "up", "--run-dir", str(run_dir), *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen([sys.executable, "-m", "kvmesh", "up", "--run-dir", str(run_dir), "--exit-with-parent", *args],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def stop(launcher: subprocess.Popen) -> str:
@@ -293,3 +293,23 @@ def test_taken_port_is_a_clear_error(tmp_path: Path):
         result = kvmesh("up", "--run-dir", str(tmp_path), env={"KVMESH_KVMETA_PORT": str(port)})
     assert result.returncode == 1 and f"port {port} for kvmeta is taken" in result.stderr
     assert not (tmp_path / "state.json").exists()
+
+
+def test_exit_with_parent_stops_the_cluster_when_its_starter_dies(tmp_path: Path):
+    """A test or benchmark killed midway (a timeout's SIGKILL) leaves no cluster running behind it."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "KVMESH_ENGINE_TORCH_THREADS": "1",
+           **{f"KVMESH_{name}_PORT": str(free_port()) for name in ("KVMETA", "PREDICTOR", "SCHEDULER", "ADMISSION", "ENGINE")}}
+    up = [sys.executable, "-m", "kvmesh", "up", "--run-dir", str(run_dir), "--colocated", "--model", "tiny",
+          "--exit-with-parent"]
+    starter = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                                f"subprocess.Popen({up!r}, stdout=subprocess.DEVNULL, start_new_session=True); "
+                                "time.sleep(600)"], env=env)
+    try:
+        current = wait_for(lambda: ready(run_dir, COLOCATED), timeout=120)
+        pids = [current.launcher_pid, *(c.pid for c in current.children)]
+    finally:
+        starter.kill()
+        starter.wait()
+    wait_for(lambda: all(_dead(pid) for pid in pids), timeout=30)
+    assert not (run_dir / "state.json").exists()
