@@ -168,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--front-doors", type=_names, default="off,on",
                       help="admission's front door, off, on (refusing by expected wait against the TTFT SLO, else "
                            "the e2e one; only with either) or both (%(default)s)")
+    plan.add_argument("--layer-offloads", type=_names, default="none,layerkv",
+                      help="LayerKV's layer offload and SLO-aware admission, none (fcfs), layerkv or both "
+                           "(%(default)s; layerkv only with --cxl-blocks and --num-layers the --kv-geometry's)")
     plan.add_argument("--requests", type=_positive, default=1000, help="requests each simulation runs (%(default)s)")
     plan.add_argument("--tolerance", type=float, default=0.02,
                       help="bisection stops when its bracket is this share of its top (%(default)s)")
@@ -229,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                         {"kv_allocation": args.kv_allocations, "preemption_order": args.preemption_orders,
                          "preemption_strategy": args.preemption_strategies}, args.requests, args.seed, args.tolerance,
                         args.json_path, args.plot_path, geometry, policies, conversation, tuple(args.caches),
-                        tuple(args.front_doors))
+                        tuple(args.front_doors), tuple(args.layer_offloads))
     return 2
 
 

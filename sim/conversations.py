@@ -119,7 +119,8 @@ class ConversationLoop(Cluster):
 
 def next_turns(talks: list[list[tuple[SimRequest, float]]]) -> dict[str, tuple[SimRequest, float]]:
     """Each turn's request id: the turn after it in its conversation, and the think time between."""
-    return {request.request_id: (talk[k + 1][0], think) for talk in talks for k, (request, think) in enumerate(talk[:-1])}
+    return {request.request_id: (talk[k + 1][0], think)
+            for talk in talks for k, (request, think) in enumerate(talk[:-1])}
 
 
 def following_turn(next_turn: dict[str, tuple[SimRequest, float]], ended: SimRequest) -> SimRequest | None:

@@ -1,8 +1,8 @@
 """`kvmesh plan`: for a workload and its SLOs, the configuration with the highest SLO goodput per
 engine, searched in the simulator over topologies (colocated:N, pd:P:D), engine counts and policies
-(routing, pull or push, admission's front door, KV allocation, preemption order and strategy, and on
-conversations the prefix cache); the runner-up, which SLO binds it and at what rate; and how many replicas of the pick serve
-the rate asked.
+(routing, pull or push, admission's front door, LayerKV's layer offload, KV allocation, preemption
+order and strategy, and on conversations the prefix cache); the runner-up, which SLO binds it and at
+what rate; and how many replicas of the pick serve the rate asked.
 
 Goodput is DistServe's (OSDI'24): the highest arrival rate at which at least X% of requests meet every
 SLO, found for each configuration by bisection on one workload (sim/plan_search.py); per engine, it is
@@ -24,7 +24,8 @@ from .conversations import Conversations
 from .engine import EngineSpec
 from .link import KVGeometry
 from .plan_search import (SEARCHED, Candidate, Goodput, Run, Simulator, bisect_goodput, cache_choices, engine_choices,
-                          front_door_choices, parse_counts, parse_slos, routing_choices, search_space)
+                          front_door_choices, layer_offload_choices, parse_counts, parse_slos, routing_choices,
+                          search_space)
 from .plan_workload import PREDICTOR, estimate_rule
 from .step_cost import load_profile
 from .workload import Lengths
@@ -48,13 +49,14 @@ def run(profile: str, rate: float, prompt: str, output: str, slos: list[str], at
         searched: dict[str, list[str]], requests: int, seed: int, tolerance: float, json_path: Path | None,
         plot_path: Path | None, geometry: KVGeometry = KVGeometry(), policies: dict[str, str] | None = None,
         conversation: Conversations | None = None, caches: tuple[str, ...] = ("none", "lru", "car"),
-        front_doors: tuple[str, ...] = ("off", "on")) -> int:
+        front_doors: tuple[str, ...] = ("off", "on"), layer_offloads: tuple[str, ...] = ("none", "layerkv")) -> int:
     """`attainment`: the percentage of requests that must meet every SLO; `routings`: None for
     routing_choices' default; `searched`: the names searched for each engine hook of SEARCHED;
     `policies`: engine policies every configuration runs (one of a searched hook fixes it);
     `conversation`: conversations instead of lone requests (its rate unused: `rate` is conversations
     started per second), and `caches` the prefix caches searched on them; `front_doors`: off, on or
-    both (on only with a TTFT or end-to-end SLO: front_door_choices). Bad input: a message on
+    both (on only with a TTFT or end-to-end SLO: front_door_choices); `layer_offloads`: none, layerkv or
+    both (layerkv only where the engines can: layer_offload_choices). Bad input: a message on
     stderr, exit status 2, nothing run or written."""
     try:
         if rate <= 0 or not 0 < attainment <= 100 or not 0 < tolerance < 1 or requests < 1:
@@ -67,7 +69,8 @@ def run(profile: str, rate: float, prompt: str, output: str, slos: list[str], at
         routings = routing_choices(routings, conversation is not None)
         cached = cache_choices(caches, conversation is not None, spec.cxl_blocks > 0)
         doors = front_door_choices(front_doors, simulator.slos)
-        space = search_space(counts, kinds, routings, transfer_modes, choices, cached, doors)
+        layers = layer_offload_choices(layer_offloads, spec, simulator.geometry)
+        space = search_space(counts, kinds, routings, transfer_modes, choices, cached, doors, layers)
     except (KeyError, ValueError, FileNotFoundError) as exc:
         print(f"kvmesh plan: {exc.args[0] if exc.args else exc}", file=sys.stderr)  # a KeyError's str quotes it
         return 2
@@ -85,7 +88,7 @@ def run(profile: str, rate: float, prompt: str, output: str, slos: list[str], at
               "slos_ms": {name: limit * 1e3 for name, limit in simulator.slos.items()}, "attainment": target,
               "engine": asdict(spec),
               "search": {"engines": counts, "topologies": kinds, "routing": routings, "caches": cached,
-                         "front_door": doors,
+                         "front_door": doors, "layerkv": layers,
                          "transfer_modes": transfer_modes, **{hook: names for hook, names in choices.items()}},
               "engine_policies": simulator.policies, "predictions": predictions,
               "requests": requests, "seed": seed, "tolerance": tolerance, "link": asdict(simulator.link),
@@ -323,7 +326,7 @@ def _table(ranked: list[Result], simulator: Simulator) -> str:
 def _candidate(candidate: Candidate) -> dict:
     return {"configuration": str(candidate), "topology": str(candidate.topology), "engines": candidate.engines,
             "routing": candidate.routing, "transfer_mode": candidate.transfer_mode, "cache": candidate.cache,
-            "front_door": candidate.front_door,
+            "front_door": candidate.front_door, "layerkv": candidate.layerkv,
             **candidate.engine_policies}
 
 

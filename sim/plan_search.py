@@ -31,6 +31,8 @@ from .metrics import slo_attainment, summarise
 from .request import SimRequest
 from .step_cost import StepCost
 from .topology import Topology
+from .plan_layers import POLICIES as LAYERKV_POLICIES
+from .plan_layers import layered, layerkv_spec
 from .plan_workload import planned_requests, planned_turns
 from .workload import Lengths
 
@@ -40,6 +42,7 @@ DOUBLINGS = 10  # the bracket's search stops 2**10 times above or below the star
 SEARCHED = ("kv_allocation", "preemption_order", "preemption_strategy")  # the engine hooks the search varies
 ROUTINGS = ("conditional", "least_loaded", "round_robin")  # searched by default (and prefix_aware: routing_choices)
 FRONT_DOORS = ("off", "on")  # admission's front door, searched (front_door_choices)
+LAYER_OFFLOADS = ("none", "layerkv")  # LayerKV's layers and Algorithm 1, searched (layer_offload_choices)
 
 
 def parse_slos(texts: Iterable[str]) -> dict[str, float]:
@@ -86,6 +89,7 @@ class Candidate:
     preemption_strategy: str = "recompute"
     cache: str | None = None  # the prefix cache (cache_choice.py); None: not searched, no blocks shared
     front_door: bool = False  # admission's front door, its limits from the SLOs (door_limits)
+    layerkv: bool = False     # LayerKV's layer offload and Algorithm 1 (plan_layers.py); else fcfs, every layer kept
 
     @property
     def engines(self) -> int:
@@ -98,7 +102,8 @@ class Candidate:
     def __str__(self) -> str:
         cache = None if self.cache is None else f"cache:{self.cache}"
         door = "front_door" if self.front_door else None
-        return " ".join(str(part) for part in (self.topology, self.routing, self.transfer_mode, door, cache,
+        layers = "layerkv" if self.layerkv else None
+        return " ".join(str(part) for part in (self.topology, self.routing, self.transfer_mode, door, layers, cache,
                                                self.kv_allocation, self.preemption_order, self.preemption_strategy)
                         if part is not None)
 
@@ -115,7 +120,8 @@ def engine_choices(policies: dict[str, str], searched: dict[str, list[str]],
     for hook, name in policies.items():
         engine_policies.resolve(hook, name)
     if policies.get("layer_offload", "none") != "none":
-        raise ValueError("layer_offload needs a staging area (EngineSpec.staging_cap), which kvmesh plan does not set")
+        raise ValueError("layer_offload is searched by --layer-offloads, with the staging area and fits it needs "
+                         "(plan_layers.py); not given by --policy")
     choices = {hook: [policies[hook]] if hook in policies else list(searched[hook]) for hook in SEARCHED}
     for hook, names in choices.items():
         for name in names:
@@ -154,6 +160,18 @@ def front_door_choices(names: Sequence[str], slos: dict[str, float]) -> list[boo
     return [name == "on" for name in names if name == "off" or "ttft" in slos or "e2e" in slos]
 
 
+def layer_offload_choices(names: Sequence[str], spec: EngineSpec, geometry: KVGeometry) -> list[bool]:
+    """Whether the engines run LayerKV, each of LAYER_OFFLOADS given: layerkv only where the engine
+    spec can (plan_layers.layered: a cxl tier, the geometry's layers)."""
+    unknown = [name for name in names if name not in LAYER_OFFLOADS]
+    if unknown:
+        raise ValueError(f"layer offload {unknown[0]!r}: give {' or '.join(LAYER_OFFLOADS)}")
+    missing = layered(spec, geometry)
+    if list(names) == ["layerkv"] and missing is not None:
+        raise ValueError(f"LayerKV's layer offload needs {missing}")
+    return [name == "layerkv" for name in names if name == "none" or missing is None]
+
+
 def door_limits(slos: dict[str, float], engines: int, spec: EngineSpec) -> AdmissionLimits:
     """Admission's limits for a front door the planner runs: a request is refused when it can expect to
     wait for its first token past its TTFT SLO (every request carries it), else past the end-to-end
@@ -172,11 +190,14 @@ def topology_caches(topology: Topology, caches: Sequence[str | None]) -> list[st
 
 def search_space(engine_counts: Sequence[int], kinds: Sequence[str], routings: Sequence[str],
                  transfer_modes: Sequence[str], engine_searched: dict[str, list[str]],
-                 caches: Sequence[str | None] = (None,), front_doors: Sequence[bool] = (False,)) -> list[Candidate]:
+                 caches: Sequence[str | None] = (None,), front_doors: Sequence[bool] = (False,),
+                 layer_offloads: Sequence[bool] = (False,)) -> list[Candidate]:
     """Every topology of each engine count (colocated:N; pd:P:D for every P + D = N) with every policy
-    choice (routing, transfer mode, front door, prefix cache, and each hook of SEARCHED); transfer modes
-    only where a KV hand-off happens, caches as topology_caches prunes them. In that order, so a tie
-    goes to the configuration listed first."""
+    choice (routing, transfer mode, front door, LayerKV, prefix cache, and each hook of SEARCHED);
+    transfer modes only where a KV hand-off happens, caches as topology_caches prunes them, LayerKV
+    without a prefix cache (the simulator counts one or the other) and not in push mode (a pushed
+    prompt's layers are placed as a colocated one's: Not built yet). In that order, so a tie goes to
+    the configuration listed first."""
     unknown = [kind for kind in kinds if kind not in KINDS] + [m for m in transfer_modes if m not in TRANSFER_MODES]
     if unknown:
         raise ValueError(f"{unknown[0]!r}: topologies are {' and '.join(KINDS)}, transfer modes "
@@ -190,14 +211,15 @@ def search_space(engine_counts: Sequence[int], kinds: Sequence[str], routings: S
             ([Topology(prefill=p, decode=n - p) for p in range(1, n)] if "pd" in kinds else [])
         for topology in topologies:
             modes = transfer_modes if topology.prefill else [None]
-            space += [Candidate(topology, routing, order, mode, allocation, strategy, cache, door)
-                      for routing, mode, door, cache, allocation, order, strategy in
-                      itertools.product(routings, modes, front_doors, topology_caches(topology, list(caches)),
-                                        allocations, orders, strategies)]
+            space += [Candidate(topology, routing, order, mode, allocation, strategy, cache, door, layers)
+                      for routing, mode, door, layers, cache, allocation, order, strategy in
+                      itertools.product(routings, modes, front_doors, layer_offloads,
+                                        topology_caches(topology, list(caches)), allocations, orders, strategies)
+                      if not layers or (cache in (None, "none") and mode != "push")]
     if not space:
         raise ValueError(f"the search space is empty: engine counts {list(engine_counts)}, topologies {list(kinds)}, "
                          f"routing {list(routings)}, transfer modes {list(transfer_modes)}, caches {list(caches)}, "
-                         f"front doors {list(front_doors)}, "
+                         f"front doors {list(front_doors)}, layer offloads {list(layer_offloads)}, "
                          f"engine policies {engine_searched} (pd needs 2 engines or more; car a cxl tier)")
     return space
 
@@ -303,8 +325,10 @@ class Simulator:
     def _cluster(self, candidate: Candidate, rate: float) -> tuple[list[SimRequest], Cluster]:
         """The run's requests, and the cluster that serves them with the candidate's policies, cache and
         front door."""
-        spec, cache_policies = (self.spec, {}) if candidate.cache is None else with_cache(self.spec, candidate.cache)
-        policies = self.policies | cache_policies | candidate.engine_policies
+        spec = layerkv_spec(self.spec, self.cost, self.geometry) if candidate.layerkv else self.spec
+        spec, cache_policies = (spec, {}) if candidate.cache is None else with_cache(spec, candidate.cache)
+        policies = self.policies | cache_policies | candidate.engine_policies | \
+            (LAYERKV_POLICIES if candidate.layerkv else {})
         cluster = dict(routing=candidate.routing, link=self.link, geometry=self.geometry,
                        transfer_mode=candidate.transfer_mode or "pull", heartbeat_s=self.heartbeat_s)
         if self.conversation is None:
@@ -316,7 +340,8 @@ class Simulator:
             workload = [request for talk in talks for request, _ in talk]
         if candidate.front_door:
             door = FrontDoor(door_limits(self.slos, candidate.engines, spec))
-            return workload, AdmittedCluster.build(candidate.topology, spec, self.cost, policies, door, talks, **cluster)
+            return workload, AdmittedCluster.build(candidate.topology, spec, self.cost, policies, door, talks,
+                                                   **cluster)
         if talks is None:
             return workload, build(candidate.topology, spec, self.cost, policies, **cluster)
         return workload, ConversationLoop.build(candidate.topology, spec, self.cost, policies, talks, **cluster)

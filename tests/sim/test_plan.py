@@ -59,7 +59,9 @@ def test_plan_picks_the_configuration_of_the_highest_goodput_per_engine(tmp_path
     (["--cxl-blocks", "64", "--num-layers", "3"], "--num-layers 3 must divide --kv-geometry's 4 layers"),
     (["--kv-allocations", "block_at_a_time,nope"], "nope"),
     (["--preemption-strategies", "nope"], "nope"),
-    (["--policy", "layer_offload=layerkv"], "needs a staging area"),
+    (["--policy", "layer_offload=layerkv"], "searched by --layer-offloads"),
+    (["--layer-offloads", "layerkv"], "needs a cxl tier"),
+    (["--layer-offloads", "sometimes"], "'sometimes'"),
     (["--policy", "preemption_strategy=nope"], "nope"),
     (["--policy", "swap"], "give HOOK=NAME"),
 ])
