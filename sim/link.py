@@ -5,9 +5,11 @@ written as the prefill computes the layer.
     seconds = latency + per_read * reads + bytes / bandwidth
 
 - latency: one COMPLETE/ACK round trip per transfer (CONNECT is once per peer, not per request);
-- reads: a block of one layer is one read; with coalescing (docs/dataplane.md), reads whose remote
-  and local ranges are both contiguous are merged, so each layer takes one read per contiguous run
-  of blocks: `block_runs` a layer, 1 when a request's blocks are contiguous on both sides;
+- reads: a block of one layer is one read (two with `kv_apart`: vLLM's cache keeps a layer's K and
+  V blocks in two regions, KVDirect Figure 5's "two disjoint memory spaces"); with coalescing
+  (docs/dataplane.md), reads whose remote and local ranges are both contiguous are merged, so each
+  layer takes one read per contiguous run of blocks (per region): `block_runs` a layer, 1 when a
+  request's blocks are contiguous on both sides;
 - bytes: whole blocks, as the puller reads them: K and V of `block_size` tokens, per layer.
 
 A link joins one prefill engine to one decode engine (one puller connection) and its transfers share
@@ -64,6 +66,7 @@ class LinkSpec:
     per_read_us: float = 2.0      # each read posted
     coalescing: bool = True
     block_runs: int = 1           # contiguous runs a request's blocks make in a layer (1: contiguous)
+    kv_apart: bool = False        # K and V of a block in two regions (vLLM's layout): two reads a block
 
     def __post_init__(self) -> None:
         if self.gbps <= 0 or self.latency_us < 0 or self.per_read_us < 0 or self.block_runs < 1:
@@ -96,7 +99,7 @@ def push(link: LinkSpec, geometry: KVGeometry, block_size: int, computed: int, n
 
 def _blocks(link: LinkSpec, geometry: KVGeometry, block_size: int, blocks: int) -> Transfer:
     runs = min(blocks, link.block_runs) if link.coalescing else blocks
-    reads = runs * geometry.num_layers
+    reads = runs * geometry.num_layers * (2 if link.kv_apart else 1)
     size = blocks * geometry.num_layers * geometry.block_bytes(block_size)
     return Transfer(size, reads, link.per_read_us * 1e-6 * reads + size / (link.gbps * 1e9), link.latency_us * 1e-6)
 
