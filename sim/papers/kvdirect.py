@@ -9,18 +9,25 @@ same rule, is a variation.
 
 Assumptions (the paper gives none of them): lengths are log-normal of the paper's means, their log's
 standard deviation SPREAD, cut to the model's context window; rates of 0.05 to 0.25 per engine, the
-pair at 0.1 to 0.5 (Figures 14 and 17 speak of QPS rising to 0.5). Both systems run vLLM v0.5.3's
-scheduler without chunked prefill (the paper: "the vLLM scheduler prioritizes prefill computation"):
-whole prompts a step, 256 sequences, blocks of 16, recompute on preemption, latest arrival first.
-Without coalescing a read costs UNCOALESCED_READ_US (the profile's per-read cost is 0: Figure 15's
-22.23 GB/s already pays it, for coalesced reads). Varied: SPREAD, the fairness reading, a fixed
-time added to every step (STEP_OVERHEAD_S: the paper's TBT of 45-67 ms in Figure 12 is about twice the
-roofline's decode step), the decodes' attention reading the KV at PAGED_ATTENTION_EFFICIENCY of the
-bandwidth (vLLM's own PagedAttention kernel as FlashInfer measured it on H100; the profile keeps the GEMV's
-share, as vLLM v0.5.3 decodes with FlashAttention-2 there), the link (one NIC's 22.23 GB/s rather than the
-profile's eight: one a GPU, each moving its own KV heads), and pull against push at PUSH_RATES on
-ShareGPT, where the decode engine's memory is full (on arXiv the prefill engine saturates first, and
-pushing changes nothing)."""
+pair at 0.1 to 0.5 (Figures 14 and 17 speak of QPS rising to 0.5). Every engine runs vLLM v0.5.3's
+scheduler on whole prompts (chunked prefill off: the paper's "the vLLM scheduler prioritizes prefill
+computation", and its vLLM whose TBT stops growing only when the KV runs out): a step prefills whole
+prompts while decodes stall, 256 sequences, blocks of 16, recompute on preemption, latest arrival
+first. vLLM v0.5.3's own default for a model of more than 32K tokens of context, chunked prefill of 512
+tokens a step (CHUNK_TOKENS), is a variation. K and V of a block lie in two regions of vLLM's cache
+(Figure 5), so a block of a layer is two reads. Without coalescing a read costs UNCOALESCED_READ_US (the
+profile's per-read cost is 0: Figure 15's 22.23 GB/s already pays it, for coalesced reads). Varied:
+SPREAD, the fairness reading, the scheduler, a fixed time added to every step (STEP_OVERHEAD_S: the
+paper's TBT of 45-67 ms in Figure 12 is about twice the roofline's decode step), the decodes' attention
+reading the KV at PAGED_ATTENTION_EFFICIENCY of the bandwidth (vLLM's own PagedAttention kernel as
+FlashInfer measured it on H100; the profile keeps the GEMV's share, as vLLM v0.5.3 decodes with
+FlashAttention-2 there), the rates (LOW_RATES, where the pair's prefill engine keeps up with arXiv; and
+those with the slower steps together, the regime Figures 12 and 14 describe: decode the bottleneck), the
+link (one NIC's 22.23 GB/s rather than the profile's eight, one a GPU, each moving its own KV heads; or
+eight at the NICs' line rate, as Figure 15's 22.23 GB/s is an average over block sizes, 4-32 KB in
+Figure 4, while a coalesced read is a layer's whole run), and pull against push at PUSH_RATES on ShareGPT, where
+the decode engine's memory is full (on arXiv the prefill engine saturates first, and pushing changes
+nothing)."""
 
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..engine import EngineSpec
 from ..hardware import Deployment
 from ..link import KVGeometry
 from ..roofline import Roofline
@@ -47,6 +55,16 @@ RATES, QUICK_RATES = (0.05, 0.1, 0.15, 0.2, 0.25), (0.05, 0.2)  # per engine
 REQUESTS, QUICK_REQUESTS = 200, 12
 UNCOALESCED_READ_US = 1.0                                # a read's cost without coalescing (assumption)
 STEP_OVERHEAD_S = 0.025                                  # the step-cost variation
+# vLLM v0.5.3 turns chunked prefill on when max_model_len > 32,768 and none of sliding window, speculative
+# decoding, LoRA, prompt adapters or prefix caching is in use (vllm/engine/arg_utils.py, create_engine_config),
+# at max_num_batched_tokens 512 (vllm/config.py, SchedulerConfig), decodes first (core/scheduler.py).
+CHUNK_TOKENS = 512
+CHUNKED = f"vLLM v0.5.3's default: chunked prefill, {CHUNK_TOKENS} tokens a step"
+LOW_RATES = (0.02, 0.04, 0.06, 0.08, 0.1)  # per engine: below 0.14, where the pair's prefill engine saturates on arXiv
+LOW = f"rates {LOW_RATES[0]:g}-{LOW_RATES[-1]:g} per engine"
+LOW_SLOW = f"{LOW}, steps +{STEP_OVERHEAD_S * 1e3:g} ms"  # the regime the paper describes: decode the bottleneck
+LINE_RATE_GBS = 50.0                                     # a 400 Gbps NIC (Sec. 5.1), GB/s
+ONE_NIC, LINE_RATE = "the link of one NIC", f"the link at 8 NICs' line rate ({LINE_RATE_GBS:g} GB/s each)"
 PAGED_ATTENTION_EFFICIENCY = 0.28  # vLLM PagedAttention-v2, H100, batch 64, GQA 8, 8K tokens (FlashInfer's Fig. 9)
 PAGED_ATTENTION = f"decode attention at {PAGED_ATTENTION_EFFICIENCY:g} of HBM"
 PUSH_RATES = (0.35, 0.4)  # per engine: pull against push where ShareGPT fills the decode engine's memory
@@ -59,17 +77,18 @@ VLLM, KVDIRECT, PUSH, UNCOALESCED, TWO_VLLM = "vllm", "kvdirect", "kvdirect push
 def points(deployment: Deployment, rates: Sequence[float], requests: int, seed: int, quick: bool) -> list[Point]:
     """The sweep: per workload and rate, vLLM, KVDirect, KVDirect pushing and KVDirect without
     coalescing; unless quick, vLLM and KVDirect under each variation."""
-    spec = deployment.engine_spec(block_size=16, max_num_seqs=256, token_budget=MAX_CONTEXT)
-    link = deployment.link
+    whole = deployment.engine_spec(block_size=16, max_num_seqs=256, token_budget=MAX_CONTEXT, chunked_prefill=False)
+    chunked = replace(whole, chunked_prefill=True, token_budget=CHUNK_TOKENS)
+    link = replace(deployment.link, kv_apart=True)
     series = {VLLM: ("colocated:1", "pull", link), KVDIRECT: ("pd:1:1", "pull", link),
               PUSH: ("pd:1:1", "push", link), TWO_VLLM: ("colocated:2", "pull", link),
               UNCOALESCED: ("pd:1:1", "pull", replace(link, coalescing=False, per_read_us=UNCOALESCED_READ_US))}
 
     def point(name: str, workload: str, rate: float, variant: str = "", spread: float = SPREAD,
-              overhead_s: float = 0.0, nics: int | None = None) -> Point:
+              overhead_s: float = 0.0, link_gbs: float | None = None, spec: EngineSpec = whole) -> Point:
         (prompt, output), (topology, mode, its_link) = WORKLOADS[workload], series[name]
-        if nics is not None:
-            its_link = replace(its_link, gbps=its_link.gbps * nics / deployment.tp)
+        if link_gbs is not None:
+            its_link = replace(its_link, gbps=link_gbs)
         return Point(name, workload, rate, Topology.parse(topology), Lengths("lognormal", prompt, sigma=spread),
                      Lengths("lognormal", output, sigma=spread), spec, requests, seed, MAX_CONTEXT, its_link, mode,
                      "least_loaded" if name == TWO_VLLM else "round_robin", overhead_s, variant)
@@ -78,13 +97,19 @@ def points(deployment: Deployment, rates: Sequence[float], requests: int, seed: 
     own = [point(name, *at) for at in each for name in (VLLM, KVDIRECT, PUSH, UNCOALESCED)]
     if quick:
         return own
+    both = (VLLM, KVDIRECT)
     return own + [point(name, *at, f"spread {spread}", spread=spread) for spread in SPREADS for at in each
-                  for name in (VLLM, KVDIRECT)] + \
+                  for name in both] + \
         [point(name, *at, f"steps +{STEP_OVERHEAD_S * 1e3:g} ms", overhead_s=STEP_OVERHEAD_S) for at in each
-         for name in (VLLM, KVDIRECT)] + \
-        [point(name, *at, PAGED_ATTENTION) for at in each for name in (VLLM, KVDIRECT)] + \
+         for name in both] + \
+        [point(name, *at, PAGED_ATTENTION) for at in each for name in both] + \
+        [point(name, *at, CHUNKED, spec=chunked) for at in each for name in both] + \
+        [point(name, workload, rate, LOW) for workload in WORKLOADS for rate in LOW_RATES for name in both] + \
+        [point(name, workload, rate, LOW_SLOW, overhead_s=STEP_OVERHEAD_S) for workload in WORKLOADS
+         for rate in LOW_RATES for name in both] + \
         [point(TWO_VLLM, *at, TWO_VLLM) for at in each] + \
-        [point(KVDIRECT, *at, "the link of one NIC", nics=1) for at in each] + \
+        [point(KVDIRECT, *at, ONE_NIC, link_gbs=deployment.link.gbps / deployment.tp) for at in each] + \
+        [point(KVDIRECT, *at, LINE_RATE, link_gbs=LINE_RATE_GBS * deployment.tp) for at in each] + \
         [point(name, "sharegpt", rate, f"sharegpt at {', '.join(map(str, PUSH_RATES))} per engine")
          for rate in PUSH_RATES for name in (KVDIRECT, PUSH)]
 

@@ -11,13 +11,15 @@ import pytest
 
 from kvmesh.bench.report import BenchResult
 from kvmesh.cli import main
+from kvmesh.sim import cluster
 from kvmesh.sim.engine import EngineSpec
 from kvmesh.sim.hardware import load_deployment
-from kvmesh.sim.link import LinkSpec
+from kvmesh.sim.link import LinkSpec, pull
 from kvmesh.sim.papers import kvdirect
 from kvmesh.sim.papers.contract import Headline, result
 from kvmesh.sim.papers.sweep import Outcome
-from kvmesh.sim.workload import Lengths
+from kvmesh.sim.topology import Topology
+from kvmesh.sim.workload import Lengths, replay
 
 CONTRACT = {"bench", "quick", "ratios", "targets", "directions", "meets", "ceilings", "config", "rows", "headline",
             "plots"}
@@ -129,3 +131,54 @@ def test_the_paged_attention_variation_alone_reads_the_kv_at_vllms_paged_attenti
     extra = seen[0].seconds(0, 13, 858_637, 0) - deployment.cost.seconds(0, 13, 858_637, 0)
     kv_s = deployment.cost.kv_bytes_per_token_per_gpu / (3350e9 * 0.767)
     assert extra == pytest.approx(858_637 * kv_s * (0.767 / 0.28 - 1), rel=1e-9)
+
+
+def _stall(spec: EngineSpec) -> float:
+    """The longest gap between two tokens of a running request while a 40,960-token prompt arrives, on
+    one vLLM engine of the deployment with `spec`."""
+    deployment = load_deployment(kvdirect.PROFILE)
+    running, arriving = replay([0.0, 1.0], [1_000, 40_960], [200, 2])
+    cluster.build(Topology.parse("colocated:1"), spec, deployment.cost, geometry=deployment.geometry).run(
+        [running, arriving])
+    return float(np.max(np.diff(running.token_times)))
+
+
+def test_the_engines_prefill_whole_prompts_and_vllm_0_5_3s_chunks_of_512_are_a_variation():
+    deployment = load_deployment(kvdirect.PROFILE)
+    points = kvdirect.points(deployment, (0.1,), 4, 0, quick=False)
+    own = {(p.spec.chunked_prefill, p.spec.token_budget) for p in points if p.variant != kvdirect.CHUNKED}
+    chunked = [p for p in points if p.variant == kvdirect.CHUNKED]
+    assert own == {(False, kvdirect.MAX_CONTEXT)}
+    assert {(p.spec.chunked_prefill, p.spec.token_budget) for p in chunked} == {(True, 512)}
+    assert {(p.workload, p.series) for p in chunked} == {(w, s) for w in kvdirect.WORKLOADS
+                                                         for s in (kvdirect.VLLM, kvdirect.KVDIRECT)}
+    # Whole prompts: the running request waits out the prompt's whole prefill (3.1 s in the roofline);
+    # chunks of 512: a step of one chunk and its decode at most.
+    whole, chunks = _stall(points[0].spec), _stall(chunked[0].spec)
+    assert whole >= deployment.cost.seconds(40_960, 0, 0, 40_960 * 40_961 // 2) > 3.0
+    assert chunks <= deployment.cost.seconds(512, 1, 41_160, 512 * 40_960) < 0.1
+
+
+def test_kvdirects_pull_reads_k_and_v_apart_two_reads_a_block_and_layer_without_coalescing():
+    deployment = load_deployment(kvdirect.PROFILE)
+    geometry = deployment.geometry
+    assert geometry.block_bytes(1) * geometry.num_layers == 352 * 1024  # a token's KV, all GPUs (Sec. 5.1)
+    links = {p.series: p.link for p in kvdirect.points(deployment, (0.1,), 4, 0, quick=True)}
+    uncoalesced, coalesced = (pull(links[name], geometry, 16, 40_960) for name in (kvdirect.UNCOALESCED,
+                                                                                      kvdirect.KVDIRECT))
+    assert (uncoalesced.reads, coalesced.reads) == (2 * 88 * 2_560, 2 * 88)
+    assert uncoalesced.bytes == coalesced.bytes == 40_960 * 352 * 1024
+    # Each GPU posts that many reads on its own NIC, all eight at once.
+    extra_s = 2 * 88 * 2_560 * kvdirect.UNCOALESCED_READ_US * 1e-6
+    assert uncoalesced.data_s - coalesced.data_s == pytest.approx(extra_s)
+
+
+def test_the_rates_and_the_link_are_varied():
+    deployment = load_deployment(kvdirect.PROFILE)
+    points = kvdirect.points(deployment, (0.1,), 4, 0, quick=False)
+    assert {p.rate for p in points if p.variant == kvdirect.LOW} == set(kvdirect.LOW_RATES)
+    assert {(p.rate, p.step_overhead_s) for p in points if p.variant == kvdirect.LOW_SLOW} == {
+        (rate, 0.025) for rate in kvdirect.LOW_RATES}
+    assert [p.link.gbps for p in points if p.variant == kvdirect.ONE_NIC] == pytest.approx([22.23] * 2)
+    assert {p.link.gbps for p in points if p.variant == kvdirect.LINE_RATE} == {8 * 50.0}
+    assert deployment.link.gbps == pytest.approx(8 * 22.23)
