@@ -54,7 +54,10 @@ SPREAD, SPREADS = 0.5, (0.25, 1.0)                       # the lengths' log-norm
 RATES, QUICK_RATES = (0.05, 0.1, 0.15, 0.2, 0.25), (0.05, 0.2)  # per engine
 REQUESTS, QUICK_REQUESTS = 200, 12
 UNCOALESCED_READ_US = 1.0                                # a read's cost without coalescing (assumption)
-STEP_OVERHEAD_S = 0.025                                  # the step-cost variation
+# The step-cost variation (assumption, sized from Figure 12's TBT of 45-67 ms against the roofline's 17-28 ms):
+# vLLM's v0.6.0 post measured v0.5.3's TPOT at twice v0.6.0's on Llama-70B over 4 H100 (ShareGPT, 32 QPS), the
+# difference its CPU time a step (https://blog.vllm.ai/2024/09/05/perf-update.html).
+STEP_OVERHEAD_S = 0.025
 # vLLM v0.5.3 turns chunked prefill on when max_model_len > 32,768 and none of sliding window, speculative
 # decoding, LoRA, prompt adapters or prefix caching is in use (vllm/engine/arg_utils.py, create_engine_config),
 # at max_num_batched_tokens 512 (vllm/config.py, SchedulerConfig), decodes first (core/scheduler.py).
