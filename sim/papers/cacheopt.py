@@ -1,7 +1,7 @@
 """CacheOpt (seeds/004, section 5) at its own scale: OPT-13B on one A100-80GB (OPT-175B on 8 with
 --profile opt-175b-a100-fp16-tp8), one vLLM engine, Table 1's Alpaca, ShareGPT and BookCorpus shapes
 with Poisson arrivals; CacheOpt against vLLM's block allocation, RLP, S^3 and Sarathi-Serve, its
-ablations, and Figure 17a-d's settings (SENSITIVITY).
+ablations, and Figure 17's settings (SENSITIVITY).
 
 Methods (the engine policies of policies/, the estimated length of predicted_lengths.py, the batching):
   vllm      block_at_a_time, latest arrival preempted first, recompute   no estimate              whole prompts
@@ -69,7 +69,7 @@ from ..topology import Topology
 from ..workload import Lengths
 from . import sweep
 from .contract import Headline
-from .predicted_lengths import PredictorModel, Shape, estimated
+from .predicted_lengths import Confidence, PredictorModel, Shape, estimated
 from .sweep import Outcome, Point
 
 PROFILE = "opt-13b-a100-fp16-tp1"
@@ -128,12 +128,17 @@ VARIATIONS = {"predictor log sigma 1.0": ({"predictor": PredictorModel(log_sigma
               "chunked budget 2048": ({"chunk_budget": 2048}, (SARATHI, CACHEOPT)),
               "vLLM, RLP and S^3 chunked": ({"batching": CHUNKED}, (VLLM, RLP, S3)),
               "half the KV capacity": ({"kv_share": 0.5}, (VLLM, RLP, S3, SARATHI, CACHEOPT))}
-# Figure 17a-d: CacheOpt alone at ABLATION_LOAD with one setting changed: every request's SLO scale, and
-# AllocationParams' B, m and reserved blocks. Reported beside the paper's trends, without a target.
+# Figure 17: CacheOpt alone at ABLATION_LOAD with one setting changed: every request's SLO scale,
+# AllocationParams' B, m and reserved blocks, Eq. 4's alpha (beta 100) and beta (alpha 0.9), and a fixed
+# confidence in Eq. 4's place (Fig. 17g, whose points Fig. 17h reads). The paper's text names no axis
+# values but the defaults and 17g's 80% and 90%: the others are assumptions. Beside the paper's trends.
 SENSITIVITY = {**{f"Fig. 17a SLO scale {scale:g}": {"slo_scale": scale} for scale in (0.5, 1.5, 2.5)},
                **{f"Fig. 17b B {b}": {"block_tokens": b} for b in (4, 16, 32)},
                **{f"Fig. 17c m {m}": {"proactive_iterations": m} for m in (1, 3, 4)},
-               **{f"Fig. 17d reserved {n}": {"reserved_blocks": n} for n in (2, 4, 16)}}
+               **{f"Fig. 17d reserved {n}": {"reserved_blocks": n} for n in (2, 4, 16)},
+               **{f"Fig. 17e alpha {a:g}": {"alpha": a} for a in (0.5, 0.7, 0.99)},
+               **{f"Fig. 17f beta {b:g}": {"beta": b} for b in (10, 50, 200)},
+               **{f"Fig. 17g confidence {c:g}": {"fixed": c} for c in (0.8, 0.85, 0.9, 0.95)}}
 # Other readings of the same runs: (tail TBT figure, the per-request figure a TBT SLO is held against).
 READINGS = {"tail TBT: P99 of each request's mean TBT": ("tbt_mean_p99_s", "gap_per_slo_unit"),
             "tail TBT: P99 of each request's longest gap": ("tbt_max_p99_s", "gap_per_slo_unit"),
@@ -161,6 +166,7 @@ class CacheOptPoint(Point):
     allocation: AllocationParams = field(default_factory=AllocationParams)
     estimate: str = "none"
     predictor: PredictorModel = field(default_factory=PredictorModel)
+    confidence: Confidence = field(default_factory=Confidence)  # CacheOpt's padding's (Eq. 4, or fixed)
     slo_unit_ms: tuple[float, float] | None = None  # the mean TTFT and TBT the SLOs scale; None: no SLOs
     slo_scale: float | None = None          # every request's SLO scale (Fig. 17a); None: drawn from SLO_SCALE
     chunk_budget: int = SARATHI_BUDGET  # the chunked methods' budget: a TTFT SLO counts a prompt's chunks of it
@@ -210,7 +216,9 @@ def _point(deployment: Deployment, name: str, workload: str, load: float, reques
     return CacheOptPoint(name, workload, load * trace.rate, Topology.parse("colocated:1"), *lengths, spec, requests,
                          seed, MAX_CONTEXT, variant=variant, trace=trace, load=load,
                          policies=tuple(policies.items()), allocation=allocation, estimate=rule,
-                         predictor=changes.get("predictor", PredictorModel()), slo_unit_ms=slo,
+                         predictor=changes.get("predictor", PredictorModel()),
+                         confidence=Confidence(**{key: value for key, value in changes.items()
+                                                  if key in Confidence.__dataclass_fields__}), slo_unit_ms=slo,
                          slo_scale=changes.get("slo_scale"), chunk_budget=chunk_budget)
 
 
@@ -226,7 +234,7 @@ def requests(point: CacheOptPoint) -> list[TraceRequest]:
     predicted, directions = point.predictor.predict(predicting, outputs)
     scales = scaling.uniform(*SLO_SCALE, n) if point.slo_scale is None else np.full(n, point.slo_scale)
     caps = [min(trace.output.high, point.max_context - p) for p in prompts.tolist()]
-    estimates = estimated(point.estimate, predicted, directions, caps, point.rate, point.predictor)
+    estimates = estimated(point.estimate, predicted, directions, caps, point.rate, point.predictor, point.confidence)
     made = []
     for i, (p, o, cap, scale, estimate) in enumerate(zip(prompts.tolist(), outputs.tolist(), caps, scales.tolist(),
                                                          estimates)):
@@ -252,7 +260,9 @@ def figures(requests: Sequence[TraceRequest]) -> dict:
     """Tail TTFT and TBT (P99 of every gap; of each request's mean gap; of its longest), normalised
     latency (mean end-to-end over output length), sums for the SLOs' means, and each request's TTFT
     over its SLO's unit (scale x chunks) and longest gap over its scale: attainment at any SLO means
-    is the share of these within them. A request that did not finish meets no SLO (infinite)."""
+    is the share of these within them. A request that did not finish meets no SLO (infinite). Fig. 17h's:
+    the shares of requests whose estimated length is over and under their length, and the mean tokens
+    by which it is (None without estimates)."""
     done = [r for r in requests if r.finished_at is not None]
     gaps = [np.diff(r.token_times) for r in done]
     every = np.concatenate(gaps) if gaps else np.zeros(0)
@@ -267,7 +277,19 @@ def figures(requests: Sequence[TraceRequest]) -> dict:
             "gap_count": len(every),
             "ttft_per_slo_unit": [first.get(r.request_id, math.inf) / (r.slo_scale * r.chunks) for r in requests],
             "gap_per_slo_unit": [longest.get(r.request_id, math.inf) / r.slo_scale for r in requests],
-            "mean_gap_per_slo_unit": [mean.get(r.request_id, math.inf) / r.slo_scale for r in requests]}
+            "mean_gap_per_slo_unit": [mean.get(r.request_id, math.inf) / r.slo_scale for r in requests]} | \
+        provisioning(requests)
+
+
+def provisioning(requests: Sequence[SimRequest]) -> dict[str, float | None]:
+    """Fig. 17h: the shares of requests over- and under-provisioned (estimated length above or below the
+    length they run to) and the mean deviation of each, in tokens; None where no request has an estimate."""
+    misses = np.array([r.predicted_output_len - r.max_tokens for r in requests if r.predicted_output_len is not None])
+    over, under = misses[misses > 0], -misses[misses < 0]
+    return {"overprovisioned": float(len(over) / len(misses)) if len(misses) else None,
+            "underprovisioned": float(len(under) / len(misses)) if len(misses) else None,
+            "over_tokens_mean": float(over.mean()) if len(over) else None,
+            "under_tokens_mean": float(under.mean()) if len(under) else None}
 
 
 def slo_unit_ms(outcomes: Sequence[Outcome], workload: str) -> tuple[float, float]:
@@ -346,8 +368,9 @@ def headlines_at(at: dict, ablated: dict, slos: dict, tbt: str = "tbt_p99_s",
 
 def also(outcomes: Sequence[Outcome]) -> dict[str, float | None]:
     """Without a target: each trace's SLO means (ms), each main method's joint attainment and
-    preemptions at ABLATION_LOAD, and CacheOpt's TTFT and TBT attainment under each of Figure 17's
-    settings there, the means over the traces."""
+    preemptions at ABLATION_LOAD, CacheOpt's TTFT and TBT attainment under each of Figure 17's settings
+    there, and Fig. 17h's over- and under-provisioning (`provisioning`) of RLP's, S^3's and CacheOpt's
+    estimates there, CacheOpt's under Eq. 4 and at each of Fig. 17g's confidences, the means over the traces."""
     at, slos = _index(outcomes, ""), _slos(outcomes)
     load = next(iter({load for (_, _, load) in _index(outcomes, ABLATION)}), None)
     found = {f"slo_{kind}_ms_{w}": slos[w][i] for w in slos for i, kind in enumerate(("ttft", "tbt"))}
@@ -362,6 +385,12 @@ def also(outcomes: Sequence[Outcome]) -> dict[str, float | None]:
             found[f"sim_{kind}_slo_attainment_cacheopt_{slug}"] = _mean(
                 [attainment(ran[(w, CACHEOPT, load)], slos[w])[kind] if (w, CACHEOPT, load) in ran else None
                  for w in TRACES]) if ran else None
+    estimating = {series: at for series in (RLP, S3, CACHEOPT)} | \
+        {f"{CACHEOPT}_{variant.split()[-1]}": _index(outcomes, variant) for variant in SENSITIVITY if "17g" in variant}
+    for label, ran in estimating.items():
+        series = label.split("_")[0]
+        for figure in ("overprovisioned", "underprovisioned", "over_tokens_mean", "under_tokens_mean"):
+            found[f"fig17h_{figure}_{label}"] = _mean_over(ran, series, load, figure) if ran else None
     return found
 
 

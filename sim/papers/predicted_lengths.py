@@ -14,7 +14,8 @@ the true one with probability direction_accuracy. Every method reads the same pr
 the paper's RLP and S^3 run its own fine-tuned model), and differs in the padding:
 
 - cacheopt: Eq. 3's padding at Eq. 4's confidence for the arrival rate (policies/length/padding.py),
-  with (b - a) as kvmesh's embedding predictor sets it: (1 + p)(e^hi - e^lo), [lo, hi] the central
+  alpha and beta as `Confidence` holds them (section 5's 0.9 and 100, Fig. 17e-f varies them), or at a
+  fixed confidence in their place (Fig. 17g's "confidence score"), with (b - a) as kvmesh's embedding predictor sets it: (1 + p)(e^hi - e^lo), [lo, hi] the central
   90% of its log errors (here +-1.645 log_sigma), added or subtracted by the direction;
 - cka (CacheOpt /CKA): a fixed padding of 10% of the prediction, added;
 - rlp: the prediction plus 100 tokens (RLP_PADDING);
@@ -31,7 +32,8 @@ from statistics import NormalDist
 
 import numpy as np
 
-from kvmesh.policies.length.padding import Direction, adaptive_confidence, confidence_padding, padded_length
+from kvmesh.policies.length.padding import (DEFAULT_ALPHA, DEFAULT_BETA, Direction, adaptive_confidence,
+                                             confidence_padding, padded_length)
 from kvmesh.policies.length.predictors import RLP_PADDING, S3_BUCKET, s3_bucket_upper_bound
 
 RULES = ("none", "cacheopt", "cka", "rlp", "s3")
@@ -81,15 +83,29 @@ class PredictorModel:
         return (1 + predicted) * (math.exp(hi) - math.exp(-hi))
 
 
+@dataclass(frozen=True, slots=True)
+class Confidence:
+    """CacheOpt's confidence c_i: Eq. 4's alpha / (1 + beta lambda) at the arrival rate, or `fixed`
+    whatever the rate (Fig. 17g sweeps a confidence score, not Eq. 4's parameters)."""
+
+    alpha: float = DEFAULT_ALPHA
+    beta: float = DEFAULT_BETA
+    fixed: float | None = None
+
+    def at(self, rate: float) -> float:
+        """c_i at an arrival rate in req/s."""
+        return self.fixed if self.fixed is not None else adaptive_confidence(rate, self.alpha, self.beta)
+
+
 def estimated(rule: str, predicted: np.ndarray, directions: list[Direction], max_tokens: list[int], rate: float,
-              model: PredictorModel) -> list[int | None]:
+              model: PredictorModel, confidence: Confidence = Confidence()) -> list[int | None]:
     """Each request's estimated output length under a method's `rule` (RULES), at most its max_tokens,
-    at an arrival rate in req/s (Eq. 4 reads it; the other rules do not)."""
+    at an arrival rate in req/s (CacheOpt's `confidence` reads it; the other rules do not)."""
     each = list(zip(predicted.tolist(), directions, max_tokens))
     if rule == "none":
         return [None] * len(each)
     if rule == "cacheopt":
-        c = adaptive_confidence(rate)
+        c = confidence.at(rate)
         return [padded_length(p, confidence_padding(c, model.error_range(p)), d, cap) for p, d, cap in each]
     if rule == "cka":
         return [padded_length(p, CKA_PADDING * p, Direction.UNDER, cap) for p, _, cap in each]

@@ -1,7 +1,8 @@
 """`kvmesh sim paper cacheopt`: the paper's experiment end to end through the CLI (the benchmark
 contract's JSON and the plot, in two stages: the baselines, then CacheOpt with the SLOs they set), and
 its pure parts with exact values: Table 1's shapes, the predictor's error range, each method's
-estimated length (Eq. 3-4, RLP, S^3, /CKA), the SLOs and attainment, and the headlines' rules."""
+estimated length (Eq. 3-4, RLP, S^3, /CKA), Figure 17's settings, the SLOs and attainment, and the
+headlines' rules."""
 
 import json
 import math
@@ -16,7 +17,7 @@ from kvmesh.cli import main
 from kvmesh.policies.length.padding import Direction
 from kvmesh.sim.hardware import load_deployment
 from kvmesh.sim.papers import cacheopt
-from kvmesh.sim.papers.predicted_lengths import PredictorModel, Shape, estimated
+from kvmesh.sim.papers.predicted_lengths import Confidence, PredictorModel, Shape, estimated
 from kvmesh.sim.papers.sweep import Outcome
 
 CONTRACT = {"bench", "quick", "ratios", "targets", "directions", "meets", "ceilings", "config", "rows", "headline",
@@ -138,3 +139,45 @@ def test_the_headlines_follow_the_stated_rules():
     assert found["tbt_slo_attainment_gain_over_sarathi"] == 0.0
     assert found["p99_ttft_reduction_vs_pss"] == pytest.approx(0.4) and found["p99_tbt_reduction_vs_cka"] == \
         pytest.approx(0.4)
+
+
+def test_figure_17e_to_g_set_eq_4s_alpha_and_beta_or_a_fixed_confidence_per_point():
+    deployment = load_deployment(cacheopt.PROFILE)
+
+    def confidence(variant):
+        return cacheopt._point(deployment, cacheopt.CACHEOPT, "sharegpt", 1.0, 50, 3, variant, (1000.0, 40.0)).confidence
+
+    assert confidence("") == Confidence(0.9, 100.0, None)
+    assert [confidence(f"Fig. 17e alpha {a}") for a in ("0.5", "0.7", "0.99")] == \
+        [Confidence(0.5, 100.0), Confidence(0.7, 100.0), Confidence(0.99, 100.0)]
+    assert [confidence(f"Fig. 17f beta {b}") for b in (10, 50, 200)] == \
+        [Confidence(0.9, 10.0), Confidence(0.9, 50.0), Confidence(0.9, 200.0)]
+    assert [confidence(f"Fig. 17g confidence {c}") for c in ("0.8", "0.85", "0.9", "0.95")] == \
+        [Confidence(fixed=c) for c in (0.8, 0.85, 0.9, 0.95)]
+    # Eq. 4 at ShareGPT's 28 req/s, lambda per ms; a fixed confidence whatever the rate.
+    assert Confidence().at(28.0) == pytest.approx(0.9 / 3.8)
+    assert Confidence(0.5, 100.0).at(28.0) == pytest.approx(0.5 / 3.8)
+    assert Confidence(0.9, 10.0).at(28.0) == pytest.approx(0.9 / 1.28)
+    assert Confidence(0.9, 200.0).at(1.2) == pytest.approx(0.9 / 1.24)
+    assert Confidence(fixed=0.8).at(28.0) == Confidence(fixed=0.8).at(1.2) == 0.8
+    # The padding follows: Eq. 3 at c = 0.8 for a request predicted at 100 tokens.
+    model = PredictorModel(log_sigma=0.5)
+    t = math.sqrt(-model.error_range(100) ** 2 / 2 * math.log(1 - 0.8))
+    assert estimated("cacheopt", np.array([100]), [Direction.UNDER], [1000], 28.0, model, Confidence(fixed=0.8)) == \
+        [math.ceil(100 + t)]
+    # Only CacheOpt's estimates move; its lengths and every other method's estimates stay.
+    fixed, own = (cacheopt._point(deployment, cacheopt.CACHEOPT, "sharegpt", 1.0, 50, 3, v, (1000.0, 40.0))
+                  for v in ("Fig. 17g confidence 0.95", ""))
+    higher, lower = cacheopt.requests(fixed), cacheopt.requests(own)
+    assert [r.max_tokens for r in higher] == [r.max_tokens for r in lower]
+    assert sum(abs(r.predicted_output_len - r.max_tokens) for r in higher) != \
+        sum(abs(r.predicted_output_len - r.max_tokens) for r in lower)
+
+
+def test_figure_17h_counts_over_and_under_provisioned_requests():
+    requests = [cacheopt.TraceRequest(f"r{i}", 0.0, 10, length, None, None, estimate)
+                for i, (length, estimate) in enumerate(((100, 130), (100, 110), (100, 40), (100, 100)))]
+    assert cacheopt.provisioning(requests) == {"overprovisioned": 0.5, "underprovisioned": 0.25,
+                                               "over_tokens_mean": 20.0, "under_tokens_mean": 60.0}
+    unestimated = [cacheopt.TraceRequest("r", 0.0, 10, 100)]
+    assert set(cacheopt.provisioning(unestimated).values()) == {None}
