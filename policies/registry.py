@@ -9,7 +9,7 @@ from . import allocation, cache, offload, plugins, preemption, prefill_admission
 
 HOOKS: dict[str, dict[str, Callable]] = {
     "prefill_admission": {"fcfs": prefill_admission.fcfs, "layerkv": prefill_admission.layerkv,
-                          "car": prefill_admission.car},
+                          "car": prefill_admission.car, "like_lengths": prefill_admission.like_lengths},
     "kv_allocation": {"block_at_a_time": allocation.block_at_a_time, "estimate": allocation.estimate,
                       "rlp": allocation.estimate, "s3": allocation.s3, "cacheopt": allocation.cacheopt,
                       "cacheopt_guarded": allocation.cacheopt_guarded},

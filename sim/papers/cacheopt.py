@@ -5,14 +5,16 @@ ablations, and Figure 17's settings (SENSITIVITY).
 
 Methods (the engine policies of policies/, the estimated length of predicted_lengths.py, the batching):
   vllm      block_at_a_time, latest arrival preempted first, recompute   no estimate              whole prompts
-  rlp       estimate, latest arrival first, recompute                    prediction + 100         whole prompts
+  rlp       estimate, latest arrival first, recompute, like lengths      prediction + 100         whole prompts
   s3        s3, latest arrival first, swap (section 2.5: S^3 swaps)       its 50-token bucket's    whole prompts
   sarathi   block_at_a_time, latest arrival first, recompute             no estimate              chunked
   cacheopt  cacheopt (8 reserved blocks, B = 8, m = 2), cacheopt order, sweet_spot   Eq. 3-4 padding   chunked
   /CKA /RSA /PA /GR /PP /PSS: cacheopt without one part (section 5.2): 10% padding; RLP's allocation
   and estimate; m = 0; no reservation; FCFS order; recompute always.
-The simulator has no swap curves, so sweet_spot swaps whenever the tier has room (docs/sim.md). RLP's
-grouping of requests of like predicted lengths into a batch is not modelled: it admits in arrival order.
+The simulator has no swap curves, so sweet_spot swaps whenever the tier has room (docs/sim.md). RLP
+"tries to schedule the requests with similar lengths in the same batch" (section 5): its prefill
+admission is `like_lengths`, the oldest waiting request first, then the others by how near their
+estimated length is to its (arrival order is varied).
 
 Batching, as the paper's systems ran (assumptions, the uncertain ones varied). The paper's vLLM is
 vLLM's own scheduler ("defers new requests until preempted ones are completed", section 2.1), of a
@@ -44,7 +46,8 @@ attainment is the share of requests meeting their TTFT SLO, all their gaps withi
 Rates: fractions of each trace's Table 1 rate (32, 28 and 1.2 req/s), `--rates` too; the paper plots
 the average over the three traces at each rate, so the headlines take the mean over the traces at each
 fraction. Assumptions the paper leaves open, varied (`variations`): the predictor's error, the
-chunked methods' budget, vLLM with chunked prefill, the KV capacity, and the tail TBT's definition."""
+chunked methods' budget, vLLM with chunked prefill, the KV capacity, RLP's admission order, and the
+tail TBT's definition."""
 
 from __future__ import annotations
 
@@ -108,7 +111,8 @@ NO_RESERVE = AllocationParams(reserved_blocks=0)
 WHOLE, CHUNKED = False, True  # a method's batching: whole prompts a step (vLLM v0), or chunked prefill
 # series: (engine policies, allocation parameters, estimate rule, batching)
 METHODS = {VLLM: (VLLM_POLICIES, NO_RESERVE, "none", WHOLE),
-           RLP: ({**VLLM_POLICIES, "kv_allocation": "rlp"}, NO_RESERVE, "rlp", WHOLE),
+           RLP: ({**VLLM_POLICIES, "kv_allocation": "rlp", "prefill_admission": "like_lengths"}, NO_RESERVE, "rlp",
+                 WHOLE),
            S3: ({"kv_allocation": "s3", **VLLM_ORDER, "preemption_strategy": "swap"}, NO_RESERVE, "s3", WHOLE),
            SARATHI: (VLLM_POLICIES, NO_RESERVE, "none", CHUNKED),
            CACHEOPT: (CACHEOPT_POLICIES, AllocationParams(), "cacheopt", CHUNKED),
@@ -127,7 +131,8 @@ VARIATIONS = {"predictor log sigma 1.0": ({"predictor": PredictorModel(log_sigma
               "exact predictions": ({"predictor": PredictorModel(0.0, 1.0)}, (RLP, S3, CACHEOPT)),
               "chunked budget 2048": ({"chunk_budget": 2048}, (SARATHI, CACHEOPT)),
               "vLLM, RLP and S^3 chunked": ({"batching": CHUNKED}, (VLLM, RLP, S3)),
-              "half the KV capacity": ({"kv_share": 0.5}, (VLLM, RLP, S3, SARATHI, CACHEOPT))}
+              "half the KV capacity": ({"kv_share": 0.5}, (VLLM, RLP, S3, SARATHI, CACHEOPT)),
+              "RLP in arrival order": ({"policies": {"prefill_admission": "fcfs"}}, (RLP,))}
 # Figure 17: CacheOpt alone at ABLATION_LOAD with one setting changed: every request's SLO scale,
 # AllocationParams' B, m and reserved blocks, Eq. 4's alpha (beta 100) and beta (alpha 0.9), and a fixed
 # confidence in Eq. 4's place (Fig. 17g, whose points Fig. 17h reads). The paper's text names no axis
@@ -204,6 +209,7 @@ def _point(deployment: Deployment, name: str, workload: str, load: float, reques
            variant: str = "", slo: tuple[float, float] | None = None) -> CacheOptPoint:
     policies, allocation, rule, batching = METHODS[name]
     changes = VARIATIONS[variant][0] if variant in VARIATIONS else SENSITIVITY.get(variant, {})
+    policies = {**policies, **changes.get("policies", {})}
     allocation = replace(allocation, **{key: value for key, value in changes.items()
                                         if key in AllocationParams.__dataclass_fields__})
     chunked, chunk_budget = changes.get("batching", batching), changes.get("chunk_budget", SARATHI_BUDGET)
