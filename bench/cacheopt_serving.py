@@ -96,7 +96,8 @@ def replay(engine: Engine, requests: list[TraceRequest], arrivals: np.ndarray, t
                 del live[request_id]
                 advance()
         if engine.steps != stepped:  # the turn's time, as the engine service's loop records its own
-            steps.record(engine.steps, float(clock()), time.perf_counter() - turn, engine.last_shape)
+            steps.record(engine.steps, float(clock()), time.perf_counter() - turn, engine.last_shape,
+                         engine.last_staged_bytes)
     return RunStats([served[i] for i in range(len(requests))],
                     {k: v - before.get(k, 0) for k, v in engine.preemptions.items()}, clock() - start - clock.offset,
                     [float(a) for a in arrivals], list(targets), msgspec.to_builtins(steps.read().steps))

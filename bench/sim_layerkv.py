@@ -10,8 +10,9 @@ This bench runs the same sweep (bench.layerkv.sweep; `--quick` its quick shape: 
   1. calibration: after the sweep (it needs the sweep's rates), FCFS serves requests of its own
      shaped and arriving as the sweep's: CALIBRATION_SEED's A-shaped requests (1536-token prompts) at
      A's rate, then its instructions at B's first share of capacity, each a Poisson process of the
-     seed; each turn that stepped is recorded and the step cost fitted to them
-     (five terms, sim_validation.calibration_fit). All at once, as before, the instructions were prefilled packed
+     seed, and LayerKV's layer offload serves the A-shaped ones again (its staged steps); each turn
+     that stepped is recorded and the step cost fitted to them (five terms and the staged bytes' g,
+     sim_validation.calibration_fit). All at once, as before, the instructions were prefilled packed
      with the long prompts into the budget's steps: the cost had no short prefill to fit, and B's
      prefill steps took 3.6-3.7x what it said of them;
   2. simulated: each run replayed (bench/sim_replay.py) through a SimEngine configured from the
@@ -39,6 +40,7 @@ from pathlib import Path
 import torch
 
 from kvmesh.libs.messages.engine import Targets
+from kvmesh.services.engine.native.engine import Engine
 from kvmesh.sim.step_cost import StepCost
 
 from . import layerkv
@@ -71,16 +73,28 @@ def run(quick: bool) -> BenchResult:
 
 
 def calibration_run(served: layerkv.Sweep) -> list[RunStats]:
-    """FCFS serving requests of its own as the sweep's two parts arrive, each part on a fresh engine:
-    A-shaped ones of the longest context at A's rate, instructions at B's first share of capacity,
-    as many as a run of each, so that its steps have the runs' shapes (a short prompt prefilled
-    beside a few decodes, as in B)."""
-    parts = ((fixed(served.n_a, layerkv.LONGEST, seed=CALIBRATION_SEED), served.rate_a),
-             (instruction_trace("serve", served.n_b, output_scale=layerkv.B_OUTPUT_SCALE, seed=CALIBRATION_SEED),
-              served.rates_b[0] * served.capacity_b))
-    return [replay(layerkv.method_engine("fcfs", []), requests,
-                   poisson_arrivals(len(requests), rate, seed=CALIBRATION_SEED), [Targets()] * len(requests),
-                   max(r.output_len for r in requests)) for requests, rate in parts]
+    """Requests of its own served as the sweep's two parts arrive, each part on a fresh engine: FCFS
+    on A-shaped ones of the longest context at A's rate and on instructions at B's first share of
+    capacity, as many as a run of each, so that its steps have the runs' shapes (a short prompt
+    prefilled beside a few decodes, as in B); and LayerKV's layer offload (without Algorithm 1) on
+    the A-shaped ones again, whose staged steps price the bytes a step copies through its staging
+    area (the step cost's g)."""
+    a_shaped = fixed(served.n_a, layerkv.LONGEST, seed=CALIBRATION_SEED)
+    parts = (("fcfs", a_shaped, served.rate_a),
+             ("fcfs", instruction_trace("serve", served.n_b, output_scale=layerkv.B_OUTPUT_SCALE, seed=CALIBRATION_SEED),
+              served.rates_b[0] * served.capacity_b),
+             ("layerkv-noslo", a_shaped, served.rate_a))
+    return [_calibration_part(layerkv.method_engine(method, served.profile), requests, rate)
+            for method, requests, rate in parts]
+
+
+def _calibration_part(engine: Engine, requests: list, rate: float) -> RunStats:
+    try:
+        return replay(engine, requests, poisson_arrivals(len(requests), rate, seed=CALIBRATION_SEED),
+                      [Targets()] * len(requests), max(r.output_len for r in requests))
+    finally:
+        if engine.runner.staging is not None:
+            engine.runner.staging.close()
 
 
 def configured_engine(method: str, profile: list) -> Configured:

@@ -15,12 +15,11 @@ import torch
 from tqdm import tqdm
 
 from kvmesh.libs.messages.engine import SamplingParams
-from kvmesh.policies.step_shape import Shape
 from kvmesh.services.engine.config import EngineConfig
 from kvmesh.services.engine.native.engine import Engine
 from kvmesh.services.engine.native.factory import build_engine
 
-from .fit import describe, fit_step_cost
+from .fit import Row, describe, fit_step_cost
 from .step_cost import TERMS, profile_path, write_profile
 
 BATCHES = (1, 4, 16)          # requests prefilled together, then decoding together
@@ -36,7 +35,7 @@ def run(model: str, dtype: str, threads: int, out: Path | None, seed: int = 0) -
                                        max_num_seqs=max(BATCHES), prefix_caching=False, torch_threads=threads))
     generator = torch.Generator().manual_seed(seed)
     _scenario(engine, 1, min(PROMPTS), generator)  # warm-up: first calls set up kernels and buffers
-    timings: dict[Shape, list[float]] = defaultdict(list)
+    timings: dict[Row, list[float]] = defaultdict(list)
     scenarios = [(b, p) for b in BATCHES for p in PROMPTS] * REPEATS
     for batch, prompt in tqdm(scenarios, desc="calibrate: timing engine steps", unit="shape"):
         for shape, seconds in _scenario(engine, batch, prompt, generator):
@@ -56,9 +55,10 @@ def run(model: str, dtype: str, threads: int, out: Path | None, seed: int = 0) -
     return 0
 
 
-def _scenario(engine: Engine, batch: int, prompt: int, generator: torch.Generator) -> list[tuple[Shape, float]]:
+def _scenario(engine: Engine, batch: int, prompt: int, generator: torch.Generator) -> list[tuple[Row, float]]:
     """`batch` prompts of `prompt` tokens prefilled in one step, then decoded DECODE_STEPS steps: each
-    step's shape, as the engine counted what it scheduled (Engine.last_shape), and its time."""
+    step's shape and staged bytes, as the engine counted what it ran (Engine.last_shape, last_staged_bytes:
+    none here, so g fits 0), and its time."""
     params = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         ids = torch.randint(*TOKEN_RANGE, (prompt,), generator=generator).tolist()
@@ -67,7 +67,7 @@ def _scenario(engine: Engine, batch: int, prompt: int, generator: torch.Generato
     while engine.scheduler.has_work():
         start = time.perf_counter()
         engine.step()
-        timed.append((engine.last_shape, time.perf_counter() - start))
+        timed.append(((*engine.last_shape, engine.last_staged_bytes), time.perf_counter() - start))
     return timed
 
 

@@ -196,8 +196,10 @@ class SimEngine:
         return self.scheduler.has_work()
 
     def seconds(self, step: Step) -> float:
+        staged_bytes = sum(load * self.spec.swap_in_bytes_per_s + write * self.spec.swap_out_bytes_per_s
+                           for load, write in step.staged.values())  # the copies' seconds back to their bytes
         compute = self.cost.seconds(step.prefill_tokens, step.decode_tokens, step.decode_context, step.prefill_context,
-                                    step.prefill_sequences)
+                                    step.prefill_sequences, staged_bytes)
         staged = staged_step_s(compute, self.spec.num_layers, step.staged)
         computed = max(staged, step.cache_load_s) if self.spec.reload_overlap else staged + step.cache_load_s
         return computed + step.swap_s + step.cache_offload_s

@@ -7,25 +7,32 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvmesh.policies.step_shape import FIELDS, Shape
+from kvmesh.policies.step_shape import FIELDS
 
 from .step_cost import TERMS, StepCost
 
+COLUMNS = (*FIELDS, "staged_bytes")  # a timed step's row: its shape, then the bytes its staging area copied
+Row = tuple[float, ...]              # as COLUMNS; a shape alone (5 values) stages nothing
 
-def fit_step_cost(shapes: Sequence[Shape], seconds: Sequence[float], relative: bool = True,
+
+def fit_step_cost(shapes: Sequence[Row], seconds: Sequence[float], relative: bool = True,
                   held: Sequence[str] = ()) -> tuple[StepCost, dict]:
     """The coefficients minimising the squared relative error (steps range from a millisecond to
     a second: each counts alike), or with `relative` False the squared error in seconds, with a term
     whose best value is negative held at 0 (and the others refitted), and the terms `held` at 0 from
     the start (a cost without them, to compare); the cost, and the residuals of each timed step."""
-    if len(shapes) != len(seconds) or len(shapes) < len(TERMS):
-        raise ValueError(f"need as many timings as shapes, at least {len(TERMS)}; got {len(shapes)} and {len(seconds)}")
-    x = np.array([[1.0, *shape] for shape in shapes])
+    fitted_terms = len(set(TERMS) - set(held))
+    if len(shapes) != len(seconds) or len(shapes) < fitted_terms:
+        raise ValueError(f"need as many timings as shapes, at least {fitted_terms}; got {len(shapes)} and {len(seconds)}")
+    x = np.array([[1.0, *shape, *[0] * (len(COLUMNS) - len(shape))] for shape in shapes], dtype=float)
     y = np.asarray(seconds, dtype=float)
     scale = y if relative else np.ones_like(y)
     free = [i for i, term in enumerate(TERMS) if term not in held]
     while True:
-        solved = np.linalg.lstsq(x[:, free] / scale[:, None], y / scale, rcond=None)[0]
+        a = x[:, free] / scale[:, None]
+        norms = np.linalg.norm(a, axis=0)  # columns to unit length: staged bytes run to 1e8 a step, the constant is 1
+        norms[norms == 0] = 1.0            # a column of zeros (nothing staged) is fitted 0
+        solved = np.linalg.lstsq(a / norms, y / scale, rcond=None)[0] / norms
         if (solved >= 0).all():
             break
         free.pop(int(np.argmin(solved)))
@@ -36,7 +43,7 @@ def fit_step_cost(shapes: Sequence[Shape], seconds: Sequence[float], relative: b
     fit = {"samples": len(y), "rms_residual_s": float(np.sqrt(np.mean((y - fitted) ** 2))),
            "mean_relative_error": float(errors.mean()), "max_relative_error": float(errors.max()),
            "held_at_zero": [TERMS[i] for i in range(len(TERMS)) if i not in free],
-           "steps": [{**dict(zip(FIELDS, shape)), "measured_s": float(m), "fitted_s": float(f)}
+           "steps": [{**dict(zip(COLUMNS, shape)), "measured_s": float(m), "fitted_s": float(f)}
                      for shape, m, f in zip(shapes, y, fitted)]}
     return StepCost(*coefficients.tolist()), fit
 
@@ -54,15 +61,16 @@ def fit_engine_steps(steps: Sequence[dict], held: Sequence[str] = ()) -> tuple[S
     return cost, {**summary, "measured_s": float(sum(seconds)), "fitted_s": sum(r["fitted_s"] for r in fit["steps"])}
 
 
-def recorded_shape(step: dict) -> Shape:
-    """A step's shape as `GET /v1/steps` lists it."""
-    return tuple(step[field] for field in FIELDS)
+def recorded_shape(step: dict) -> Row:
+    """A step's shape and staged bytes as `GET /v1/steps` lists them (0 staged in a record from before them)."""
+    return (*(step[field] for field in FIELDS), step.get("staged_bytes", 0))
 
 
 def describe(cost: StepCost, fit: dict, what: str) -> str:
     """The coefficients and how well they fit `fit['samples']` of `what`, for a person."""
     return (f"a = {cost.a * 1e3:.3f} ms/step, b = {cost.b * 1e6:.3f} us/prefill token, "
             f"c = {cost.c * 1e6:.3f} us/decode token, d = {cost.d * 1e9:.3f} ns/decode context token, "
-            f"e = {cost.e * 1e9:.3f} ns/prefill (query, key) pair, f = {cost.f * 1e3:.3f} ms/prefill sequence\n"
+            f"e = {cost.e * 1e9:.3f} ns/prefill (query, key) pair, f = {cost.f * 1e3:.3f} ms/prefill sequence, "
+            f"g = {cost.g * 1e12:.3f} ps/staged byte\n"
             f"fit over {fit['samples']} {what}: mean relative error {fit['mean_relative_error']:.1%}, "
             f"max {fit['max_relative_error']:.1%}")

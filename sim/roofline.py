@@ -80,10 +80,11 @@ class Roofline:
             object.__setattr__(self, name, value)
 
     def seconds(self, prefill_tokens: int, decode_tokens: int, decode_context: int, prefill_context: int,
-                prefill_sequences: int = 0) -> float:
+                prefill_sequences: int = 0, staged_bytes: float = 0) -> float:
         # compute_s, memory_s and allreduce_s written out, in their operation order (the same floats):
         # the simulator calls this every step of every engine. A roof has no per-sequence term: a GPU
-        # kernel takes a step's prompts together (prefill_sequences is StepCost's, sim/step_cost.py).
+        # kernel takes a step's prompts together (prefill_sequences is StepCost's, sim/step_cost.py),
+        # and no staged bytes' term: its copy engines move them beside the compute (staging_time.py).
         tokens = prefill_tokens + decode_tokens
         compute = self._token_compute_s * tokens + self._pair_compute_s * (decode_context + prefill_context)
         memory = self._weights_s + self._kv_token_s * (decode_context * self._attention_read + tokens)

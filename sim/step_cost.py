@@ -1,7 +1,7 @@
 """The engine step's cost as a function of its batch, and the JSON profiles it is loaded from.
 
 seconds = a + b * prefill_tokens + c * decode_tokens + d * decode_context + e * prefill_context
-          + f * prefill_sequences,
+          + f * prefill_sequences + g * staged_bytes,
 where prefill_tokens are the tokens computed as prompt (or recomputed) chunks, decode_tokens the
 requests decoding one token, decode_context the KV tokens the decodes' attention reads (each its whole
 context), prefill_context the (query, key) pairs the chunks' attention computes (each prompt token
@@ -11,7 +11,12 @@ chunks. The two context terms differ in kind: a decode's attention is bound by r
 orders of magnitude. The chunks' term is what a chunk pays whatever its length (the native engine
 runs each new prompt's causal attention apart, in every layer, and samples it): on this CPU a short
 prompt costs several times its tokens' share of a long one's, which the token and pair terms cannot
-say of 60- and 1536-token prompts together. A profile in `sim/profiles/`
+say of 60- and 1536-token prompts together. `staged_bytes` are the KV bytes a LayerKV step copies
+through its staging area (an offloaded layer's context loaded, the blocks it wrote written back:
+the engine's `GET /v1/steps` records them): on a GPU the copies overlap the compute on a side stream
+(staging_time.py times them, g 0), while on a CPU they run inline and a staged layer's attention
+reads a step's fresh staging blocks, which FCFS's steps never show (a staged step of bench layerkv
+took 1.09-1.21x its shape's cost). A profile in `sim/profiles/`
 holds one (model, hardware, dtype, threads) fit, each coefficient with where it came from.
 
 A profile of kind "roofline" (a GPU deployment: sim/roofline.py, sim/hardware.py) is built from
@@ -26,7 +31,7 @@ from pathlib import Path
 from .roofline import Roofline, from_profile
 
 PROFILES = Path(__file__).parent / "profiles"
-TERMS = ("a", "b", "c", "d", "e", "f")  # the coefficients of: 1, then the shape's FIELDS (policies/step_shape.py)
+TERMS = ("a", "b", "c", "d", "e", "f", "g")  # the coefficients of: 1, the shape's FIELDS (policies/step_shape.py), staged bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,12 +42,13 @@ class StepCost:
     d: float = 0.0    # seconds per KV token a decode's attention reads
     e: float = 0.0    # seconds per (query, key) pair a prefill chunk's attention computes
     f: float = 0.0    # seconds per prompt computed from its first token in the step (a prefill sequence)
+    g: float = 0.0    # seconds per KV byte copied through the step's staging area (LayerKV)
 
     def seconds(self, prefill_tokens: int, decode_tokens: int, decode_context: int, prefill_context: int,
-                prefill_sequences: int = 0) -> float:
-        """A step's cost; `prefill_sequences` 0 for callers that count no prompt chunks (a shape without it)."""
+                prefill_sequences: int = 0, staged_bytes: float = 0) -> float:
+        """A step's cost; `prefill_sequences` and `staged_bytes` 0 for callers that count none."""
         return self.a + self.b * prefill_tokens + self.c * decode_tokens + self.d * decode_context + \
-            self.e * prefill_context + self.f * prefill_sequences
+            self.e * prefill_context + self.f * prefill_sequences + self.g * staged_bytes
 
 
 def profile_path(name: str) -> Path:
@@ -64,7 +70,7 @@ def read_profile(name: str) -> dict:
 
 def load_profile(name: str) -> StepCost | Roofline:
     """A fitted profile's StepCost (kind "linear", the default) or a GPU profile's Roofline. A term a
-    profile lacks is 0 (f: profiles fitted before it)."""
+    profile lacks is 0 (f and g: profiles fitted before them)."""
     body = read_profile(name)
     if body.get("kind", "linear") == "roofline":
         return from_profile(body)

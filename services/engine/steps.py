@@ -25,6 +25,7 @@ class EngineStep(msgspec.Struct, kw_only=True):
     decode_context: int     # KV tokens the decodes' attention read
     prefill_context: int    # (query, key) pairs the prompt chunks' attention computed
     prefill_sequences: int  # prompts computed from their first token in the step (policies/step_shape.py)
+    staged_bytes: int = 0   # LayerKV: KV bytes copied through the step's staging area, loads and write-backs
 
 
 class EngineSteps(msgspec.Struct, kw_only=True):
@@ -46,8 +47,8 @@ class StepLog:
         self._lock = threading.Lock()
         self.recorded = 0
 
-    def record(self, index: int, end: float, seconds: float, shape: Shape) -> None:
-        step = EngineStep(index=index, end=end, seconds=seconds, **dict(zip(FIELDS, shape)))
+    def record(self, index: int, end: float, seconds: float, shape: Shape, staged_bytes: int = 0) -> None:
+        step = EngineStep(index=index, end=end, seconds=seconds, **dict(zip(FIELDS, shape)), staged_bytes=staged_bytes)
         with self._lock:
             self._steps.append(step)
             self.recorded += 1

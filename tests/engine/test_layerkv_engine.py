@@ -44,6 +44,17 @@ def layerkv_engine(tiny_checkpoint, **overrides):
     return engine
 
 
+def test_a_step_record_carries_the_bytes_its_staging_area_copied(tiny_checkpoint, monkeypatch):
+    monkeypatch.setitem(registry.HOOKS["layer_offload"], "keep", keep(1))
+    engine = engine_for(tiny_checkpoint, policies={"layer_offload": "keep"}, layer_profile="off", prefix_caching=False)
+    block = engine.runner.pool.shape.bytes
+    engine.add("a", list(range(10, 30)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    engine.step()  # the 20-token prompt in 3 offloaded layers of 2 blocks: both written back, nothing loaded
+    assert engine.last_staged_bytes == 3 * 2 * block
+    engine.step()  # its first decode: the 2 blocks of context loaded, the second (where it writes) written back
+    assert engine.last_staged_bytes == 3 * 3 * block
+
+
 def test_layerkv_offloads_every_layer_the_device_has_no_room_for(tiny_checkpoint, reference):
     # 153 of 256 blocks held back as the threshold leave 103. Prompts of 33, 36, 40 and 59 tokens
     # need 3, 3, 3 and 4 blocks a layer and 8 stages of growth: 44 blocks for every layer of each of

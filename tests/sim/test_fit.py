@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvmesh.sim import calibrate
-from kvmesh.sim.fit import fit_step_cost
+from kvmesh.sim.fit import fit_step_cost, recorded_shape
 from kvmesh.sim.step_cost import TERMS, StepCost, load_profile
 
 
@@ -34,6 +34,20 @@ def test_the_prefill_sequence_term_prices_a_short_prompt_beside_long_ones():
     without, fit = fit_step_cost(long_only, [truth.seconds(*s) for s in long_only], held=("f",))
     assert without.f == 0 and fit["held_at_zero"] == ["f"]
     assert without.seconds(60, 0, 0, 1830, 1) < 0.5 * truth.seconds(60, 0, 0, 1830, 1)
+
+
+def test_the_staged_bytes_term_is_recovered_beside_steps_that_stage_nothing():
+    """Decode steps of 1, 2 or 4 requests of 512 or 1536 tokens, each with nothing staged and with
+    every context's 8 kB a token copied through the staging area: the fit recovers g exactly, and a
+    shape alone (a step record from before staged bytes) stages nothing."""
+    truth = StepCost(a=1e-3, c=5e-5, d=2e-7, g=3e-11)
+    rows = [(0, n, n * c, 0, 0, staged) for n in (1, 2, 4) for c in (512, 1536) for staged in (0, n * c * 8192)]
+    cost, fit = fit_step_cost(rows, [truth.seconds(*r) for r in rows])
+    assert cost.g == pytest.approx(truth.g, rel=1e-9) and cost.d == pytest.approx(truth.d, rel=1e-9)
+    assert fit["steps"][1]["staged_bytes"] == 512 * 8192
+    step = {"prefill_tokens": 1, "decode_tokens": 2, "decode_context": 3, "prefill_context": 4, "prefill_sequences": 5}
+    assert recorded_shape(step) == (1, 2, 3, 4, 5, 0)
+    assert recorded_shape(step | {"staged_bytes": 6}) == (1, 2, 3, 4, 5, 6)
 
 
 def test_a_term_that_would_be_negative_is_held_at_zero():

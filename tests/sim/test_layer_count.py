@@ -116,3 +116,6 @@ def test_a_step_costs_its_staged_layers_copies_at_the_tiers_bandwidths():
     assert second.staged == {i: (2 * 1000 / 1e4, 2 * 1000 / 2e4) for i in (0, 1, 2)}
     compute = COST.seconds(second.prefill_tokens, second.decode_tokens, second.decode_context, second.prefill_context)
     assert engine.seconds(second) == pytest.approx(staged_step_s(compute, 4, second.staged))
+    # A cost with a term for the staged bytes (a CPU's inline copies): 3 layers x 4 blocks x 1000 bytes
+    priced = SimEngine(spec, replace(COST, g=1e-6))
+    assert priced.seconds(second) == pytest.approx(staged_step_s(compute + 1e-6 * 12_000, 4, second.staged))

@@ -92,6 +92,11 @@ class Engine(EngineHandoff):
             self._aborted_pulls[request_id] = request
         return [self._frame(request, [], [], [], "")]
 
+    @property
+    def last_staged_bytes(self) -> int:
+        """The KV bytes the last step copied through its staging area (LayerKV; 0 without one)."""
+        return 0 if self.runner.staging is None else self.runner.staging.staged_bytes
+
     def step(self) -> EngineEvents:
         now = self.clock()
         plan = self.scheduler.schedule(now)

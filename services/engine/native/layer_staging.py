@@ -192,6 +192,7 @@ class LayerStaging:
     def __init__(self, device: KVPool, cxl: KVPool, copier: ChunkedCopier, thread: bool = False):
         self.device, self.cxl, self.copier = device, cxl, copier
         self.side = SideCopies(device.tensor.device, copier, thread)
+        self.staged_bytes = 0  # the last prepared step's copies, loads and write-backs (its step record's)
 
     def prepare(self, chunks: Sequence[ScheduledChunk], tables: np.ndarray,
                 area: tuple[list[int], list[int]]) -> StagedStep | None:
@@ -203,6 +204,7 @@ class LayerStaging:
             offsets.append(used)
             if chunk.request.offloaded:
                 used += chunk.request.blocks_per_layer
+        self.staged_bytes = 0
         if used == 0:
             return None
         if used > min(map(len, area)):
@@ -226,6 +228,8 @@ class LayerStaging:
                 loads[layer][1].extend(staged[:loaded])
                 writes[layer][0].extend(staged[written:])
                 writes[layer][1].extend(cxl_blocks[written:])
+        copied = sum(len(loads[layer][0]) + len(writes[layer][0]) for layer in halves)
+        self.staged_bytes = copied * self.device.shape.bytes
         layers = {layer: _StagedLayer([(self.cxl, loads[layer][0], self.device, loads[layer][1])],
                                       [(self.device, writes[layer][0], self.cxl, writes[layer][1])])
                   for layer in halves}
