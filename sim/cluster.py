@@ -105,8 +105,7 @@ class Cluster:
         the arrival window with it)."""
         self.events = events = EventQueue()
         self.reported_at = None
-        for request in requests:
-            events.schedule(request.arrival, ARRIVAL, request)
+        events.schedule_all(ARRIVAL, ((request.arrival, request) for request in requests))
         while events:
             event = events.pop()
             if event.kind == ARRIVAL:
@@ -140,8 +139,9 @@ class Cluster:
                 self._routed(engine_id, request.prompt_len)
         if decision.mode == "colocated" or request.max_tokens == 1:
             engine_id = decision.engine or decision.prefill
-            if not self._joined(engine_id, request):
-                self._settled(engine_id).add(request)
+            if self._joined(engine_id, request):
+                return []  # its engine is busy with the run until the run's end: nothing to kick
+            self._settled(engine_id).add(request)
             return [engine_id]
         part = SimRequest(request.request_id, request.arrival, request.prompt_len, 1, request.ttft_slo_ms,
                           request.tbt_slo_ms, request.predicted_output_len, hold_kv=True)

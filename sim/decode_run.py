@@ -72,7 +72,6 @@ class DecodeRun:
     #                                                                            their context, how many
     ends: list[float] = field(default_factory=list)     # each step's end time, so far
     seconds: list[float] = field(default_factory=list)  # each step's cost, so far
-    batches: list[int] = field(default_factory=list)    # each step's decodes, so far
     applied: int = 0       # steps whose tokens and blocks the requests have
     version: int = 0       # moves on when it is cut: an event of an older one is stale
     _planned: int = 0      # requests decoding from the first step
@@ -135,7 +134,7 @@ class DecodeRun:
         # The loop runs for every step simulated: its state is in locals.
         t, entering, leaving, prefills, seconds = start, self.entering, self.leaving, self.prefills, self.cost.seconds
         entered, gone, context, planned, joined = self._entered, self._gone, self._context, self._planned, len(entering)
-        ends, costs, batches = self.ends, self.seconds, self.batches
+        ends, costs = self.ends, self.seconds
         for j in range(len(ends), min(self.limit, len(ends) + steps)):
             while entered < joined and entering[entered][0] <= j:
                 context += entering[entered][1]
@@ -152,7 +151,6 @@ class DecodeRun:
             t = t + cost
             ends.append(t)
             costs.append(cost)
-            batches.append(batch)
         self._entered, self._gone, self._context = entered, gone, context
 
     def in_progress(self, now: float) -> int:
@@ -168,7 +166,7 @@ class DecodeRun:
         """Keep only the first `steps` steps (costed out)."""
         if steps < self.limit:
             self.version += 1
-        del self.ends[steps:], self.seconds[steps:], self.batches[steps:]
+        del self.ends[steps:], self.seconds[steps:]
         self.limit = steps
 
     def join(self, engine, request: SimRequest, now: float) -> bool:
@@ -180,15 +178,13 @@ class DecodeRun:
         if j >= self.limit or scheduler.policies.prefill_admission is not fcfs or request.hold_kv or \
                 request.awaits_kv or not engine.fits(request) or not scheduler.chunked_prefill:
             return False
-        if len(self.ends) <= j:
-            self.extend(self.end, j + 1 - len(self.ends))
-        decodes, (prompts, pairs, joining) = self.batches[j], self.prefills.get(j, (0, 0, 0))
+        decodes, (prompts, pairs, joining) = self._decodes(j), self.prefills.get(j, (0, 0, 0))
         prompt, stop = request.prompt_len, j + request.max_tokens
         blocks = blocks_for(prompt + min(self.limit, stop) - j - 1, spec.block_size) * spec.num_layers
         if spec.token_budget - decodes - prompts < prompt or decodes + joining >= spec.max_num_seqs or \
                 blocks > self.slack:
             return False
-        engine.add(request)
+        scheduler.add(request)  # it fits: engine.add's check, made above
         self.slack -= blocks
         self._restart(j)
         base = prompt - j  # its first decode, at j + 1, reads the prompt and its first token
@@ -199,10 +195,15 @@ class DecodeRun:
         self.prefills[j] = (prompts + shape[0], pairs + shape[3], joining + 1)
         return True
 
+    def _decodes(self, j: int) -> int:
+        """The requests decoding at step `j`, as `extend` counts them, without costing it (a join costs
+        the steps from its own on again)."""
+        return self._planned + bisect_left(self.entering, (j + 1,)) - bisect_left(self.leaving, (j + 1,))
+
     def _restart(self, steps: int) -> None:
         """Forget the steps costed from `steps` on, to cost them again: the batch goes back to what it
         was before the first of them."""
-        del self.ends[steps:], self.seconds[steps:], self.batches[steps:]
+        del self.ends[steps:], self.seconds[steps:]
         while self._entered and self.entering[self._entered - 1][0] >= steps:
             self._entered -= 1
             self._context -= self.entering[self._entered][1]

@@ -22,3 +22,20 @@ def test_an_event_before_now_is_refused():
     events.pop()
     with pytest.raises(ValueError):
         events.schedule(0.5, "late")
+
+
+def test_events_scheduled_all_at_once_interleave_with_the_others_by_time_then_scheduling_order():
+    events = EventQueue()
+    events.schedule(1.0, "first")
+    events.schedule_all("arrival", [(2.0, "b"), (1.0, "a"), (2.0, "c")])
+    events.schedule(1.0, "after a")
+    seen = []
+    while events:
+        event = events.pop()
+        seen.append((event.time, event.kind, event.payload))
+        if event.payload == "b":
+            events.schedule(2.0, "after c")
+    assert seen == [(1.0, "first", None), (1.0, "arrival", "a"), (1.0, "after a", None), (2.0, "arrival", "b"),
+                    (2.0, "arrival", "c"), (2.0, "after c", None)]
+    with pytest.raises(ValueError):
+        events.schedule_all("late", [(1.5, None)])
