@@ -25,7 +25,8 @@ Keys, for each method m (fcfs, layerkv_noslo, layerkv) and run (a<context>, b<sh
 Information, one assumption varied at a time: `_rescaled`, `_own_steps` (as bench sim_cacheopt's),
 `_relative_fit` (the calibration's steps fitted in relative error, each step alike: short prefills
 weigh as much as the 1536-token ones), `_with_f` (the calibration fitted with the
-prefill-sequence term f: six terms, where the calibrated has five), `_inline_copies` (LayerKV's
+prefill-sequence term f: six terms, where the calibrated has five), `_without_g` (the calibration
+fitted without the staged bytes' term g, as before it), `_inline_copies` (LayerKV's
 engines: a staged layer's copies in its step, as the CPU engine copies, not overlapped);
 sim_elasticity_...; the layers each run offloaded, measured and simulated. With 4 and 12 requests a
 run, a P90 is one request's.
@@ -41,6 +42,7 @@ import torch
 
 from kvmesh.libs.messages.engine import Targets
 from kvmesh.services.engine.native.engine import Engine
+from kvmesh.sim.fit import fit_engine_steps
 from kvmesh.sim.step_cost import StepCost
 
 from . import layerkv
@@ -51,7 +53,7 @@ from .layerkv_traces import fixed
 from .report import BenchResult, Row
 from .sim_replay import (SENSITIVITY, Configured, Variation, calibration_variants, configured, figures, keys,
                          variations)
-from .sim_validation import FIGURES, TARGET, calibration_fit, plot, step_time_ratio
+from .sim_validation import FIGURES, HELD, TARGET, calibration_fit, plot, step_time_ratio
 
 CALIBRATION_SEED = 11   # its requests (the sweep's: A seed 1, B seed 2)
 PLOT = Path("bench-results/sim_layerkv.png")
@@ -65,7 +67,8 @@ def run(quick: bool) -> BenchResult:
     steps = [step for part in calibration for step in part.steps]
     engines = {method: configured_engine(method, served.profile) for method in layerkv.METHODS}
     calibrated, fit = calibration_fit(steps)
-    others = calibration_variants(steps)
+    without_g = fit_engine_steps(steps, held=(*HELD, "g"))[0]
+    others = [*calibration_variants(steps), ("_without_g", "calibration without the staged bytes' term g", without_g)]
     replays = {(method, name): (stats, variations(stats, requests, max(r.output_len for r in requests),
                                                   engines[method], calibrated, others))
                for (method, name), (requests, stats) in served.runs.items()}
@@ -80,9 +83,8 @@ def calibration_run(served: layerkv.Sweep) -> list[RunStats]:
     the A-shaped ones again, whose staged steps price the bytes a step copies through its staging
     area (the step cost's g)."""
     a_shaped = fixed(served.n_a, layerkv.LONGEST, seed=CALIBRATION_SEED)
-    parts = (("fcfs", a_shaped, served.rate_a),
-             ("fcfs", instruction_trace("serve", served.n_b, output_scale=layerkv.B_OUTPUT_SCALE, seed=CALIBRATION_SEED),
-              served.rates_b[0] * served.capacity_b),
+    instructions = instruction_trace("serve", served.n_b, output_scale=layerkv.B_OUTPUT_SCALE, seed=CALIBRATION_SEED)
+    parts = (("fcfs", a_shaped, served.rate_a), ("fcfs", instructions, served.rates_b[0] * served.capacity_b),
              ("layerkv-noslo", a_shaped, served.rate_a))
     return [_calibration_part(layerkv.method_engine(method, served.profile), requests, rate)
             for method, requests, rate in parts]

@@ -23,7 +23,8 @@ def fit_step_cost(shapes: Sequence[Row], seconds: Sequence[float], relative: boo
     the start (a cost without them, to compare); the cost, and the residuals of each timed step."""
     fitted_terms = len(set(TERMS) - set(held))
     if len(shapes) != len(seconds) or len(shapes) < fitted_terms:
-        raise ValueError(f"need as many timings as shapes, at least {fitted_terms}; got {len(shapes)} and {len(seconds)}")
+        raise ValueError(f"need as many timings as shapes, at least {fitted_terms}; "
+                         f"got {len(shapes)} and {len(seconds)}")
     x = np.array([[1.0, *shape, *[0] * (len(COLUMNS) - len(shape))] for shape in shapes], dtype=float)
     y = np.asarray(seconds, dtype=float)
     scale = y if relative else np.ones_like(y)

@@ -31,7 +31,8 @@ from pathlib import Path
 from .roofline import Roofline, from_profile
 
 PROFILES = Path(__file__).parent / "profiles"
-TERMS = ("a", "b", "c", "d", "e", "f", "g")  # the coefficients of: 1, the shape's FIELDS (policies/step_shape.py), staged bytes
+# The coefficients of: 1, the shape's FIELDS (policies/step_shape.py), the bytes the step staged
+TERMS = ("a", "b", "c", "d", "e", "f", "g")
 
 
 @dataclass(frozen=True, slots=True)
