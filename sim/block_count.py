@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 
+from kvmesh.policies.cache.node_table import PrefixHit
 from kvmesh.policies.views import PoolView
 
 from .request import SimRequest
@@ -62,6 +63,9 @@ class BlockCount:
         return True
 
     # No prefix cache: nothing is cached, committed or scored.
+
+    def find_prefix(self, request: SimRequest) -> PrefixHit:
+        return PrefixHit()
 
     def attach_prefix(self, request: SimRequest, now: float) -> int:
         return 0

@@ -6,9 +6,21 @@ No blocks, no I/O: what a node's blocks are and how they move is each keeper's o
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from .cached_node import CachedNode
 from .eviction_queue import EvictionQueue
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """A request's cached prefix as attach_prefix would give it now, found without attaching it.
+    `taken`: the device blocks (every layer's) attaching it takes out of `free("device")`, those of
+    its idle device nodes (held, so no longer idle) and of its cxl nodes (reloaded)."""
+
+    nodes: int = 0    # cached nodes of its leading full blocks: blocks a layer it would hold
+    tokens: int = 0   # tokens it would not compute
+    taken: int = 0
 
 
 class NodeTable:
@@ -41,12 +53,23 @@ class NodeTable:
                 self._rescored(node)
         request.scores = {}
 
+    def find_prefix(self, request) -> PrefixHit:
+        """What attach_prefix would give the request, and take, if every cxl node of its prefix came
+        back: nothing moves, nothing is counted, no node is touched. The scheduler attaches a prefix
+        only once the request has room with it, so a request refused costs nothing."""
+        if not self.prefix_caching or request.blocks_per_layer:
+            return PrefixHit()
+        hits = self.cached_prefix(request)
+        taken = sum(node.tier != "device" or node.refs == 0 for node in hits) * self.num_layers
+        return PrefixHit(len(hits), min(len(hits) * self.block_size, request.num_tokens - 1), taken)
+
     def attach_prefix(self, request, now: float) -> int:
         """Give a request with no blocks the longest cached prefix of its tokens; returns how many
         tokens it need not compute. At least one token is always left to compute (its logits are
         needed), so a fully cached prompt recomputes its last token into a copy of the last block.
         Nodes of the prefix in the cxl tier come back to the device first (`reload`), as many as it
-        has room for; the prefix ends where one could not."""
+        has room for; the prefix ends where one could not (the scheduler attaches a prefix only once
+        find_prefix says it fits whole)."""
         if not self.prefix_caching or request.blocks_per_layer:
             return 0
         hits = self.cached_prefix(request)

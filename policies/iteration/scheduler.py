@@ -23,6 +23,7 @@ from functools import cached_property
 
 from ..allocation import AllocationInput, AllocationParams, AllocationPlan, Grant, block_at_a_time
 from ..allocation.ledger import Ledger
+from ..cache.node_table import PrefixHit
 from ..offload import interleaved
 from ..offload import none as no_offload
 from ..offload.plan import OffloadInput, OffloadParams
@@ -325,14 +326,18 @@ class Scheduler:
                     self.ledger.settle(request)
                     return
                 continue
+            hit = self.blocks.find_prefix(request)
+            n = min(request.num_tokens - hit.tokens, budget)
+            if hit.nodes and not self._fits_with_prefix(request, hit, n):
+                self.ledger.settle(request)
+                return  # it waits its turn, its prefix untouched: nothing reloaded, counted or reranked
             cached = self.blocks.attach_prefix(request, now)
             if request.preemptions == 0:
                 request.num_cached = cached
-            n = min(request.num_tokens - request.num_computed, budget)
             if request.request_id in retain and not cached and request.push is None:
                 self._place(request, retain[request.request_id])
             if not self._reserve(request, n) or not self._stages(request, n):
-                self.blocks.release(request)  # give back the prefix it was lent; it waits its turn
+                self.blocks.release(request)  # give back what it was given; it waits its turn
                 self.ledger.settle(request)
                 request.num_computed = 0
                 return
@@ -384,12 +389,27 @@ class Scheduler:
             self._staged += need
         plan.chunks.append(ScheduledChunk(request, n))
 
+    def _fits_with_prefix(self, request: Schedulable, hit: PrefixHit, n: int) -> bool:
+        """Whether the request, its cached prefix attached, would get blocks for `n` tokens more, asked
+        before attaching it (as vLLM looks a prefix up, then allocates, and leaves a request it cannot
+        place waiting with nothing copied): the prefix's nodes the device must hold or reload, the new
+        blocks, and the copy a fully cached prompt writes its last token into."""
+        needed = hit.tokens + n
+        if not self._allotted(request, needed):
+            return False
+        block_size = self.blocks.block_size
+        new = max(0, blocks_for(needed, block_size) - hit.nodes) + (hit.tokens < hit.nodes * block_size)
+        return hit.taken + new * self.blocks.num_layers <= self.blocks.free("device")
+
     def _reserve(self, request: Schedulable, n: int) -> bool:
         """Blocks for this step's `n` tokens, within the request's allocation (grown if it must)."""
         needed = request.num_computed + n
-        if request.allocation is not None and request.allocation < needed and not self.ledger.grow(request, needed):
-            return False
-        return self.blocks.reserve(request, blocks_for(needed, self.blocks.block_size), n)
+        return self._allotted(request, needed) and \
+            self.blocks.reserve(request, blocks_for(needed, self.blocks.block_size), n)
+
+    def _allotted(self, request: Schedulable, needed: int) -> bool:
+        """Whether the request's allocation covers `needed` tokens, grown by the ledger if it must."""
+        return request.allocation is None or request.allocation >= needed or self.ledger.grow(request, needed)
 
     def _pick_victim(self, candidates: list[Schedulable], short: Schedulable | None = None) -> Schedulable:
         """The preemption policy's first victim; a host short of KV takes back its embedded guest first."""

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from ..allocation.ledger import Allottee
+from ..cache.node_table import PrefixHit
 from ..views import PoolView, RequestView
 from .status import Status
 
@@ -58,6 +59,9 @@ class Blocks(Protocol):
     def swap_out(self, request: Schedulable) -> bool: ...
 
     def swap_in(self, request: Schedulable) -> bool: ...
+
+    def find_prefix(self, request: Schedulable) -> PrefixHit:
+        """What attach_prefix would give the request and take of the device, nothing attached or moved."""
 
     def attach_prefix(self, request: Schedulable, now: float) -> int:
         """Give a request with no blocks its longest cached prefix; the tokens it need not compute."""

@@ -147,4 +147,5 @@ def test_the_simulated_prefetcher_brings_back_what_the_engine_s_does_step_by_ste
     assert native.scheduler.reuse.prefetched > 0, "the script is meant to prefetch"
     assert sim_log == native_log
     found = {tier: n for tier, n in native.state().prefix_cache_hit_blocks.items() if n}
-    assert dict(sim.blocks.hit_blocks) == found and set(found) == {"device", "cxl"}
+    # The prefetcher had every turn's cxl nodes back before the turn was admitted.
+    assert dict(sim.blocks.hit_blocks) == found == {"device": 24}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.policies.cache import car, lru
+from kvmesh.policies.cache.node_table import PrefixHit
 from kvmesh.sim.engine import EngineSpec, SimEngine
 from kvmesh.sim.prefix_count import PrefixCount
 from kvmesh.sim.request import SimRequest
@@ -88,6 +89,32 @@ def test_car_moves_evicted_nodes_to_the_cxl_tier_and_a_hit_brings_them_back():
     assert blocks.free_blocks["cxl"] == 0            # their cxl copies until the step has loaded them
     blocks.loads_done()
     assert blocks.free_blocks["cxl"] == 4 and blocks.hit_blocks["cxl"] == 2
+
+
+def test_looking_a_prefix_up_attaches_moves_and_counts_nothing():
+    """What attaching would give and take of the device (its idle nodes held, its cxl nodes reloaded),
+    found with nothing changed: the scheduler asks before it attaches."""
+    blocks = count(device=8, cxl=4)
+    served(blocks, turn("t0", "ab", 8), now=1.0)
+    other = turn("o", "", 12)
+    assert blocks.reserve(other, 3, 12)    # 6 of the device's 8: the deeper node goes to the cxl tier
+    assert [blocks.cached[n].tier for n in "ab"] == ["device", "cxl"]
+
+    def unchanged() -> tuple:
+        return (dict(blocks.copied), dict(blocks.moved_nodes), dict(blocks.hit_blocks), blocks.hit_tokens,
+                blocks.lookup_blocks, blocks.free("device"), blocks.free("cxl"),
+                [(n.tier, n.refs, n.hits, n.last_access) for n in blocks.cached.values()])
+
+    before = unchanged()
+    assert blocks.find_prefix(turn("t1", "abc", 13)) == PrefixHit(nodes=2, tokens=8, taken=2 * LAYERS)
+    assert blocks.find_prefix(turn("t2", "ab", 8)) == PrefixHit(nodes=2, tokens=7, taken=2 * LAYERS)
+    assert blocks.find_prefix(turn("t3", "xy", 8)) == PrefixHit()
+    assert unchanged() == before
+
+    blocks.release(other)
+    assert blocks.attach_prefix(turn("h", "ab", 9), now=2.0) == 8   # holds both, b reloaded
+    blocks.loads_done()
+    assert blocks.find_prefix(turn("t4", "abc", 13)) == PrefixHit(nodes=2, tokens=8, taken=0)
 
 
 @pytest.mark.parametrize("admission", ["fcfs", "car"])
