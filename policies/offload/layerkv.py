@@ -66,11 +66,11 @@ def none(inp: OffloadInput) -> OffloadPlan:
 def layerkv(inp: OffloadInput) -> OffloadPlan:
     """Per admitted request, every layer while the forecast has room for them, else as many as it
     has room for and at least x from Eq. 3 and 4 (3.1.2: the layers kept follow "available device
-    memory and the total token count");
-    under a forecast shortfall, halve the device layers of the most recently scheduled running
-    requests first, and if that is not enough take them all to none (3.1.1: "starting with x/2
-    layers. If this proves insufficient, the full offloading"); with room to spare above the
-    threshold once the requests about to be admitted have theirs, bring offloaded layers back."""
+    memory and the total token count"); under a forecast shortfall, halve the device layers of the
+    most recently scheduled running requests first, and if that is not enough take them all to none
+    (3.1.1: "starting with x/2 layers. If this proves insufficient, the full offloading"); with room
+    to spare above the threshold once the requests about to be admitted have theirs, bring
+    offloaded layers back."""
     pool = inp.pool
     free = pool.free.get("device", 0)
     # Below the threshold now, or at any stage of the horizon
