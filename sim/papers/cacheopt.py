@@ -376,7 +376,8 @@ def also(outcomes: Sequence[Outcome]) -> dict[str, float | None]:
     """Without a target: each trace's SLO means (ms), each main method's joint attainment and
     preemptions at ABLATION_LOAD, CacheOpt's TTFT and TBT attainment under each of Figure 17's settings
     there, and Fig. 17h's over- and under-provisioning (`provisioning`) of RLP's, S^3's and CacheOpt's
-    estimates there, CacheOpt's under Eq. 4 and at each of Fig. 17g's confidences, the means over the traces."""
+    estimates there, CacheOpt's under Eq. 4 and at each of Fig. 17g's confidences, the means over the traces
+    (17h's over those with any: RLP's +100 tokens under-provisions no Alpaca request)."""
     at, slos = _index(outcomes, ""), _slos(outcomes)
     load = next(iter({load for (_, _, load) in _index(outcomes, ABLATION)}), None)
     found = {f"slo_{kind}_ms_{w}": slos[w][i] for w in slos for i, kind in enumerate(("ttft", "tbt"))}
@@ -396,7 +397,8 @@ def also(outcomes: Sequence[Outcome]) -> dict[str, float | None]:
     for label, ran in estimating.items():
         series = label.split("_")[0]
         for figure in ("overprovisioned", "underprovisioned", "over_tokens_mean", "under_tokens_mean"):
-            found[f"fig17h_{figure}_{label}"] = _mean_over(ran, series, load, figure) if ran else None
+            found[f"fig17h_{figure}_{label}"] = _mean([v for v in (ran.get((w, series, load), {}).get(figure)
+                                                                   for w in TRACES) if v is not None])
     return found
 
 
