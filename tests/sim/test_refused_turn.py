@@ -48,11 +48,9 @@ class NativeSide:
         self.blocks = BlockManager(pools, LAYERS, hooks, cache_cxl=True, high_water=spec.cache_high_water)
         self.blocks.layerwise_reload = layerwise
         self.scheduler = Scheduler(self.blocks, hooks, spec.max_num_seqs, spec.token_budget)
-        self.requests: dict[str, Request] = {}
 
     def add(self, request_id: str, prompt: list[int], out: int, now: float) -> None:
-        self.requests[request_id] = Request(request_id, prompt, SamplingParams(max_tokens=out), now, LAYERS)
-        self.scheduler.add(self.requests[request_id])
+        self.scheduler.add(Request(request_id, prompt, SamplingParams(max_tokens=out), now, LAYERS))
 
     def step(self, now: float) -> None:
         plan = self.scheduler.schedule(now)
@@ -81,12 +79,10 @@ class SimSide:
         self.engine = SimEngine(spec, StepCost(a=0.5, b=0.0, c=0.0), policies)
         self.blocks = self.engine.blocks
         self.scheduler = self.engine.scheduler
-        self.requests: dict[str, SimRequest] = {}
 
     def add(self, request_id: str, prompt: list[int], out: int, now: float) -> None:
         names = tuple(node_ids(prompt + [0] * out, BLOCK))
-        self.requests[request_id] = SimRequest(request_id, now, len(prompt), out, block_names=names)
-        self.engine.add(self.requests[request_id])
+        self.engine.add(SimRequest(request_id, now, len(prompt), out, block_names=names))
 
     def step(self, now: float) -> None:
         step = self.engine.schedule(now)
