@@ -9,7 +9,10 @@ elsewhere. The decode engine admits it by giving it blocks, the pull takes the l
 prefill engine frees its blocks at the COMPLETE, and the request decodes from its last prompt
 token. The request given to `run` is the record across both: arrival, first token, later tokens,
 finish, and `transfer_s`. A request of one output token needs no decode engine: it runs whole on
-the prefill engine.
+the prefill engine. Both parts carry the request's block names, so each engine's prefix cache does
+what the native engine's does: the prefill engine looks the prompt up and commits its blocks (cached
+still after the hand-off), the decode engine commits the pulled prompt's blocks as the pull lands but
+never looks a pull up (the record takes the prefill part's cached tokens).
 
 Push mode: the decode part goes to its engine first, as the reservation (`POST /v1/kv/reserve`); when
 that engine gives it blocks, the prefill part starts, and its chunks' KV is written layer by layer
@@ -144,7 +147,8 @@ class Cluster:
             self._settled(engine_id).add(request)
             return [engine_id]
         part = SimRequest(request.request_id, request.arrival, request.prompt_len, 1, request.ttft_slo_ms,
-                          request.tbt_slo_ms, request.predicted_output_len, hold_kv=True)
+                          request.tbt_slo_ms, request.predicted_output_len, hold_kv=True,
+                          block_names=request.block_names)
         handoff = Handoff(request, decision.prefill, decision.decode, part)
         if self.transfer_mode == "push":
             return self._reserve(handoff, request.arrival)
@@ -188,8 +192,11 @@ class Cluster:
         for part, n in step.chunks:
             handoff = self.handoffs.get(part.request_id)
             if handoff is not None and part is handoff.prefill_part:
+                # The prefix cache's blocks are written with the first chunk computed after them, as the
+                # native engine writes every block of the prompt (engine_handoff._pusher).
+                computed = 0 if part.num_computed == part.num_cached else part.num_computed
                 transfer = push(self.link, self.geometry, self.members[handoff.decode].engine.spec.block_size,
-                                part.num_computed, n)
+                                computed, part.num_computed + n - computed)
                 handoff.push_done = self._link(handoff).start_layers(start, end, transfer, self.geometry.num_layers)
 
     def _push_done(self, handoff: Handoff, now: float) -> list[str]:
@@ -197,7 +204,7 @@ class Cluster:
         decode part runs on the blocks written."""
         whole = handoff.whole
         whole.token_times.append(now)
-        whole.scheduled_at = handoff.prefill_part.scheduled_at
+        whole.scheduled_at, whole.num_cached = handoff.prefill_part.scheduled_at, handoff.prefill_part.num_cached
         whole.transfer_s = now - handoff.transfer_start
         self.members[handoff.prefill].engine.release_held(whole.request_id)
         self._settled(handoff.decode).pulled(handoff.decode_part)
@@ -207,7 +214,7 @@ class Cluster:
         """Pull: the first token is out; the decode part goes to its engine, the prompt's KV elsewhere."""
         whole, first = handoff.whole, handoff.prefill_part
         whole.token_times.append(now)
-        whole.scheduled_at = first.scheduled_at
+        whole.scheduled_at, whole.num_cached = first.scheduled_at, first.num_cached
         handoff.decode_part = _decode_part(whole, now)
         if self._settled(handoff.decode).add(handoff.decode_part):
             return [handoff.decode]
@@ -398,4 +405,5 @@ def _decode_part(whole: SimRequest, arrival: float) -> SimRequest:
     prompt's KV elsewhere."""
     return SimRequest(whole.request_id, arrival, whole.prompt_len + 1, whole.max_tokens - 1, whole.ttft_slo_ms,
                       whole.tbt_slo_ms, None if whole.predicted_output_len is None
-                      else max(1, whole.predicted_output_len - 1), kv_elsewhere=whole.prompt_len)
+                      else max(1, whole.predicted_output_len - 1), kv_elsewhere=whole.prompt_len,
+                      block_names=whole.block_names)

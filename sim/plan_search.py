@@ -180,21 +180,13 @@ def door_limits(slos: dict[str, float], engines: int, spec: EngineSpec) -> Admis
     return AdmissionLimits(max_running=engines * spec.max_num_seqs, max_wait_s=slos.get("e2e"))
 
 
-def topology_caches(topology: Topology, caches: Sequence[str | None]) -> list[str | None]:
-    """The caches a topology runs: a pd topology's engines cache nothing in the simulator (a split
-    request's parts carry no block names through the hand-off), so they run only `none`."""
-    if topology.colocated or caches == [None] or not caches:
-        return list(caches)
-    return ["none"]
-
-
 def search_space(engine_counts: Sequence[int], kinds: Sequence[str], routings: Sequence[str],
                  transfer_modes: Sequence[str], engine_searched: dict[str, list[str]],
                  caches: Sequence[str | None] = (None,), front_doors: Sequence[bool] = (False,),
                  layer_offloads: Sequence[bool] = (False,)) -> list[Candidate]:
     """Every topology of each engine count (colocated:N; pd:P:D for every P + D = N) with every policy
     choice (routing, transfer mode, front door, LayerKV, prefix cache, and each hook of SEARCHED);
-    transfer modes only where a KV hand-off happens, caches as topology_caches prunes them, LayerKV
+    transfer modes only where a KV hand-off happens, every cache on every topology, LayerKV
     without a prefix cache (the simulator counts one or the other) and not in push mode (a pushed
     prompt's layers are placed as a colocated one's: Not built yet). In that order, so a tie goes to
     the configuration listed first."""
@@ -214,7 +206,7 @@ def search_space(engine_counts: Sequence[int], kinds: Sequence[str], routings: S
             space += [Candidate(topology, routing, order, mode, allocation, strategy, cache, door, layers)
                       for routing, mode, door, layers, cache, allocation, order, strategy in
                       itertools.product(routings, modes, front_doors, layer_offloads,
-                                        topology_caches(topology, list(caches)), allocations, orders, strategies)
+                                        caches, allocations, orders, strategies)
                       if not layers or (cache in (None, "none") and mode != "push")]
     if not space:
         raise ValueError(f"the search space is empty: engine counts {list(engine_counts)}, topologies {list(kinds)}, "

@@ -7,8 +7,7 @@ import json
 import pytest
 
 from kvmesh.cli import main
-from kvmesh.sim.plan_search import (ROUTINGS, Candidate, cache_choices, routing_choices, search_space,
-                                    topology_caches)
+from kvmesh.sim.plan_search import ROUTINGS, Candidate, cache_choices, routing_choices, search_space
 from kvmesh.sim.topology import Topology
 
 CONVERSATIONS = ["--rate", "2", "--requests", "120", "--prompt", "uniform:32-96", "--output", "exp:32",
@@ -28,9 +27,8 @@ def test_plan_searches_the_prefix_cache_and_prefix_aware_routing_on_conversation
     assert body["config"]["workload"]["kind"] == "conversations" and body["config"]["workload"]["turns"] == 4
     assert body["config"]["search"]["caches"] == ["none", "lru", "car"]
     found = {(r["topology"], r["routing"], r["cache"]) for r in body["results"]}
-    assert found == {("colocated:2", routing, cache) for routing in ("least_loaded", "prefix_aware")
-                     for cache in ("none", "lru", "car")} | \
-        {("pd:1:1", routing, "none") for routing in ("least_loaded", "prefix_aware")}  # pd caches nothing
+    assert found == {(topology, routing, cache) for topology in ("colocated:2", "pd:1:1")
+                     for routing in ("least_loaded", "prefix_aware") for cache in ("none", "lru", "car")}
     for r in body["results"]:
         cache = r["probes"][0]["cache"]
         if r["cache"] == "none":
@@ -58,15 +56,12 @@ def test_plan_on_lone_requests_searches_no_cache_and_the_routings_it_did():
 def test_the_cache_is_pruned_where_it_cannot_matter():
     assert cache_choices(["none", "lru", "car"], shares_blocks=True, cxl_tier=False) == ["none", "lru"]
     assert cache_choices(["none", "lru", "car"], shares_blocks=True, cxl_tier=True) == ["none", "lru", "car"]
-    assert topology_caches(Topology(prefill=1, decode=1), ["lru", "car"]) == ["none"]
-    assert topology_caches(Topology(colocated=2), ["none", "lru"]) == ["none", "lru"]
-    assert topology_caches(Topology(prefill=1, decode=1), [None]) == [None]
     with pytest.raises(ValueError, match="nope"):
         cache_choices(["nope"], shares_blocks=True, cxl_tier=True)
     space = search_space([2], ["colocated", "pd"], ["least_loaded"], ["pull", "push"], HOOKS, ["none", "lru"])
     assert [(str(c.topology), c.transfer_mode, c.cache) for c in space] == [
         ("colocated:2", None, "none"), ("colocated:2", None, "lru"), ("pd:1:1", "pull", "none"),
-        ("pd:1:1", "push", "none")]
+        ("pd:1:1", "pull", "lru"), ("pd:1:1", "push", "none"), ("pd:1:1", "push", "lru")]
     assert str(Candidate(Topology(colocated=2), "prefix_aware", "srtf", cache="car")) == \
         "colocated:2 prefix_aware cache:car block_at_a_time srtf recompute"
 

@@ -58,7 +58,7 @@ def test_layerkv_is_searched_only_where_the_engines_can_run_it():
                          layer_offloads=[False, True])
     layered = [str(c).replace(" block_at_a_time srtf recompute", "") for c in space if c.layerkv]
     assert layered == ["colocated:2 least_loaded layerkv cache:none", "pd:1:1 least_loaded pull layerkv cache:none"]
-    assert all(c.topology != Topology(prefill=1, decode=1) or c.cache == "none" for c in space)
+    assert {c.cache for c in space if c.topology == Topology(prefill=1, decode=1)} == {"none", "lru"}
 
 
 def test_plan_picks_layerkv_where_the_device_holds_few_long_prompts(tmp_path):
