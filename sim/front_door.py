@@ -70,12 +70,12 @@ class FrontDoor:
             request.tbt_slo_ms = limits.default_tbt_ms
         if behind_by(self.backlog.expected_wait_s(now), request.ttft_slo_ms, limits.max_wait_s) is not None:
             return self._refuse(request, "behind")
-        self.backlog.join()
+        self.backlog.join(now)
         if self.predictor is not None:
             self._predict(request, now)
         admit = self.queue.arrive(request)
         if admit is Admit.FULL:
-            self.backlog.left()
+            self.backlog.left(now)
             return self._refuse(request, "queue_full")
         return admit
 

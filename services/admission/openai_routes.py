@@ -213,7 +213,7 @@ class OpenAIRoutes:
             self.refuse_if_behind(prepared.slo)
             # counted in the backlog from its check on, with no await between: requests checked
             # together (a burst, each still asking the predictor) see each other
-            with self.backlog.waiting() as first_token:
+            with self.backlog.waiting(time.monotonic) as first_token:
                 timing.on_first_token = first_token
                 generation, prediction = prepared.generation, None
                 # before the queue: the predictor's arrival rate is the arrivals'

@@ -70,19 +70,20 @@ def test_the_rate_limit_lets_in_the_burst_then_the_rate():
 
 
 def test_a_request_that_would_wait_past_max_wait_behind_the_backlog_is_refused():
-    """Four first tokens, at 0.01, 1.01, 2.01 and 3.01 s, then a burst at 5 s: the rate is 4 over the
-    4.99 s since the first, so the k-th of the burst expects k x 4.99 / 4 s behind those ahead; with
-    max_wait_s 5, k = 0..4 are let in and the other 15 refused."""
-    cluster, _ = serve([0.0, 1.0, 2.0, 3.0] + [5.0] * 20, AdmissionLimits(max_wait_s=5.0))
-    assert cluster.door.refused == {f"r{i}": "behind" for i in range(4 + 5, 24)}
+    """Four requests, at 0, 1, 2 and 3 s, each given its first token one step (0.01 s) later, then a
+    burst at 5 s: the cluster gave 4 first tokens in 0.04 busy seconds, so the k-th of the burst
+    expects k x 0.01 s behind those ahead; with max_wait_s 0.055, k = 0..5 are let in and the other 14
+    refused."""
+    cluster, _ = serve([0.0, 1.0, 2.0, 3.0] + [5.0] * 20, AdmissionLimits(max_wait_s=0.055))
+    assert cluster.door.refused == {f"r{i}": "behind" for i in range(4 + 6, 24)}
 
 
 def test_a_requests_ttft_slo_is_its_limit():
     cluster, requests = serve([0.0, 1.0, 2.0, 3.0] + [5.0] * 3, AdmissionLimits(max_wait_s=None,
-                                                                                default_ttft_ms=2000.0))
-    # k x 1.2475 s over 2 s from k = 2
+                                                                                default_ttft_ms=15.0))
+    # k x 0.01 s over 0.015 s from k = 2
     assert cluster.door.refused == {"r6": "behind"}
-    assert all(r.ttft_slo_ms == 2000.0 for r in requests)
+    assert all(r.ttft_slo_ms == 15.0 for r in requests)
 
 
 def test_the_engines_get_the_predictors_padded_lengths():

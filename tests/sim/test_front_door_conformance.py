@@ -64,7 +64,7 @@ class ServiceDoor:
         return outcome.result() if outcome.done() else "wait"
 
     async def _hold(self, request_id: str, outcome: asyncio.Future) -> None:
-        with self.backlog.waiting() as first_token:
+        with self.backlog.waiting(self.clock.monotonic) as first_token:
             self.first_tokens[request_id] = first_token
             self.done[request_id] = asyncio.Event()
             try:

@@ -36,19 +36,20 @@ def goodputs(target: float) -> dict[bool, float]:
 def test_refusing_the_excess_raises_goodput_up_to_capacity_over_the_target():
     """Past capacity an open queue grows for the whole run and every later request misses its TTFT: the
     goodput stays below capacity. A door refusing the excess serves at most capacity, so at rate R at
-    most capacity / R meet the SLO: the goodput is at most capacity / target, and here above 1.4x
-    capacity."""
+    most capacity / R meet the SLO: the goodput is at most capacity / target, and here above capacity
+    (1.23x: the backlog's wait counts the requests without a first token, not the rest of the one
+    being answered, which an engine serving one at a time makes a new request wait for as well)."""
     found = goodputs(0.5)
-    assert found[False] < CAPACITY < 1.4 * CAPACITY < found[True] <= CAPACITY / 0.5
+    assert found[False] < CAPACITY < found[True] <= CAPACITY / 0.5
 
 
 def test_at_full_attainment_the_door_cannot_raise_goodput():
     """Every request must meet the SLOs: a run in which the door refused one misses, and one in which it
-    refused none ran as without it, so the door's goodput is at most the open queue's. Here it is far
-    below: the backlog's wait (those held over the recent rate of first tokens) overestimates at low
-    load, and refuses a request that arrives with one ahead of it."""
+    refused none ran as without it, so the door's goodput is at most the open queue's; at the highest
+    rate where every request meets it, the door refuses nobody (the backlog's wait is per busy second,
+    so a request arriving behind one other is not refused for the gap between arrivals)."""
     found = goodputs(1.0)
-    assert found[True] <= found[False] and found[True] < 0.1 * found[False]
+    assert found[True] == found[False]
 
 
 def test_the_door_is_searched_only_with_an_slo_a_wait_can_break():
@@ -98,7 +99,7 @@ def test_plan_searches_the_front_door_and_counts_its_refusals(tmp_path, capsys):
 def test_plan_runs_conversations_behind_the_front_door(tmp_path):
     out = tmp_path / "plan.json"
     assert main(["plan", "--rate", "2", "--requests", "120", "--prompt", "uniform:32-96", "--output", "exp:32",
-                 "--turns", "4", "--system-prompt", "256", "--think-s", "0.5", "--slo", "ttft=200", "--engines", "1",
+                 "--turns", "4", "--system-prompt", "256", "--think-s", "0.5", "--slo", "ttft=50", "--engines", "1",
                  "--routing", "round_robin", "--caches", "lru", "--front-doors", "on", "--kv-allocations",
                  "block_at_a_time", "--preemption-orders", "latest_arrival_first", "--json", str(out)]) == 0
     (result,) = json.loads(out.read_text())["results"]
