@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from kvmesh.policies.cache.cached_node import CachedNode
 from kvmesh.policies.cache.eviction_queue import EvictionQueue, Rank
 from kvmesh.policies.cache.node_table import NodeTable
-from kvmesh.policies.cache.replacement import RUN_SCORE, WINDOW_SCORE
+from kvmesh.policies.cache.replacement import RUN_SCORE, UNCLAIMED_SCORE, WINDOW_SCORE
 from kvmesh.policies.views import PoolView
 
 from .block_count import BlockCount
@@ -147,11 +147,12 @@ class PrefixCount(NodeTable, BlockCount):
     def reload(self, nodes: Sequence[CachedNode], spare_only: bool = False, layerwise: bool = False) -> int:
         """As PrefixCache.reload: the leading cxl nodes among `nodes` back to the device, as many as it
         has room for (never evicting these; a prefetch, `spare_only`, only free blocks and idle nodes
-        scored at most 0); with `layerwise` each stays pinned, its cxl blocks held, until loads_done."""
+        scored at most UNCLAIMED_SCORE); with `layerwise` each stays pinned, its cxl blocks held,
+        until loads_done."""
         cold = [n for n in nodes if n.tier != "device"]
         if not cold:
             return 0
-        max_score = 0 if spare_only else None
+        max_score = UNCLAIMED_SCORE if spare_only else None
         for node in nodes:
             self._pin(node)
         spare = self.free("device") if max_score is None else self.free_blocks["device"] + self.num_layers * sum(
@@ -178,15 +179,16 @@ class PrefixCount(NodeTable, BlockCount):
         self.pending_loads = []
 
     def offload_idle(self) -> int:
-        """CaR III-C.2: past `high_water` of the device tier in use, idle nodes move to the cxl tier,
-        lowest ranked first, until it is not; returns how many."""
+        """CaR III-C.2: past `high_water` of the device tier in use, idle nodes no live request will
+        reuse (UNCLAIMED_SCORE) move to the cxl tier, lowest ranked first, until it is not or none is
+        left; returns how many."""
         total = self.totals["device"]
         over = total - self.free_blocks["device"] - int(self.high_water * total)
         if not self.cache_cxl or over <= 0:
             return 0
         self._offloading_idle = True
         try:
-            return self._evict("device", -(-over // self.num_layers))
+            return self._evict("device", -(-over // self.num_layers), UNCLAIMED_SCORE)
         finally:
             self._offloading_idle = False
 

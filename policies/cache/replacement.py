@@ -21,6 +21,15 @@ from kvmesh.policies.views import CachedBlockView
 WINDOW_SCORE = 1
 RUN_SCORE = 1
 DONE_SCORE = -(WINDOW_SCORE + RUN_SCORE)
+# The most a node may score to be moved in the background: out by the idle offload (III-C.2) or to
+# make room for a prefetch (III-B.2). A node scored higher will be reused by a live request (a window
+# request's, prefetched or still on the device): moved out, it comes back for that request, bytes
+# moved for nothing both ways (issue 31: the idle offload took prefetched nodes out while their turn
+# waited and the prefetcher fetched them again). The paper offloads "based on the Policy's Score" and
+# prefetches just in time, and does not let the one undo the other; only a request's own room (a turn
+# admitted, a running request growing on a full device) pushes such a node out. vLLM and SGLang keep
+# the blocks they load for a waiting request held the same way.
+UNCLAIMED_SCORE = 0
 
 
 def lru(node: CachedBlockView) -> tuple:

@@ -11,6 +11,7 @@ import torch
 
 from kvmesh.policies.cache.cached_node import CachedNode
 from kvmesh.policies.cache.node_table import NodeTable
+from kvmesh.policies.cache.replacement import UNCLAIMED_SCORE
 from kvmesh.policies.cache.sparsify import kept_slots
 
 from .kv_pool import KVPool
@@ -23,13 +24,13 @@ class CacheTiers(NodeTable):
     `moved_bytes`, `pending_loads` and `cache_changes`. Pins and lets go of nodes through NodeTable."""
 
     def offload_idle(self) -> int:
-        """CaR III-C.2: with more than `high_water` of the device tier in use, move idle nodes to the
-        cxl tier, lowest score first (the cache policy's order), until it is not; returns how many.
-        Allocations then find room without waiting for a copy."""
+        """CaR III-C.2: with more than `high_water` of the device tier in use, move idle nodes no live
+        request will reuse (UNCLAIMED_SCORE) to the cxl tier, in the cache policy's order, until it is
+        not or none is left; returns how many. Allocations then find room without waiting for a copy."""
         over = self.device.num_blocks - self.device.free_count - int(self.high_water * self.device.num_blocks)
         if not self.cache_cxl or over <= 0:
             return 0
-        return self._evict("device", -(-over // self.num_layers))
+        return self._evict("device", -(-over // self.num_layers), UNCLAIMED_SCORE)
 
     def clear_cache(self) -> None:
         """Forget every cached node no request holds, in every tier."""

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from kvmesh.libs.kvmeta.nodeid import node_ids
 from kvmesh.policies.cache.cached_node import CachedNode
 from kvmesh.policies.cache.node_table import NodeTable
-from kvmesh.policies.cache.replacement import RUN_SCORE, WINDOW_SCORE
+from kvmesh.policies.cache.replacement import RUN_SCORE, UNCLAIMED_SCORE, WINDOW_SCORE
 
 from .request import Request
 
@@ -40,12 +40,12 @@ class PrefixCache(NodeTable):
         as the device has room for (evicting other idle nodes, never these); returns how many.
         attach_prefix calls it at a request's turn (`layerwise`: the copies wait for the step, see
         pending_loads); the prefetcher ahead of it, `spare_only`: then the room comes only from free
-        blocks and idle nodes no live request will use (score <= 0), so one window request's
+        blocks and idle nodes no live request will use (UNCLAIMED_SCORE), so one window request's
         prefetch never pushes out another's."""
         cold = [n for n in nodes if n.tier != "device"]
         if not cold:
             return 0
-        max_score = 0 if spare_only else None
+        max_score = UNCLAIMED_SCORE if spare_only else None
         for node in nodes:   # pinned: the room made for them must not come from them
             self._pin(node)
         try:
