@@ -15,8 +15,9 @@ the paper's RLP and S^3 run its own fine-tuned model), and differs in the paddin
 
 - cacheopt: Eq. 3's padding at Eq. 4's confidence for the arrival rate (policies/length/padding.py),
   alpha and beta as `Confidence` holds them (section 5's 0.9 and 100, Fig. 17e-f varies them), or at a
-  fixed confidence in their place (Fig. 17g's "confidence score"), with (b - a) as kvmesh's embedding predictor sets it: (1 + p)(e^hi - e^lo), [lo, hi] the central
-  90% of its log errors (here +-1.645 log_sigma), added or subtracted by the direction;
+  fixed confidence in their place (Fig. 17g's "confidence score"), with (b - a) as kvmesh's embedding
+  predictor sets it: (1 + p)(e^hi - e^lo), [lo, hi] the central 90% of its log errors (here
+  +-1.645 log_sigma), added or subtracted by the direction;
 - cka (CacheOpt /CKA): a fixed padding of 10% of the prediction, added;
 - rlp: the prediction plus 100 tokens (RLP_PADDING);
 - s3: the upper bound of its 50-token bucket (S3_BUCKET);
