@@ -75,8 +75,14 @@ async def test_a_prompt_the_device_let_go_comes_back_from_the_cxl_tier(engine):
                                                              "cxl": CXL_BLOCKS}
 
     # the tier's nodes are in kvmeta's cache table under the names the scheduler computes for the prompt
+    # (the engine publishes its cache's changes every 0.2 s: a busy machine may take longer)
+    names = node_ids(PROMPT, BLOCK, engine.env["KVMESH_ENGINE_MODEL"])
     async with KvmetaClient(kvmeta_url, TOKEN) as kvmeta:
-        matches = await kvmeta.lookup(node_ids(PROMPT, BLOCK, engine.env["KVMESH_ENGINE_MODEL"]))
+        deadline = asyncio.get_running_loop().time() + 10.0
+        while [(m.engine, m.blocks, m.device_blocks) for m in await kvmeta.lookup(names)] != [("vllm-c0", 6, 0)] \
+                and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
+        matches = await kvmeta.lookup(names)
     assert [(m.engine, m.blocks, m.device_blocks) for m in matches] == [("vllm-c0", 6, 0)]
 
 
