@@ -104,6 +104,7 @@ class Step:
     prefill_sequences: int = 0
     swap_s: float = 0.0  # the copies of this step's swaps and layer moves between tiers, which it waits for
     staged: dict[int, tuple[float, float]] = field(default_factory=dict)  # LayerKV: staged layer -> (load, write) s
+    staged_bytes: int = 0  # LayerKV: the bytes of those copies (the step cost's g term)
     cache_offload_s: float = 0.0  # the copies of prefix-cache nodes evicted to the cxl tier for its room
     cache_load_s: float = 0.0     # the copies of nodes reloaded at their turn (layer by layer) and prefetched
 
@@ -196,10 +197,8 @@ class SimEngine:
         return self.scheduler.has_work()
 
     def seconds(self, step: Step) -> float:
-        staged_bytes = sum(load * self.spec.swap_in_bytes_per_s + write * self.spec.swap_out_bytes_per_s
-                           for load, write in step.staged.values())  # the copies' seconds back to their bytes
         compute = self.cost.seconds(step.prefill_tokens, step.decode_tokens, step.decode_context, step.prefill_context,
-                                    step.prefill_sequences, staged_bytes)
+                                    step.prefill_sequences, step.staged_bytes)
         staged = staged_step_s(compute, self.spec.num_layers, step.staged)
         computed = max(staged, step.cache_load_s) if self.spec.reload_overlap else staged + step.cache_load_s
         return computed + step.swap_s + step.cache_offload_s
@@ -236,9 +235,10 @@ class SimEngine:
         """The copies of the request's offloaded layers this step (layer_staging.py's): its context
         loaded from the cxl tier, and the blocks the step writes into written back."""
         block_size, block_bytes = self.spec.block_size, self.spec.block_bytes
-        load = blocks_for(request.num_computed, block_size) * block_bytes / self.spec.swap_in_bytes_per_s
-        write = (request.blocks_per_layer - request.num_computed // block_size) * block_bytes / \
-            self.spec.swap_out_bytes_per_s
+        loaded = blocks_for(request.num_computed, block_size) * block_bytes
+        written = (request.blocks_per_layer - request.num_computed // block_size) * block_bytes
+        step.staged_bytes += (loaded + written) * len(request.offloaded)
+        load, write = loaded / self.spec.swap_in_bytes_per_s, written / self.spec.swap_out_bytes_per_s
         for layer in request.offloaded:
             loads, writes = step.staged.get(layer, (0.0, 0.0))
             step.staged[layer] = (loads + load, writes + write)

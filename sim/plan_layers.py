@@ -2,7 +2,7 @@
 Algorithm 1's SLO-aware admission, derived from what the planner has (a step-cost profile, its engine
 spec and KV geometry) where `sim paper layerkv` derives it from a GPU deployment (sim/layer_fits.py):
 
-- the staging area and Eq. 5: kvmesh's defaults (docs/layerkv.md, as sim/papers/layerkv.py sets them):
+- the staging area and Eq. 5: kvmesh's defaults (docs/layerkv.md; layer_fits.with_layerkv sets them):
   a staged layer of a step lends at most a quarter of the device tier (`layer_staging_blocks`' half
   the tier, in two halves); Eq. 5's threshold is 10% of the device tier, over 8 stages;
 - Eq. 3, T = alpha n (2 n_param + 2 n n_hidden) / FLOPS, is c1 n + c2 n^2: c1 and c2 are the
@@ -19,22 +19,17 @@ to `--kv-geometry`'s layers: a simulated block is then one layer's, as the deplo
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 
-from kvmesh.policies.costs import OffloadCost, PrefillCost
-from kvmesh.policies.offload import OffloadParams
+from kvmesh.policies.costs import PrefillCost
 from kvmesh.policies.step_shape import chunk_shape
 
 from .engine import EngineSpec
-from .layer_fits import LENGTHS
+from .layer_fits import LENGTHS, offload_fit, with_layerkv
 from .link import KVGeometry
 from .step_cost import StepCost
 
 POLICIES = {"prefill_admission": "layerkv", "layer_offload": "layerkv"}  # off: fcfs and none, the defaults
-STAGING_SHARE = 0.25            # of the device tier, a staged layer of a step at most
-THRESHOLD, HORIZON = 0.1, 8     # Eq. 5: the free share of the device tier, and the stages ahead
 FLOPS_UNIT = 1e18               # Eq. 3's FLOPS: n_param and n_hidden are counted against it
 
 
@@ -52,12 +47,7 @@ def layerkv_spec(spec: EngineSpec, cost: StepCost, geometry: KVGeometry) -> Engi
     missing = layered(spec, geometry)
     if missing is not None:
         raise ValueError(f"LayerKV's layer offload needs {missing}")
-    return replace(spec, staging_cap=int(STAGING_SHARE * spec.device_blocks),
-                   offload=OffloadParams(int(THRESHOLD * spec.device_blocks), HORIZON),
-                   prefill_cost=prefill_fit(cost),
-                   offload_cost=OffloadCost(beta=1.0, num_layers=geometry.num_layers, head_dim=geometry.head_dim,
-                                            num_kv_heads=geometry.kv_heads, bytes_per_element=geometry.dtype_bytes,
-                                            bandwidth_bytes_per_s=spec.swap_out_bytes_per_s))
+    return with_layerkv(spec, prefill_fit(cost), offload_fit(geometry, spec.swap_out_bytes_per_s))
 
 
 def prefill_fit(cost: StepCost) -> PrefillCost:

@@ -39,11 +39,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from kvmesh.policies.offload import OffloadParams
 
 from ..engine import EngineSpec, SimEngine
 from ..hardware import Deployment, load_deployment
-from ..layer_fits import layer_fits
+from ..layer_fits import layer_fits, with_layerkv
 from ..link import KVGeometry
 from ..metrics import slo_attainment, summarise
 from ..simulate import simulate as simulate_engine
@@ -68,7 +67,6 @@ SHAREGPT = (161, 338)                       # mean prompt and answer (vLLM's pap
 SHAREGPT_WINDOW = 4096                      # Llama-2's context
 SLO_MS = (3000.0, 200.0)                    # TTFT and TPOT (section 5.2.4)
 HOST_GIB_PER_GPU = 2048 / 8                 # the server's host memory over its eight GPUs (section 5.1)
-THRESHOLD, HORIZON = 0.1, 8                 # Eq. 5: kvmesh's defaults (docs/layerkv.md)
 CAPACITY_SCALE, BANDWIDTH_SCALE = 0.5, 4.0  # the variations
 VLLM, LAYERKV, NOSLO = "vllm", "layerkv", "layerkv-noslo"
 POLICIES = {VLLM: (), LAYERKV: (("prefill_admission", "layerkv"), ("layer_offload", "layerkv")),
@@ -129,11 +127,10 @@ def engine_spec(deployment: Deployment, layerkv: bool, variant: str = "") -> Eng
     scale = BANDWIDTH_SCALE if variant == VARIANTS[1] else 1.0
     host = int(HOST_GIB_PER_GPU * deployment.tp * 2**30 // geometry.block_bytes(spec.block_size))
     prefill, offload = layer_fits(deployment)
-    return replace(spec, cxl_blocks=host, block_bytes=geometry.block_bytes(spec.block_size),
+    spec = replace(spec, cxl_blocks=host, block_bytes=geometry.block_bytes(spec.block_size),
                    swap_in_bytes_per_s=tier.to_device_gbs * 1e9 * scale,
-                   swap_out_bytes_per_s=tier.from_device_gbs * 1e9 * scale, staging_cap=spec.device_blocks // 4,
-                   offload=OffloadParams(int(THRESHOLD * spec.device_blocks), HORIZON), prefill_cost=prefill,
-                   offload_cost=replace(offload, bandwidth_bytes_per_s=offload.bandwidth_bytes_per_s * scale))
+                   swap_out_bytes_per_s=tier.from_device_gbs * 1e9 * scale)
+    return with_layerkv(spec, prefill, replace(offload, bandwidth_bytes_per_s=offload.bandwidth_bytes_per_s * scale))
 
 
 def simulate(point: LayerKVPoint, cost: StepCost, geometry: KVGeometry) -> Outcome:
