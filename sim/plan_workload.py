@@ -54,8 +54,9 @@ def _state(workload: list[SimRequest], rate: float, seed: int, slos: dict[str, f
     if rule != "none":
         actual = np.array([r.max_tokens for r in workload])
         predicted, directions = PREDICTOR.predict(np.random.default_rng([seed, 1]), actual)
+        interval = PREDICTOR.error_interval(np.random.default_rng([seed, 2]), actual)  # fresh predictions of them
         cap = int(actual.max())
-        for request, estimate in zip(workload, estimated(rule, predicted, directions, [cap] * n, rate, PREDICTOR)):
+        for request, estimate in zip(workload, estimated(rule, predicted, directions, [cap] * n, rate, interval)):
             request.predicted_output_len = estimate
     for request in workload:
         request.ttft_slo_ms = slos["ttft"] * 1e3 if "ttft" in slos else None

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from .padding import DEFAULT_CONFIDENCE, Direction, confidence_padding, padded_length
+from .padding import DEFAULT_CONFIDENCE, Direction, confidence_padding, error_interval, padded_length
 from .predictors import HistoryPredictor, LengthPredictor, LengthQuery, Prediction
 
 Embed = Callable[[list[str]], Tensor]  # texts -> (len(texts), dim) sentence embeddings
@@ -251,8 +251,8 @@ def _measure(net: LengthNet, x: Tensor, y: Tensor, y_train: Tensor, coverage: fl
         log_predicted, under_logit = net.predict(x)
     under = under_logit >= 0
     errors = torch.log1p(y) - log_predicted
-    tail = (1 - coverage) / 2
-    low, high = (float(q) for q in torch.quantile(errors, torch.tensor([tail, 1 - tail], device=errors.device)))
+    # A diverged net (NaN predictions) gets a NaN band, as torch.quantile gave it, beside its NaN MAE.
+    low, high = error_interval(errors.tolist(), coverage) if bool(torch.isfinite(errors).all()) else (math.nan,) * 2
     predicted = torch.expm1(log_predicted).clamp(min=0)
     report = FitReport(examples=examples, validation_examples=y.numel(),
                        mae=float((y - predicted.round()).abs().mean()),

@@ -8,6 +8,7 @@ moved by the padding in the predicted deviation direction (CacheOpt's own terms,
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from enum import StrEnum
 
 # CacheOpt section 5: confidence 90% and beta = 100. Section 5 also prints alpha = 8, which breaks
@@ -42,6 +43,27 @@ def confidence_padding(confidence: float, error_range: float) -> float:
     if not math.isfinite(error_range) or error_range < 0:
         raise ValueError(f"error range b - a must be a finite number >= 0 (b < a is an empty range), got {error_range}")
     return math.sqrt(-(error_range ** 2) / 2 * math.log(1 - confidence))
+
+
+def error_interval(errors: Sequence[float], coverage: float) -> tuple[float, float]:
+    """Eq. 3's (a_i, b_i) from a predictor's measured errors: the signed errors (actual - predicted) of
+    its predictions on held-out requests, cut at their (1 - coverage) / 2 and (1 + coverage) / 2
+    quantiles, so a `coverage` share of them lies in [a, b] and the tails are cut equally. Quantiles
+    interpolate linearly between the sorted errors (numpy's and torch's default)."""
+    if not 0 < coverage < 1:
+        raise ValueError(f"coverage must be in the open interval (0, 1), got {coverage}")
+    ordered = sorted(errors)
+    if not ordered or not all(math.isfinite(e) for e in ordered):
+        raise ValueError("need at least one error, every one finite")
+    tail = (1 - coverage) / 2
+    return _quantile(ordered, tail), _quantile(ordered, 1 - tail)
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    at = q * (len(ordered) - 1)
+    below = math.floor(at)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (at - below) * (ordered[above] - ordered[below])
 
 
 def padded_length(predicted: int, padding: float, direction: Direction, max_tokens: int) -> int:

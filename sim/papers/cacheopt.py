@@ -72,7 +72,7 @@ from ..topology import Topology
 from ..workload import Lengths
 from . import sweep
 from .contract import Headline
-from .predicted_lengths import Confidence, PredictorModel, Shape, estimated
+from .predicted_lengths import HELD_OUT, Confidence, PredictorModel, Shape, estimated
 from .sweep import Outcome, Point
 
 PROFILE = "opt-13b-a100-fp16-tp1"
@@ -230,9 +230,10 @@ def _point(deployment: Deployment, name: str, workload: str, load: float, reques
 
 def requests(point: CacheOptPoint) -> list[TraceRequest]:
     """The point's requests: the same lengths, predictions and SLO scales for every method and rate
-    (a generator each, seeded by the seed and the trace), Poisson arrivals at the point's rate."""
+    (a generator each, seeded by the seed and the trace), Poisson arrivals at the point's rate; the
+    predictor's error interval measured on HELD_OUT other requests of the trace."""
     index = list(TRACES).index(point.workload)
-    lengths, arrivals, predicting, scaling = (np.random.default_rng([point.seed, index, k]) for k in range(4))
+    lengths, arrivals, predicting, scaling, holding = (np.random.default_rng([point.seed, index, k]) for k in range(5))
     n, trace = point.requests, point.trace
     prompts, outputs = trace.prompt.draw(lengths, n), trace.output.draw(lengths, n)
     prompts = np.minimum(prompts, point.max_context - outputs)
@@ -240,7 +241,8 @@ def requests(point: CacheOptPoint) -> list[TraceRequest]:
     predicted, directions = point.predictor.predict(predicting, outputs)
     scales = scaling.uniform(*SLO_SCALE, n) if point.slo_scale is None else np.full(n, point.slo_scale)
     caps = [min(trace.output.high, point.max_context - p) for p in prompts.tolist()]
-    estimates = estimated(point.estimate, predicted, directions, caps, point.rate, point.predictor, point.confidence)
+    interval = point.predictor.error_interval(holding, trace.output.draw(holding, HELD_OUT))
+    estimates = estimated(point.estimate, predicted, directions, caps, point.rate, interval, point.confidence)
     made = []
     for i, (p, o, cap, scale, estimate) in enumerate(zip(prompts.tolist(), outputs.tolist(), caps, scales.tolist(),
                                                          estimates)):

@@ -15,9 +15,10 @@ the paper's RLP and S^3 run its own fine-tuned model), and differs in the paddin
 
 - cacheopt: Eq. 3's padding at Eq. 4's confidence for the arrival rate (policies/length/padding.py),
   alpha and beta as `Confidence` holds them (section 5's 0.9 and 100, Fig. 17e-f varies them), or at a
-  fixed confidence in their place (Fig. 17g's "confidence score"), with (b - a) as kvmesh's embedding
-  predictor sets it: (1 + p)(e^hi - e^lo), [lo, hi] the central 90% of its log errors (here
-  +-1.645 log_sigma), added or subtracted by the direction;
+  fixed confidence in their place (Fig. 17g's "confidence score"), with (a, b) from the predictor's
+  measured errors (`error_interval`): its signed errors actual - predicted, in tokens, on held-out
+  requests of the trace, their central 90% (section 5's confidence), added or subtracted by the
+  direction;
 - cka (CacheOpt /CKA): a fixed padding of 10% of the prediction, added;
 - rlp: the prediction plus 100 tokens (RLP_PADDING);
 - s3: the upper bound of its 50-token bucket (S3_BUCKET);
@@ -33,12 +34,12 @@ from statistics import NormalDist
 
 import numpy as np
 
-from kvmesh.policies.length.padding import (DEFAULT_ALPHA, DEFAULT_BETA, Direction, adaptive_confidence,
-                                             confidence_padding, padded_length)
+from kvmesh.policies.length.padding import (DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_CONFIDENCE, Direction,
+                                             adaptive_confidence, confidence_padding, error_interval, padded_length)
 from kvmesh.policies.length.predictors import RLP_PADDING, S3_BUCKET, s3_bucket_upper_bound
 
 RULES = ("none", "cacheopt", "cka", "rlp", "s3")
-CENTRAL = 0.9        # the share of log errors (b - a) spans, as the embedding predictor's range
+HELD_OUT = 1000      # held-out requests a predictor's errors are measured on
 CKA_PADDING = 0.1    # /CKA: "a fixed padding of 10% of the predicted output length" (section 5.2)
 
 
@@ -78,10 +79,11 @@ class PredictorModel:
         flipped = {Direction.UNDER: Direction.OVER, Direction.OVER: Direction.UNDER}
         return predicted, [d if ok else flipped[d] for d, ok in zip(truth, right)]
 
-    def error_range(self, predicted: int) -> float:
-        """(b - a) for a request predicted at `predicted` tokens: (1 + p)(e^hi - e^lo)."""
-        hi = NormalDist().inv_cdf((1 + CENTRAL) / 2) * self.log_sigma
-        return (1 + predicted) * (math.exp(hi) - math.exp(-hi))
+    def error_interval(self, rng: np.random.Generator, held_out: np.ndarray) -> tuple[float, float]:
+        """Eq. 3's (a, b) in tokens: this predictor's errors (actual - predicted) on held-out requests of
+        lengths `held_out`, their central DEFAULT_CONFIDENCE (section 5's 90%)."""
+        predicted, _ = self.predict(rng, held_out)
+        return error_interval((held_out - predicted).tolist(), DEFAULT_CONFIDENCE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,15 +101,16 @@ class Confidence:
 
 
 def estimated(rule: str, predicted: np.ndarray, directions: list[Direction], max_tokens: list[int], rate: float,
-              model: PredictorModel, confidence: Confidence = Confidence()) -> list[int | None]:
+              interval: tuple[float, float], confidence: Confidence = Confidence()) -> list[int | None]:
     """Each request's estimated output length under a method's `rule` (RULES), at most its max_tokens,
-    at an arrival rate in req/s (CacheOpt's `confidence` reads it; the other rules do not)."""
+    at an arrival rate in req/s; CacheOpt's pads by Eq. 3 for the predictor's error `interval` (a, b)
+    at its `confidence` at that rate (the other rules read neither)."""
     each = list(zip(predicted.tolist(), directions, max_tokens))
     if rule == "none":
         return [None] * len(each)
     if rule == "cacheopt":
-        c = confidence.at(rate)
-        return [padded_length(p, confidence_padding(c, model.error_range(p)), d, cap) for p, d, cap in each]
+        padding = confidence_padding(confidence.at(rate), interval[1] - interval[0])
+        return [padded_length(p, padding, d, cap) for p, d, cap in each]
     if rule == "cka":
         return [padded_length(p, CKA_PADDING * p, Direction.UNDER, cap) for p, _, cap in each]
     if rule == "rlp":

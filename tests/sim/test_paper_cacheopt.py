@@ -59,21 +59,41 @@ def test_a_shape_reaches_the_farther_extreme_of_table_1():
 
 
 def test_each_method_estimates_by_its_rule():
-    model = PredictorModel(log_sigma=0.5)
-    spread = math.exp(1.6448536 * 0.5) - math.exp(-1.6448536 * 0.5)
-    assert model.error_range(99) == pytest.approx(100 * spread)
     predicted, under, over = np.array([100]), [Direction.UNDER], [Direction.OVER]
+    interval = (-60.0, 40.0)  # the predictor's errors, actual - predicted: (b - a) = 100 tokens
     c = 0.9 / (1 + 100 * 28 / 1e3)  # Eq. 4 at 28 req/s, lambda per ms
-    t = math.sqrt(-(101 * spread) ** 2 / 2 * math.log(1 - c))  # Eq. 3
-    assert estimated("cacheopt", predicted, under, [1000], 28.0, model) == [math.ceil(100 + t)]
-    assert estimated("cacheopt", predicted, over, [1000], 28.0, model) == [math.ceil(100 - t)]
-    assert estimated("rlp", predicted, over, [1000], 28.0, model) == [200]
-    assert estimated("rlp", predicted, over, [150], 28.0, model) == [150]
-    assert estimated("s3", predicted, over, [1000], 28.0, model) == [150]
-    assert estimated("cka", predicted, over, [1000], 28.0, model) == [110]
-    assert estimated("none", predicted, over, [1000], 28.0, model) == [None]
+    t = math.sqrt(-100 ** 2 / 2 * math.log(1 - c))  # Eq. 3: 36.8 tokens
+    assert estimated("cacheopt", predicted, under, [1000], 28.0, interval) == [math.ceil(100 + t)] == [137]
+    assert estimated("cacheopt", predicted, over, [1000], 28.0, interval) == [math.ceil(100 - t)] == [64]
+    assert estimated("rlp", predicted, over, [1000], 28.0, interval) == [200]
+    assert estimated("rlp", predicted, over, [150], 28.0, interval) == [150]
+    assert estimated("s3", predicted, over, [1000], 28.0, interval) == [150]
+    assert estimated("cka", predicted, over, [1000], 28.0, interval) == [110]
+    assert estimated("none", predicted, over, [1000], 28.0, interval) == [None]
     exact, directions = PredictorModel(0.0, 1.0).predict(np.random.default_rng(0), np.array([5, 300]))
     assert exact.tolist() == [5, 300] and directions == [Direction.OVER, Direction.OVER]
+
+
+def test_the_error_interval_is_the_predictors_measured_errors_on_held_out_requests():
+    held_out = np.full(10_000, 200)
+    # Exact predictions miss by nothing: no range, no padding.
+    assert PredictorModel(0.0, 1.0).error_interval(np.random.default_rng(0), held_out) == (0.0, 0.0)
+    # Otherwise the central 90% of actual - predicted, in tokens, with predicted = 200 e^e, e ~ N(0, 0.5):
+    # 200 (1 - e^(+-1.645 * 0.5)), about -255 and 112 tokens.
+    a, b = PredictorModel(0.5).error_interval(np.random.default_rng(0), held_out)
+    z = NormalDist().inv_cdf(0.95) * 0.5
+    assert a == pytest.approx(200 * (1 - math.exp(z)), abs=6) and b == pytest.approx(200 * (1 - math.exp(-z)), abs=3)
+    # The points measure it on the trace's held-out requests, the same for every rate and method.
+    deployment = load_deployment(cacheopt.PROFILE)
+    own = cacheopt.requests(cacheopt._point(deployment, cacheopt.CACHEOPT, "sharegpt", 1.0, 50, 3, slo=(1e3, 40.0)))
+    half = cacheopt.requests(cacheopt._point(deployment, cacheopt.CACHEOPT, "sharegpt", 0.5, 50, 3, slo=(1e3, 40.0)))
+    predicted, directions = PredictorModel().predict(np.random.default_rng([3, 1, 2]),
+                                                     np.array([r.max_tokens for r in own]))
+    holding = np.random.default_rng([3, 1, 4])
+    interval = PredictorModel().error_interval(holding, cacheopt.TRACES["sharegpt"].output.draw(holding, 1000))
+    assert [r.predicted_output_len for r in own] == estimated("cacheopt", predicted, directions, [r.cap for r in own],
+                                                              28.0, interval)
+    assert [r.max_tokens for r in half] == [r.max_tokens for r in own]
 
 
 def test_requests_carry_the_same_lengths_and_predictions_for_every_method_and_slos_by_their_scale():
@@ -161,10 +181,9 @@ def test_figure_17e_to_g_set_eq_4s_alpha_and_beta_or_a_fixed_confidence_per_poin
     assert Confidence(0.9, 200.0).at(1.2) == pytest.approx(0.9 / 1.24)
     assert Confidence(fixed=0.8).at(28.0) == Confidence(fixed=0.8).at(1.2) == 0.8
     # The padding follows: Eq. 3 at c = 0.8 for a request predicted at 100 tokens.
-    model = PredictorModel(log_sigma=0.5)
-    t = math.sqrt(-model.error_range(100) ** 2 / 2 * math.log(1 - 0.8))
-    assert estimated("cacheopt", np.array([100]), [Direction.UNDER], [1000], 28.0, model, Confidence(fixed=0.8)) == \
-        [math.ceil(100 + t)]
+    t = math.sqrt(-100 ** 2 / 2 * math.log(1 - 0.8))  # (b - a) = 100 tokens: 89.7
+    assert estimated("cacheopt", np.array([100]), [Direction.UNDER], [1000], 28.0, (-50.0, 50.0),
+                     Confidence(fixed=0.8)) == [math.ceil(100 + t)] == [190]
     # Only CacheOpt's estimates move; its lengths and every other method's estimates stay.
     fixed, own = (cacheopt._point(deployment, cacheopt.CACHEOPT, "sharegpt", 1.0, 50, 3, v, (1000.0, 40.0))
                   for v in ("Fig. 17g confidence 0.95", ""))

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvmesh.policies.length import registry
 from kvmesh.policies.length.padding import (DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_CONFIDENCE, Direction,
-                                            adaptive_confidence, confidence_padding, padded_length)
+                                            adaptive_confidence, confidence_padding, error_interval, padded_length)
 from kvmesh.policies.length.predictors import (HistoryPredictor, LengthQuery, OraclePredictor, RLPPredictor,
                                                S3Predictor, s3_bucket_upper_bound, s3_doubled_allocation)
 
@@ -110,6 +110,45 @@ def test_estimated_length_stays_in_bounds_and_under_is_never_below_over(predicte
     under = padded_length(predicted, padding, Direction.UNDER, max_tokens)
     over = padded_length(predicted, padding, Direction.OVER, max_tokens)
     assert 1 <= over <= under <= max_tokens
+
+
+# -- Eq. 3's (a_i, b_i): the predictor's measured errors ------------------------------------------
+
+@pytest.mark.parametrize("errors, coverage, interval", [
+    # 5 sorted errors: quantile q sits at position q * 4. Central 50%: positions 1 and 3.
+    ((100, -30, 20, 0, -10), 0.5, (-10.0, 20.0)),
+    # central 90%: positions 0.2 and 3.8, -30 + 0.2 * 20 = -26 and 20 + 0.8 * 80 = 84
+    ((100, -30, 20, 0, -10), 0.9, (-26.0, 84.0)),
+    # 11 errors -50..50 by 10: central 80% at positions 1 and 9
+    (tuple(range(-50, 51, 10)), 0.8, (-40.0, 40.0)),
+    # one-sided errors (a predictor that always over-predicts) keep their sign
+    ((-40, -10, -20, -30), 0.5, (-32.5, -17.5)),
+    ((7,), 0.9, (7.0, 7.0)),   # one error: a range of 0, no padding
+])
+def test_eq3_interval_is_the_central_coverage_of_the_signed_errors(errors, coverage, interval):
+    assert error_interval(errors, coverage) == pytest.approx(interval)
+
+
+def test_eq3_padding_from_measured_errors():
+    # central 90% of 0..100 by 1 is [5, 95]: (b - a) = 90, and at c = 1 - e^-2 Eq. 3 pads by it.
+    a, b = error_interval(range(101), 0.9)
+    assert (a, b) == pytest.approx((5.0, 95.0))
+    assert confidence_padding(C_LN_MINUS_2, b - a) == pytest.approx(90.0)
+
+
+@pytest.mark.parametrize("errors, coverage, message", [
+    ((), 0.9, "at least one"), ((1, math.nan), 0.9, "finite"), ((1, math.inf), 0.9, "finite"),
+    ((1, 2), 0.0, "coverage"), ((1, 2), 1.0, "coverage"),
+])
+def test_eq3_interval_rejects_bad_input(errors, coverage, message):
+    with pytest.raises(ValueError, match=message):
+        error_interval(errors, coverage)
+
+
+@given(errors=st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=50), coverage=unit_interval)
+def test_eq3_interval_is_ordered_and_within_the_errors(errors, coverage):
+    a, b = error_interval(errors, coverage)
+    assert min(errors) <= a <= b <= max(errors)
 
 
 # -- Eq. 4: c_i = alpha / (1 + beta * lambda), lambda in requests per millisecond ------------------
