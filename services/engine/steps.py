@@ -26,6 +26,7 @@ class EngineStep(msgspec.Struct, kw_only=True):
     prefill_context: int    # (query, key) pairs the prompt chunks' attention computed
     prefill_sequences: int  # prompts computed from their first token in the step (policies/step_shape.py)
     staged_bytes: int = 0   # LayerKV: KV bytes copied through the step's staging area, loads and write-backs
+    pushed_bytes: int = 0   # push mode: KV bytes the step wrote into decode engines' blocks
 
 
 class EngineSteps(msgspec.Struct, kw_only=True):
@@ -47,8 +48,10 @@ class StepLog:
         self._lock = threading.Lock()
         self.recorded = 0
 
-    def record(self, index: int, end: float, seconds: float, shape: Shape, staged_bytes: int = 0) -> None:
-        step = EngineStep(index=index, end=end, seconds=seconds, **dict(zip(FIELDS, shape)), staged_bytes=staged_bytes)
+    def record(self, index: int, end: float, seconds: float, shape: Shape, staged_bytes: int = 0,
+               pushed_bytes: int = 0) -> None:
+        step = EngineStep(index=index, end=end, seconds=seconds, **dict(zip(FIELDS, shape)), staged_bytes=staged_bytes,
+                          pushed_bytes=pushed_bytes)
         with self._lock:
             self._steps.append(step)
             self.recorded += 1

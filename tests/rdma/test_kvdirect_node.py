@@ -51,8 +51,9 @@ async def test_nodes_pull_and_push_each_others_blocks(backend):
             assert torch.equal(mine[name][10:13], expected[name][3:6])
 
         push = await a.push(b_address, "l1", [[], [7, 8]])   # layer 1 of the request goes to blocks 7, 8
-        await asyncio.to_thread(push.layer_done, 1, [0, 1])
-        assert await asyncio.to_thread(push.wait) is None
+        await asyncio.to_thread(push.layer_done, 1, 0, [0, 1])
+        push.finish()
+        assert await asyncio.wrap_future(push.landed) is None
         assert torch.equal(theirs["l1"][7:9], mine["l1"][0:2])
     finally:
         await a.close()

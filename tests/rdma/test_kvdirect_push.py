@@ -1,6 +1,6 @@
 """KVDirect's push mode through the library alone: a pusher writes a request's layers, one at a time
-from another thread, into the blocks a server exposes; every byte lands where the handle says, and a
-peer that went away fails the push instead of hanging it."""
+from another thread and in chunks as steps compute them, into the blocks a server exposes; every byte
+lands where the handle says, and a peer that went away fails the push instead of hanging it."""
 
 from __future__ import annotations
 
@@ -48,12 +48,13 @@ async def test_each_layer_lands_in_the_blocks_reserved_for_it(pair):
     computed = [[0, 1, 2], [3, 4, 9], [20, 21, 22]]      # where the prefill side wrote each layer
     push = await pusher.push(address, reserved)
 
-    def forward_pass() -> str | None:  # the engine thread: layers as they finish, then wait
+    def forward_pass() -> None:  # the engine thread: layers as they finish, then no more writes
         for layer, blocks in enumerate(computed):
-            push.layer_done(layer, blocks)
-        return push.wait()
+            push.layer_done(layer, 0, blocks)
+        push.finish()
 
-    assert await asyncio.to_thread(forward_pass) is None
+    await asyncio.to_thread(forward_pass)
+    assert await asyncio.wrap_future(push.landed) is None
     for remote, local in zip(reserved, computed):
         assert torch.equal(target[remote], source[local])
     untouched = sorted(set(range(POOL_SHAPE[0])) - {b for layer in reserved for b in layer})
@@ -65,8 +66,26 @@ async def test_a_peer_that_went_away_fails_the_push(pair):
     push = await pusher.push(address, [[1, 2]])
     await server.close()
 
-    def forward_pass() -> str | None:
-        push.layer_done(0, [3, 4])
-        return push.wait()
+    def forward_pass() -> None:
+        push.layer_done(0, 0, [3, 4])
+        push.finish()
 
-    assert await asyncio.wait_for(asyncio.to_thread(forward_pass), 15) is not None
+    await asyncio.to_thread(forward_pass)
+    assert await asyncio.wait_for(asyncio.wrap_future(push.landed), 15) is not None
+
+
+async def test_chunks_land_in_their_blocks_and_a_block_written_again_keeps_its_last_write(pair):
+    """Two steps' chunks of one layer: the first fills block 0 and half of 1, the second writes 1
+    (completed) again and 2; the reserved blocks end up as the last writes left them."""
+    _, address, pusher, source, target = pair
+    push = await pusher.push(address, [[30, 31, 32]])
+
+    def two_steps() -> None:
+        push.layer_done(0, 0, [7, 8])
+        source[8].fill_(5.0)  # the second step completes block 1: its KV changes before its second write
+        push.layer_done(0, 1, [8, 9])
+        push.finish()
+
+    await asyncio.to_thread(two_steps)
+    assert await asyncio.wrap_future(push.landed) is None
+    assert torch.equal(target[[30, 31, 32]], source[[7, 8, 9]])

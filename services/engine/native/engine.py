@@ -8,7 +8,6 @@ HTTP side stays responsive). The KV hand-off's calls between steps are in engine
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -29,8 +28,6 @@ from .model_runner import ModelRunner
 from .request import KVPushTarget, Request, Status
 from .sampling import sample
 from .scheduler import Scheduler
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,6 +55,9 @@ class Engine(EngineHandoff):
     # LayerKV: the output length assumed of a request no predictor gave a range for (None: nothing assumed).
     output_len_fallback: int | None = None
     held: dict[str, tuple[Request, float]] = field(default_factory=dict)  # request id -> (request, deadline)
+    # Push mode: sampled, blocks kept until the writes land; request id -> (request, its text; None: aborted)
+    pushing: dict[str, tuple[Request, str | None]] = field(default_factory=dict)
+    last_pushed_bytes: int = 0  # the KV bytes the last step wrote to decode engines (push mode)
     _aborted_pulls: dict[str, Request] = field(default_factory=dict)     # their blocks free when the pull ends
     _tbt: deque[float] = field(default_factory=lambda: deque(maxlen=512))
 
@@ -85,11 +85,14 @@ class Engine(EngineHandoff):
         A request whose KV is being pulled keeps its blocks until the pull has ended (`pull_done`)."""
         request = self.scheduler.find(request_id)
         if request is None:
-            return []
+            return self._abort_pushing(request_id, reason)
         pulling = request.status is Status.PULLING and not request.reservation
-        self.scheduler.finish(request, reason, release=not pulling)
+        self.scheduler.finish(request, reason, release=not pulling and request.push is None)
         if pulling:
             self._aborted_pulls[request_id] = request
+        if request.push is not None:  # writes may be in flight: its blocks are freed once they have landed
+            request.push.finish()
+            self.pushing[request_id] = (request, None)
         return [self._frame(request, [], [], [], "")]
 
     @property
@@ -109,15 +112,14 @@ class Engine(EngineHandoff):
             self.blocks.flush_loads()
             return events
         sampling = [c for c in plan.chunks if c.samples]
-        # Push mode: prompts that finish in this step write each layer's KV out as the layer is done.
-        pushing = [c.request for c in sampling if c.request.push is not None]
+        # Push mode: each prompt chunk's blocks are written out, each layer's as the layer is done.
+        writes = self._push_writes(plan.chunks)
         try:
             logits = self.runner.run(plan.chunks, self.blocks.layer_loads(), plan.staging,
-                                     after_layer=self._pusher(pushing) if pushing else None)
+                                     after_layer=self._pusher(writes) if writes else None)
         finally:
             self.blocks.loads_done()
             self.blocks.give_back([*plan.staging[0], *plan.staging[1]])
-        failed = {r.request_id: error for r in pushing if (error := r.push.wait()) is not None}
         tokens, logprobs = sample(logits, [c.request.sampling for c in sampling],
                                   [c.request.generator for c in sampling]) if sampling else ([], [])
         done = self.clock()
@@ -128,13 +130,11 @@ class Engine(EngineHandoff):
             self.blocks.commit(chunk.request, done)
         self.steps += 1
         for chunk, token, logprob in zip(sampling, tokens, logprobs):
-            request = chunk.request
-            if request.request_id in failed:
-                log.warning("pushing the KV of %s failed: %s", request.request_id, failed[request.request_id])
-                self.scheduler.finish(request, "error")
-                events.frames.append(self._frame(request, [], [], [], ""))
-                continue
-            events.frames.append(self._emit(request, token, logprob, done))
+            frame = self._emit(chunk.request, token, logprob, done)
+            if chunk.request.push is None:
+                events.frames.append(frame)
+            else:  # its first token goes out when its writes have landed (pushes_landed)
+                self._await_writes(chunk.request, frame.text)
         self.blocks.offload_idle()  # CaR: idle prefix nodes out to the cxl tier past the high-water mark
         # The whole step, the work after its sample too: what a running request waits a token (CaR's
         # TPOP, weighed against the time it has run on this clock), and what a simulated step lasts.
@@ -162,8 +162,8 @@ class Engine(EngineHandoff):
             self.scheduler.finish(request, reason, release=False)
             self.held[request.request_id] = (request, now + self.kv_lease_s)
             handle = self._handle(request)
-        elif reason is not None:
-            self.scheduler.finish(request, reason)
+        elif reason is not None:  # push mode keeps the blocks until the writes have landed
+            self.scheduler.finish(request, reason, release=request.push is None)
         frame = self._frame(request, [token], [now], [logprob], text)
         if handle is not None:
             frame.kv_handle = handle

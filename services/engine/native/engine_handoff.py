@@ -1,8 +1,9 @@
 """The native engine's side of the KV hand-off (docs/serving.md), run between steps: blocks reserved
 for KV a prefill engine pushes and the request that claims them, pulls that end, KV held for a decode
-engine under a lease and the handle that says where it is, and the per-layer writes of push mode.
-`Engine` (engine.py) keeps the state these read: `held`, `_aborted_pulls` and `kv_lease_s`. What the
-service is to do about them (pull, unlease) goes out as events (events.py)."""
+engine under a lease and the handle that says where it is, and push mode's writes: each prompt
+chunk's blocks, a layer at a time as the step computes them, and the first token held until they land.
+`Engine` (engine.py) keeps the state these read: `held`, `pushing`, `_aborted_pulls` and `kv_lease_s`.
+What the service is to do about them (pull, unlease) goes out as events (events.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import logging
 from collections.abc import Callable
 
 from kvmesh.libs.messages.engine import Frame, KVHandle, SamplingParams, Targets, TransferStats
+from kvmesh.policies.iteration import ScheduledChunk
 
 from .events import EngineEvents, PullOrder
 from .request import Request
@@ -92,12 +94,63 @@ class EngineHandoff:
         return PullOrder(request.request_id, None if request.reservation else request.kv_source,
                          [list(layer.blocks[:per_layer]) for layer in request.layers])
 
-    def _pusher(self, requests: list[Request]) -> Callable[[int], None]:
+    def _push_writes(self, chunks: list[ScheduledChunk]) -> list[tuple[Request, int, int]]:
+        """Push mode: the blocks each prompt chunk of the step fills, (request, first, end) of its block
+        lists, and the bytes they make in the step's record. A block a chunk completes is written again
+        (an earlier chunk wrote its first part); the prefix cache's blocks go with the first chunk computed."""
+        size, writes = self.blocks.block_size, []
+        for chunk in chunks:
+            request = chunk.request
+            prompt = len(request.prompt_ids)
+            if request.push is None or request.num_computed >= prompt:
+                continue
+            first = 0 if request.num_computed == request.num_cached else request.num_computed // size
+            writes.append((request, first, -(-min(request.num_computed + chunk.num_tokens, prompt) // size)))
+        self.last_pushed_bytes = (sum(end - first for _, first, end in writes) * self.blocks.num_layers
+                                  * self.blocks.device.shape.bytes)
+        return writes
+
+    def _pusher(self, writes: list[tuple[Request, int, int]]) -> Callable[[int], None]:
         def layer_done(layer: int) -> None:
-            for request in requests:
-                kv_blocks = -(-len(request.prompt_ids) // self.blocks.block_size)
-                request.push.layer_done(layer, request.layers[layer].blocks[:kv_blocks])
+            for request, first, end in writes:
+                request.push.layer_done(layer, first, request.layers[layer].blocks[first:end])
         return layer_done
+
+    def _await_writes(self, request: Request, text: str) -> None:
+        """Push mode: the request has sampled its token (and left the scheduler, its blocks kept); its
+        frame waits for the writes to land (`pushes_landed`) while the engine steps on."""
+        request.push.finish()
+        self.pushing[request.request_id] = (request, text)
+
+    def pushes_landed(self) -> list[Frame]:
+        """The requests whose writes have all landed, or failed: blocks freed, and the first token out
+        (stamped now: the decode engine can take the KV from here), or an error."""
+        frames = []
+        for request_id in [r for r, (request, _) in self.pushing.items() if request.push.landed.done()]:
+            request, text = self.pushing.pop(request_id)
+            self.blocks.release(request)
+            error = request.push.landed.result()
+            if text is None:  # aborted: its last frame went out then
+                continue
+            if error is not None:
+                log.warning("pushing the KV of %s failed: %s", request_id, error)
+                request.finish_reason = "error"
+                frames.append(self._frame(request, [], [], [], ""))
+                continue
+            now = self.clock()
+            request.output_times[-1] = now
+            frames.append(self._frame(request, request.output_ids[-1:], [now], request.output_logprobs[-1:], text))
+        return frames
+
+    def _abort_pushing(self, request_id: str, reason: str) -> list[Frame]:
+        """Abort a request whose writes are landing: its blocks are freed once they have, with no frame."""
+        entry = self.pushing.get(request_id)
+        if entry is None or entry[1] is None:
+            return []
+        request = entry[0]
+        self.pushing[request_id] = (request, None)
+        request.finish_reason = reason
+        return [self._frame(request, [], [], [], "")]
 
     def _handle(self, request: Request) -> KVHandle:
         kv_tokens = request.num_tokens - 1  # the sampled token's KV is the decode engine's first step

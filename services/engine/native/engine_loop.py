@@ -104,7 +104,7 @@ class EngineLoop:
                 self.deliver(events)
             if self.engine.steps != stepped:  # a step computed something: its turn, as the simulator's step
                 self.steps.record(self.engine.steps, self.engine.clock(), time.perf_counter() - turn,
-                                  self.engine.last_shape, self.engine.last_staged_bytes)
+                                  self.engine.last_shape, self.engine.last_staged_bytes, self.engine.last_pushed_bytes)
             if idle:
                 # A command submitted meanwhile has set it: the next drain takes it. Held KV is
                 # checked again when its lease runs out.

@@ -87,14 +87,18 @@ class KVHandoff:
         return body.kv_source is not None and body.kv_source.engine == self.engine.engine_id
 
     async def push_for(self, body: GenerateRequest) -> LayerPush | None:
-        """Push mode: a push to the target's engine, connected before the prefill starts."""
+        """Push mode: a push to the target's engine, connected before the prefill starts. Once its writes
+        have landed the engine, between two steps, sends the first token (or an error) and frees the blocks."""
         target = body.kv_transfer.target if body.kv_transfer is not None else None
         if target is None:
             return None
         try:
-            return await self.dataplane.push(target.data_address, POOL, target.layers)
+            push = await self.dataplane.push(target.data_address, POOL, target.layers)
         except RdmaError as exc:
             raise ServiceUnavailable(f"cannot reach the decode engine {target.engine} at {target.data_address}: {exc}") from None
+        push.landed.add_done_callback(
+            lambda _: self.loop.submit(lambda: EngineEvents(frames=self.engine.pushes_landed())))
+        return push
 
     async def reserve(self, request_id: str, num_tokens: int) -> KVHandle:
         """Push mode, decode role: blocks for `num_tokens` tokens of KV, once the allocation policy gives them."""

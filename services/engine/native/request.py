@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -13,11 +14,15 @@ from kvmesh.policies.views import RequestView
 
 
 class KVPushTarget(Protocol):
-    """What the engine thread asks of a push in flight (libs/rdma/kvdirect/pusher.py's LayerPush)."""
+    """What the engine thread asks of a push in flight (libs/rdma/kvdirect/pusher.py's LayerPush):
+    each layer's blocks from `first` on written as a step computes them, then no more writes, and
+    whether they all landed (None) or why not."""
 
-    def layer_done(self, layer: int, blocks: list[int]) -> None: ...
+    landed: Future[str | None]
 
-    def wait(self) -> str | None: ...
+    def layer_done(self, layer: int, first: int, blocks: list[int]) -> None: ...
+
+    def finish(self) -> None: ...
 
 
 @dataclass
@@ -58,7 +63,7 @@ class Request:
     pull_times: tuple[float, float] | None = None  # decode role: when its KV pull started and ended
     transfer: TransferStats | None = None  # decode role: what the pull moved
     hold_kv: bool = False                  # prefill role: keep the prompt's KV for a decode engine when done
-    push: KVPushTarget | None = None       # prefill role, push mode: write each layer's KV there as it is done
+    push: KVPushTarget | None = None       # prefill role, push mode: each chunk's KV written there as computed
     kv_source: KVHandle | None = None      # decode role: where the prompt's KV is, until it has arrived
     reservation: bool = False              # decode role, push mode: blocks held for KV a prefill engine writes
     kv_deadline: float | None = None       # a reservation nobody claims is freed then
