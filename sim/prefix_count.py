@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from kvmesh.policies.cache.cached_node import CachedNode
 from kvmesh.policies.cache.eviction_queue import EvictionQueue, Rank
 from kvmesh.policies.cache.node_table import NodeTable
-from kvmesh.policies.cache.replacement import RUN_SCORE, UNCLAIMED_SCORE, WINDOW_SCORE
+from kvmesh.policies.cache.replacement import RUN_SCORE, UNCLAIMED_SCORE, WINDOW_SCORE, victims
 from kvmesh.policies.views import PoolView
 
 from .block_count import BlockCount
@@ -204,10 +204,9 @@ class PrefixCount(NodeTable, BlockCount):
         self.free_blocks[tier] -= n
 
     def _evict(self, tier: str, nodes_needed: int, max_score: float | None = None) -> int:
-        """As CacheTiers._evict: the cache policy's lowest idle nodes of `tier` give up their room; a
-        device node moves to the cxl tier while it has room (CaR), else it is dropped."""
-        chosen = [self.cached[i] for i in self._idle[tier].pop(
-            nodes_needed, None if max_score is None else lambda node: node.score <= max_score)]
+        """As CacheTiers._evict: `victims` of `tier` give up their room; a device node moves to the
+        cxl tier while it has room (CaR), else it is dropped."""
+        chosen = [self.cached[i] for i in victims(self._idle[tier], nodes_needed, max_score)]
         for node in self._offload(chosen) if tier == "device" and self.cache_cxl else chosen:
             self._drop_node(node)
         return len(chosen)

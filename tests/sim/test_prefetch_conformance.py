@@ -76,8 +76,8 @@ def script() -> list[tuple[str, float, list[int], int]]:
     return turns
 
 
-def native_engine(clock: Clock) -> Engine:
-    hooks = Policies(CAR)
+def native_engine(clock: Clock, policies: dict[str, str] = CAR) -> Engine:
+    hooks = Policies(policies)
     pools = {"device": KVPool("device", SPEC.device_blocks, SHAPE), "cxl": KVPool("cxl", SPEC.cxl_blocks, SHAPE)}
     blocks = BlockManager(pools, LAYERS, hooks, cache_cxl=True)
     blocks.layerwise_reload = True   # as the factory sets it with a cxl tier of nodes
@@ -93,10 +93,10 @@ def native_engine(clock: Clock) -> Engine:
     return Engine(StubRunner(clock), blocks, scheduler, StubTokenizer(), (), clock=clock)
 
 
-def run_native() -> tuple[list, Engine]:
+def run_native(policies: dict[str, str] = CAR) -> tuple[list, Engine]:
     """The engine stepped back to back (idle until the next arrival when it has no work)."""
     clock = Clock()
-    engine = native_engine(clock)
+    engine = native_engine(clock, policies)
     pending = list(script())
     log = []
     while pending or engine.scheduler.has_work():
@@ -112,9 +112,9 @@ def run_native() -> tuple[list, Engine]:
     return log, engine
 
 
-def run_sim() -> tuple[list, SimEngine]:
+def run_sim(policies: dict[str, str] = CAR) -> tuple[list, SimEngine]:
     """The simulated engine over the same script: a step lasts the engine's whole step."""
-    engine = SimEngine(SPEC, StepCost(a=MODEL_S + AFTER_SAMPLE_S, b=0.0, c=0.0), CAR)
+    engine = SimEngine(SPEC, StepCost(a=MODEL_S + AFTER_SAMPLE_S, b=0.0, c=0.0), policies)
     pending = [SimRequest(request_id, arrival, len(prompt), out, block_names=tuple(node_ids(prompt + [0] * out, BLOCK)))
                for request_id, arrival, prompt, out in script()]
     now, log = 0.0, []

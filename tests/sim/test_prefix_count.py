@@ -62,12 +62,14 @@ def test_a_fully_cached_prompt_recomputes_its_last_token_into_its_own_copy():
 
 @pytest.mark.parametrize("rank, evicted", [(lru, "x"), (car, "y")])
 def test_room_comes_from_idle_nodes_in_the_cache_policys_order(rank, evicted):
-    """x went idle first (LRU's victim); y is scored lower (CaR's victim: nobody will reuse it)."""
+    """Both claimed by live requests (no unclaimed node to take first): x went idle first (LRU's
+    victim); y is scored lower (CaR's victim: fewer will reuse it)."""
     blocks = count(device=4, rank=rank)
     served(blocks, turn("x", "x", 4), now=1.0)
     keeper = turn("y-user", "y", 5)
     served(blocks, turn("y", "y", 4), now=2.0)
-    blocks.add_score(keeper, [blocks.cached["x"]], 2)  # a live request will reuse x
+    blocks.add_score(keeper, [blocks.cached["x"]], 2)  # live requests will reuse x, and y
+    blocks.add_score(keeper, [blocks.cached["y"]], 1)
     assert blocks.free_blocks["device"] == 0
     big = turn("z", "", 3)
     assert blocks.reserve(big, 1, 3)

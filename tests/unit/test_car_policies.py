@@ -10,6 +10,8 @@ import pytest
 
 from kvmesh.policies.cache import DONE_SCORE, RUN_SCORE, WINDOW_SCORE, fetch, lru, time_to_free_s
 from kvmesh.policies.cache import car as evict
+from kvmesh.policies.cache.eviction_queue import EvictionQueue
+from kvmesh.policies.cache.replacement import UNCLAIMED_SCORE, victims
 from kvmesh.policies.prefill_admission import car as admit
 from kvmesh.policies.prefill_admission import fill_window, reuse_class
 from kvmesh.policies.views import CachedBlockView, PoolView, RequestView
@@ -114,3 +116,22 @@ def test_a_chain_let_go_at_once_is_evicted_tail_first(rank):
     chain = [CachedBlockView(f"n{depth}", last_access=4.0, hits=0, depth=depth) for depth in (0, 1, 2)]
     older = CachedBlockView("older", last_access=1.0, hits=0, depth=0)
     assert eviction_order(rank, [*chain, older]) == ["older", "n2", "n1", "n0"]
+
+
+@pytest.mark.parametrize("rank", [evict, lru])
+def test_a_request_s_room_takes_claimed_nodes_only_after_every_unclaimed_one(rank):
+    """A node a window request claimed (score 1: prefetched for it) goes last, even first in LRU order."""
+    nodes = [CachedBlockView("prefetched", last_access=1.0, hits=0, score=1),
+             CachedBlockView("claimed twice", last_access=2.0, hits=0, score=2),
+             CachedBlockView("idle", last_access=5.0, hits=0), CachedBlockView("older", last_access=3.0, hits=0)]
+
+    def pop(n: int, max_score: float | None = None) -> list[str]:
+        idle = EvictionQueue(rank)
+        for node in nodes:
+            idle.put(node)
+        return victims(idle, n, max_score)
+
+    assert pop(2) == ["older", "idle"]
+    assert pop(3) == ["older", "idle", "prefetched"]
+    assert pop(9) == ["older", "idle", "prefetched", "claimed twice"]
+    assert pop(9, UNCLAIMED_SCORE) == ["older", "idle"]   # the background moves: unclaimed only

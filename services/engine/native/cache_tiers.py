@@ -11,7 +11,7 @@ import torch
 
 from kvmesh.policies.cache.cached_node import CachedNode
 from kvmesh.policies.cache.node_table import NodeTable
-from kvmesh.policies.cache.replacement import UNCLAIMED_SCORE
+from kvmesh.policies.cache.replacement import UNCLAIMED_SCORE, victims
 from kvmesh.policies.cache.sparsify import kept_slots
 
 from .kv_pool import KVPool
@@ -38,14 +38,13 @@ class CacheTiers(NodeTable):
             self._drop_node(node)
 
     def _evict(self, tier: str, nodes_needed: int, max_score: float | None = None) -> int:
-        """Free the space of `nodes_needed` idle nodes of `tier` (the cache policy picks them, among
-        those scored at most `max_score` if given): device nodes move to the cxl tier while it has
-        room (CaR), else they are dropped."""
+        """Free the space of `nodes_needed` idle nodes of `tier` (`victims` picks them: the cache
+        policy's order, unclaimed nodes first, none scored above `max_score` if given): device nodes
+        move to the cxl tier while it has room (CaR), else they are dropped."""
         idle = self._idle[tier]
         if idle.rank is not self.policies.cache_policy:   # switched at run time (PUT /v1/policy)
             idle.use(self.policies.cache_policy)
-        chosen = [self.cached[i] for i in idle.pop(nodes_needed, None if max_score is None else
-                                                     lambda node: node.score <= max_score)]
+        chosen = [self.cached[i] for i in victims(idle, nodes_needed, max_score)]
         for node in self._offload(chosen) if tier == "device" and self.cache_cxl else chosen:
             self._drop_node(node)
         return len(chosen)
