@@ -15,6 +15,8 @@ import torch
 
 from kvmesh.libs.kvmeta.nodeid import node_ids
 from kvmesh.libs.messages.engine import SamplingParams
+from kvmesh.policies.allocation import AllocationParams
+from kvmesh.policies.allocation.plan import AllocationInput, AllocationPlan, Grant
 from kvmesh.policies.iteration import Policies
 from kvmesh.services.engine.kv_blocks import BlockShape
 from kvmesh.services.engine.native.block_manager import BlockManager
@@ -42,12 +44,13 @@ class NativeSide:
     """The native engine's scheduler and BlockManager, with what its step does around the model
     (services/engine/native/engine.py), the model left out: every answer token is 0."""
 
-    def __init__(self, policies: dict[str, str], layerwise: bool, spec: EngineSpec = SPEC):
+    def __init__(self, policies: dict[str, str], layerwise: bool, spec: EngineSpec = SPEC,
+                 allocation: AllocationParams = AllocationParams()):
         hooks = Policies(policies)
         pools = {"device": KVPool("device", spec.device_blocks, SHAPE), "cxl": KVPool("cxl", spec.cxl_blocks, SHAPE)}
         self.blocks = BlockManager(pools, LAYERS, hooks, cache_cxl=True, high_water=spec.cache_high_water)
         self.blocks.layerwise_reload = layerwise
-        self.scheduler = Scheduler(self.blocks, hooks, spec.max_num_seqs, spec.token_budget)
+        self.scheduler = Scheduler(self.blocks, hooks, spec.max_num_seqs, spec.token_budget, allocation)
 
     def add(self, request_id: str, prompt: list[int], out: int, now: float) -> None:
         self.scheduler.add(Request(request_id, prompt, SamplingParams(max_tokens=out), now, LAYERS))
@@ -75,8 +78,9 @@ class NativeSide:
 class SimSide:
     """The simulated engine (sim/engine.py), its requests naming their blocks as the native engine does."""
 
-    def __init__(self, policies: dict[str, str], spec: EngineSpec = SPEC):
-        self.engine = SimEngine(spec, StepCost(a=0.5, b=0.0, c=0.0), policies)
+    def __init__(self, policies: dict[str, str], spec: EngineSpec = SPEC,
+                 allocation: AllocationParams = AllocationParams()):
+        self.engine = SimEngine(spec, StepCost(a=0.5, b=0.0, c=0.0), policies, allocation)
         self.blocks = self.engine.blocks
         self.scheduler = self.engine.scheduler
 
@@ -104,8 +108,10 @@ def state(side) -> tuple:
             [(node.tier, node.hits, node.last_access) for node in first])
 
 
-SIDES = {"native": lambda policies, spec=SPEC: NativeSide(policies, layerwise=True, spec=spec),
-         "native-whole-reload": lambda policies, spec=SPEC: NativeSide(policies, layerwise=False, spec=spec),
+SIDES = {"native": lambda policies, spec=SPEC, allocation=AllocationParams():
+             NativeSide(policies, True, spec, allocation),
+         "native-whole-reload": lambda policies, spec=SPEC, allocation=AllocationParams():
+             NativeSide(policies, False, spec, allocation),
          "sim": SimSide}
 POLICIES = [{}, {"cache_policy": "car"}]
 
@@ -164,3 +170,41 @@ def test_a_turn_is_admitted_as_soon_as_its_room_is_there(side, turn):
     waiting, loaded, moved, found, hit_tokens, *_ = states[0]
     assert (waiting, loaded, moved["device"], found) == ([], 2 * NODE_BYTES, 2, {"cxl": 2})
     assert hit_tokens == min(2 * BLOCK, len(turn) - 1)
+
+
+def what_is_left(batch: AllocationInput) -> AllocationPlan:
+    """An allocation policy a package may bring (the kv_allocation hook): each waiting request its
+    prompt and B tokens, or what the step's unallocated KV has left when that is less; the ledger
+    grows it on demand. (The built-in ones allot a waiting request at least its whole prompt, so the
+    ledger refuses them at their grant, Ledger.allot, and never when their prefix is weighed.)"""
+    left, grants = batch.unallocated, []
+    for request in batch.waiting:
+        tokens = min(request.num_tokens + batch.params.block_tokens, left)
+        left -= tokens
+        grants.append(Grant(request.request_id, tokens))
+    return AllocationPlan(grants=tuple(grants))
+
+
+ROOMY = replace(SPEC, device_blocks=2 * 14)   # the turn's 6 blocks fit beside the hog's 8, then 9
+
+
+@pytest.mark.parametrize("side", list(SIDES))
+def test_a_turn_the_ledger_cannot_grow_to_its_prefix_reloads_nothing_until_it_can(side):
+    """The device has the turn's room, the ledger does not: the hog is allotted its 32 tokens and B = 16
+    (12 blocks a layer, none to reclaim: it keeps B ahead), so the turn is allotted the 8 tokens left
+    and cannot grow to the 12 its prefix and new block need. It waits with nothing loaded, moved or
+    counted (the scheduler's ledger check before the prefix is attached) until the hog ends; then,
+    allotted its prompt, it is admitted with its two nodes reloaded once."""
+    built = SIDES[side]({}, ROOMY, AllocationParams(block_tokens=16, reserved_blocks=0))
+    built.scheduler.policies.kv_allocation = what_is_left
+    states = run(built)
+    for k in range(4):
+        moved = {"cxl": 2 + 8 * (k == 3)}
+        assert states[k] == (["turn"], 0, moved, {}, 0, 10, [("cxl", 0, 0.5)] * 2), f"step {k + 1}"
+    assert states[4][:5] == ([], 2 * NODE_BYTES, {"cxl": 10, "device": 2}, {"cxl": 2}, 2 * BLOCK)
+    assert built.scheduler.ledger.grown == {"unallocated": 0, "reserved": 0, "reclaimed": 0}
+
+    # B = 8: the turn is allotted 16 tokens, its 12 without growing, and is admitted at once.
+    built = SIDES[side]({}, ROOMY, AllocationParams(block_tokens=8, reserved_blocks=0))
+    built.scheduler.policies.kv_allocation = what_is_left
+    assert run(built)[0][:4] == ([], 2 * NODE_BYTES, {"cxl": 2, "device": 2}, {"cxl": 2})
