@@ -1,5 +1,6 @@
-"""`kvmesh bench NAME [--quick] [--json PATH] [--target URL]`: run one benchmark, print its table, save
-its JSON. `--target` (serve only) points the load at another OpenAI-compatible server."""
+"""`kvmesh bench NAME [--quick] [--json PATH] [--target URL] [--model NAME]`: run one benchmark, print
+its table, save its JSON. `--target` (serve only) points the load at another OpenAI-compatible server;
+`--model` (sim only) names the engines' model."""
 
 from __future__ import annotations
 
@@ -13,15 +14,20 @@ BENCHES = ("kvmeta", "engine", "transfer", "serve", "tracing", "cacheopt", "laye
            "sim_scale", "sim_cacheopt", "sim_layerkv", "sim_car")
 
 
-def run_bench(name: str, *, quick: bool, json_path: Path | None, target: str | None = None) -> int:
+def run_bench(name: str, *, quick: bool, json_path: Path | None, target: str | None = None,
+              model: str | None = None) -> int:
     if name not in BENCHES:
         print(f"kvmesh bench: no benchmark {name!r}; there are: {', '.join(BENCHES)}", file=sys.stderr)
         return 2
     if target is not None and name != "serve":
         print(f"kvmesh bench: --target is for `serve` only, not {name!r}", file=sys.stderr)
         return 2
+    if model is not None and name != "sim":
+        print(f"kvmesh bench: --model is for `sim` only, not {name!r}", file=sys.stderr)
+        return 2
     module = importlib.import_module(f"kvmesh.bench.{name}")
-    result = module.run(quick=quick, target=target) if target is not None else module.run(quick=quick)
+    options = {"target": target} if target is not None else {"model": model} if model is not None else {}
+    result = module.run(quick=quick, **options)
     show(result)
     if json_path is not None:
         save(result, json_path)

@@ -1,16 +1,37 @@
-"""`kvmesh bench sim`: the simulator (sim/) against `bench serve`'s configurations, issue 31 item 2.
+"""`kvmesh bench sim [--model NAME]`: the simulator (sim/) against `bench serve`'s configurations,
+issue 31 item 2.
 
-Two of serve's configurations, each its own `kvmesh up` (the `tiny` preset, one torch thread an
-engine): (3) one colocated engine (`colocated`, the simulator's `colocated:1`) and (1) 1P1D pull, a
-prefill and a decode engine (`1p1d`, the simulator's `pd:1:1` with sim.link's loopback defaults).
+Two of serve's configurations, each its own `kvmesh up` (one torch thread an engine): (3) one
+colocated engine (`colocated`, the simulator's `colocated:1`) and (1) 1P1D pull, a prefill and a
+decode engine (`1p1d`, the simulator's `pd:1:1`, pull mode, the model's KV geometry). The engines'
+model (MODELS, each with its rates):
+  tiny (the default): serve's preset, at 1, 4, 8 and 12 req/s of `arxiv` (serve's colocated sweep up
+     to 12 req/s, about 3/4 of one engine's capacity), calibrated at 6; `--quick` has serve's quick
+     windows (8 s of arrivals, at least 8 requests a load), the full run serve's (20 s, 16). A
+     decode step takes about 1 ms and a TTFT 20-45 ms, so one request's jitter can move a key past
+     15%. It stays the default: the quick run is about 4 minutes, the real model's about 10 (its
+     test's budget is 10 for the bench, start-up included);
+  SmolLM2-135M-Instruct (kvmesh up's default model, its GGUF's 4-bit layers): at 0.5, 1, 1.5 and 2
+     req/s, calibrated at 0.75. Chosen from one measured calibration before the first run (21:34 UTC
+     2026-11-28, load 0.3-1.3): arxiv at 0.5 req/s on each configuration took a TTFT of 450 ms (P50)
+     and a TBT of 17 ms (colocated) and 10 ms (1P1D); the colocated engine was busy 0.49 s a request
+     (prefill 0.7 ms a prompt token and 1.1 ns a pair: 0.36 s for arxiv's mean 384-token prompt), the
+     1P1D prefill engine 0.40 s; replayed with those fits, the colocated engine's TTFT P50 starts to
+     climb at 2 req/s and its TPOT at 1.5 (3.2x the light load's), 1P1D's TPOT at 1.5: light (0.5)
+     to just past capacity (2). The calibration runs between the two lightest rates: the first run
+     calibrated at 1.25, which under a load average of 8 was past capacity, and its fit (batches
+     only) held the constant term at 0. `--quick` has 24 s of arrivals and at least 20 requests a
+     load (20, 24, 36 and 48), the full run 60 s and 40. No two loads may send the same number of
+     requests: serve's loads draw theirs from one seed, and the engine's prefix cache would answer
+     the second load's prompts from the first's (the first run's 0.5 and 1 req/s did: a TTFT of 105 ms).
 On each, one run calibrates, measures and then simulates:
   0. calibration (bench/sim_serve_calibration.py): the cluster first serves a load of its own
-     (`arxiv` at CALIBRATION_RATE, requests and arrivals of CALIBRATION_SEED, none of the validated
-     loads'; serve's window), and the profile is fitted to it: each engine's step cost to the steps
-     it recorded, and the request's path outside the engines;
-  1. measured: the same cluster driven by bench/serve.py's own `measured_load` on `arxiv` at 1, 4, 8
-     and 12 req/s (serve's colocated sweep up to 12 req/s, the same in `--quick` and the full run;
-     `--quick` has serve's quick windows, 8 s of arrivals, the full run serve's 20 s);
+     (`arxiv` at the model's calibration rate, requests and arrivals of CALIBRATION_SEED, none of
+     the validated loads'; the same window), and the profile is fitted to it: each engine's step
+     cost to the steps it recorded, the request's path outside the engines, and the link (each split
+     request's transfer against its KV bytes);
+  1. measured: the same cluster driven by bench/serve.py's own `measured_load` on `arxiv` at the
+     model's rates;
   2. simulated: every request each load sent, with its prompt and output length and its scheduled
      arrival (`RequestResult`), replayed through a `sim.cluster.Cluster` of the same engines with the
      calibrated profile, each engine configured as the real one (bench/sim_serving.py), the tokens
@@ -21,9 +42,10 @@ the completed requests' figures:
     each (issue 31's validation target names these three);
   sim_error_p50_ttft_<c>_<r>: reported, no target (the issue measures it but sets none).
 Information, no target, the same keys with a suffix: the assumptions varied one at a time:
-`_in_process`, the in-process profile (PROFILE, Engine.step timed alone) and no path, the simulator
-as it was; `_constant_path`, the path's lag after the first token without its growth with the
-requests in flight (sim/request_path.py); `_no_path`, the calibrated step costs without the path;
+`_in_process`, the in-process profile (the model's, tiny only: Engine.step timed alone), no path
+and sim.link's loopback defaults, the simulator as it was; `_default_link`, those defaults alone;
+`_constant_path`, the path's lag after the first token without its growth with the requests in
+flight (sim/request_path.py); `_no_path`, the calibrated step costs without the path;
 `_with_f`, the step costs fitted to the calibration with the prefill-sequence term f (five terms otherwise);
 `_own_steps`, each load's step costs fitted to that load's own steps; `_own_path`, each load's own
 measured path; `_own`, both (the best the model's form reaches: a mean cost per step shape, a path
@@ -46,8 +68,10 @@ import numpy as np
 import uvloop
 from rich.progress import Progress
 
+from kvmesh.services.engine.model_source import DEFAULT_MODEL
 from kvmesh.sim.cluster import Cluster
 from kvmesh.sim.engine import EngineSpec, SimEngine
+from kvmesh.sim.link import KVGeometry, LinkSpec
 from kvmesh.sim.metrics import summarise
 from kvmesh.sim.request import SimRequest
 from kvmesh.sim.request_path import RequestPath, delivered
@@ -57,9 +81,9 @@ from kvmesh.sim.workload import replay
 from . import serve
 from .loadgen import STAGES, LoadResult, breakdown, summarize
 from .report import BenchResult, Row
-from .sim_serve_calibration import (CALIBRATION_RATE, CALIBRATION_SEED, WORKLOAD, Calibration, calibrate,
-                                    calibration_load, measured_path, served_profile_path, write_served_profiles)
-from .sim_serving import Steps, serving_engines, sim_engines
+from .sim_serve_calibration import (CALIBRATION_SEED, WORKLOAD, Calibration, calibrate, calibration_load,
+                                    measured_path, served_profile_path, write_served_profiles)
+from .sim_serving import Steps, kv_geometry, serving_engines, sim_engines
 from .sim_validation import TARGET, TARGETED, calibration_fit, plot, relative_error, six_term_fit, step_time_ratio
 
 
@@ -72,27 +96,55 @@ class Configuration:
 
 CONFIGURATIONS = (Configuration("colocated", serve.COLOCATED, "colocated:1"),
                   Configuration("1p1d", serve.PULL, "pd:1:1"))
-RATES = (1, 4, 8, 12)            # serve's arxiv sweep up to 12 req/s, about 3/4 of one engine's capacity
-PROFILE = "tiny-cpu-bfloat16-1t"  # the in-process profile (kvmesh sim calibrate), the `_in_process` variation's
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRun:
+    """What the bench runs on one model: the validated rates, the calibration's, the loads' windows."""
+
+    model: str                      # as `kvmesh up --model` names it
+    rates: tuple[float, ...]        # req/s, each configuration
+    calibration_rate: float         # req/s: between the validated rates
+    # the loads' windows: serve.measured_load sends max(min_requests, rate x window_s) requests, of
+    # one seed, so each rate's count must differ (else the prefix cache answers a load from another's)
+    quick: serve.Plan
+    full: serve.Plan
+    in_process: str | None = None   # the in-process profile (kvmesh sim calibrate), the `_in_process` variation's
+
+    def configurations(self) -> tuple[Configuration, ...]:
+        """CONFIGURATIONS, their engines serving this model."""
+        return tuple(dataclasses.replace(c, setup=dataclasses.replace(
+            c.setup, env={**c.setup.env, "KVMESH_ENGINE_MODEL": self.model})) for c in CONFIGURATIONS)
+
+
+TINY = ModelRun("tiny", (1, 4, 8, 12), 6, serve.QUICK, serve.FULL, "tiny-cpu-bfloat16-1t")
+SMOLLM2 = ModelRun(DEFAULT_MODEL, (0.5, 1, 1.5, 2), 0.75,
+                   serve.Plan(("arxiv",), (), window_s=24, drain_s=90, min_requests=20),
+                   serve.Plan(("arxiv",), (), window_s=60, drain_s=120, min_requests=40))
+MODELS = {m.model: m for m in (TINY, SMOLLM2)}
 FIGURES = {  # key part: (sim.metrics.summarise's key in s, loadgen.summarize's key in ms)
     "p50_ttft": ("ttft_p50_s", "ttft_p50_ms"), "p90_ttft": ("ttft_p90_s", "ttft_p90_ms"),
     "mean_tpot": ("tpot_mean_s", None), "p90_e2e": ("e2e_p90_s", "e2e_p90_ms")}
-PLOT = Path("bench-results/sim_validation.png")
+PLOTS = Path("bench-results")  # sim_validation_<model>.png
 
 
-def run(quick: bool) -> BenchResult:
-    plan = serve.QUICK if quick else serve.FULL
+def run(quick: bool, model: str = TINY.model) -> BenchResult:
+    if model not in MODELS:
+        raise ValueError(f"bench sim has rates for {', '.join(MODELS)}, not {model!r}")
+    on = MODELS[model]
+    plan = on.quick if quick else on.full
     with (asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner, Progress(transient=True) as progress,
           tempfile.TemporaryDirectory(prefix="kvmesh-bench-sim-") as tmp,
-          serve.started_together(tuple(c.setup for c in CONFIGURATIONS), Path(tmp), progress) as clusters):
-        measured = [measure_configuration(c, clusters[c.setup.key], runner, plan, progress) for c in CONFIGURATIONS]
-    in_process = load_profile(PROFILE)
+          serve.started_together(tuple(c.setup for c in on.configurations()), Path(tmp), progress) as clusters):
+        measured = [measure_configuration(c, clusters[c.setup.key], runner, on, plan, progress)
+                    for c in on.configurations()]
+    in_process = load_profile(on.in_process) if on.in_process else None
     replayed = []
     for m in measured:
-        calibration = calibrate(m.calibration_load, m.calibration_steps)
-        write_served_profiles(m.configuration.key, m.configuration.setup.label, calibration)
-        replayed.append((m, calibration, variations(calibration, m, in_process)))
-    return _result(quick, plan, replayed, in_process)
+        calibration = calibrate(m.calibration_load, m.calibration_steps, kv_geometry(model))
+        write_served_profiles(model, m.configuration.key, m.configuration.setup.label, calibration)
+        replayed.append((m, calibration, variations(calibration, m, model, in_process)))
+    return _result(quick, on, plan, replayed, in_process)
 
 
 @dataclasses.dataclass
@@ -109,17 +161,17 @@ class Measured:
 
 
 def measure_configuration(configuration: Configuration, cluster: serve.LocalCluster, runner: asyncio.Runner,
-                          plan: serve.Plan, progress: Progress) -> Measured:
+                          on: ModelRun, plan: serve.Plan, progress: Progress) -> Measured:
     engines = serving_engines(cluster.run_dir)
     states = {engine_id: engine.get("/v1/state") for engine_id, engine in engines.items()}
 
     def taken() -> Steps:
         return {engine_id: engine.take() for engine_id, engine in engines.items()}
 
-    first = runner.run(calibration_load(cluster.url, cluster.api_key, plan, progress, configuration.setup.label,
-                                        warmed=taken))
+    first = runner.run(calibration_load(cluster.url, cluster.api_key, on.calibration_rate, plan, progress,
+                                        configuration.setup.label, warmed=taken))
     calibration_steps, loads, load_steps = taken(), [], []
-    for rate in RATES:
+    for rate in on.rates:
         loads.append(runner.run(serve.measured_load(cluster.url, cluster.api_key, WORKLOAD, rate, plan, progress,
                                                     configuration.setup.label)))
         load_steps.append(taken())
@@ -138,35 +190,41 @@ class Variation:
     label: str
     costs: list[dict[str, StepCost]]   # one per load: engine id -> step cost
     paths: list[RequestPath]           # one per load
+    link: LinkSpec
     summaries: list[dict]              # simulated(), one per load
 
 
-def variations(calibration: Calibration, measured: Measured, in_process: StepCost) -> list[Variation]:
+def variations(calibration: Calibration, measured: Measured, model: str,
+               in_process: StepCost | None) -> list[Variation]:
     """The replay with the calibrated profile, then with one assumption varied at a time: the step
-    cost timed in process and no path (the simulator before), a constant path after the first token
+    cost timed in process, no path and sim.link's default link (the simulator before), the default
+    link alone, a constant path after the first token
     (its growth with the requests in flight left out), no path, the calibration's step costs with
     the prefill-sequence term, and each load's own step
     cost or own path measured on that load instead of the calibration's (how far the calibration
-    load's figures carry to other rates), and both: the best the model's form reaches."""
+    load's figures carry to other rates), and both: the best the model's form reaches. Without an
+    in-process profile of the model, no `_in_process`."""
     loads, n, none = measured.loads, len(measured.loads), RequestPath()
-    engines = sim_engines(measured.configuration.topology, measured.states)
+    engines, geometry = sim_engines(measured.configuration.topology, measured.states, model), kv_geometry(model)
     own_costs = [{e: calibration_fit(s)[0] for e, s in steps.items()} for steps in measured.load_steps]
     own_paths = [measured_path(load) for load in loads]
     with_f = {e: six_term_fit(s) for e, s in measured.calibration_steps.items()}
     constant = dataclasses.replace(calibration.path, last_token_lag_per_request_s=0.0)
-    plans = [("", "simulated", [calibration.costs] * n, [calibration.path] * n),
-             ("_constant_path", "constant path", [calibration.costs] * n, [constant] * n),
-             ("_in_process", "in-process steps, no path", [dict.fromkeys(calibration.costs, in_process)] * n,
-              [none] * n),
-             ("_no_path", "no path", [calibration.costs] * n, [none] * n),
-             ("_with_f", "calibrated with f", [with_f] * n, [calibration.path] * n),
-             ("_own_steps", "each load's own steps", own_costs, [calibration.path] * n),
-             ("_own_path", "each load's own path", [calibration.costs] * n, own_paths),
-             ("_own", "each load's own steps and path", own_costs, own_paths)]
-    return [Variation(suffix, label, costs, paths,
-                      [simulated(load, engines, cost, path)
+    link, default = calibration.link, LinkSpec()
+    plans = [("", "simulated", [calibration.costs] * n, [calibration.path] * n, link),
+             ("_constant_path", "constant path", [calibration.costs] * n, [constant] * n, link),
+             *([("_in_process", "in-process steps, no path", [dict.fromkeys(calibration.costs, in_process)] * n,
+                 [none] * n, default)] if in_process else []),
+             ("_no_path", "no path", [calibration.costs] * n, [none] * n, link),
+             ("_default_link", "default link", [calibration.costs] * n, [calibration.path] * n, default),
+             ("_with_f", "calibrated with f", [with_f] * n, [calibration.path] * n, link),
+             ("_own_steps", "each load's own steps", own_costs, [calibration.path] * n, link),
+             ("_own_path", "each load's own path", [calibration.costs] * n, own_paths, link),
+             ("_own", "each load's own steps and path", own_costs, own_paths, link)]
+    return [Variation(suffix, label, costs, paths, link,
+                      [simulated(load, engines, cost, path, link, geometry)
                        for load, cost, path in zip(loads, costs, paths)])
-            for suffix, label, costs, paths in plans]
+            for suffix, label, costs, paths, link in plans]
 
 
 # -- the replay -----------------------------------------------------------------------------------
@@ -181,15 +239,16 @@ def sim_requests(load: LoadResult) -> list[SimRequest]:
 
 
 def simulated(load: LoadResult, engines: dict[str, tuple[str, EngineSpec, dict[str, str]]],
-              costs: dict[str, StepCost], path: RequestPath = RequestPath()) -> dict:
+              costs: dict[str, StepCost], path: RequestPath = RequestPath(), link: LinkSpec = LinkSpec(),
+              geometry: KVGeometry = KVGeometry()) -> dict:
     """The load replayed through a simulated cluster of `engines` (id -> role, spec, policies; the
-    link sim.link's defaults, pull mode), each with its cost, the tokens delivered through `path`:
+    KV over `link`, pull mode), each with its cost, the tokens delivered through `path`:
     sim.metrics.summarise's figures, plus each engine's steps and the engine-side breakdown
     (`stages_ms`, before the path)."""
     requests = sim_requests(load)
     members = {e: (role, SimEngine(spec, costs[e], policies)) for e, (role, spec, policies) in engines.items()}
     start = time.perf_counter()
-    sim_seconds = Cluster(members).run(requests)
+    sim_seconds = Cluster(members, link=link, geometry=geometry).run(requests)
     wall = time.perf_counter() - start
     stages = sim_stages(requests)
     delivered(requests, path)
@@ -227,7 +286,8 @@ def sim_figures(summary: dict) -> dict[str, float]:
 Replayed = tuple[Measured, Calibration, list[Variation]]
 
 
-def _result(quick: bool, plan: serve.Plan, replayed: list[Replayed], in_process: StepCost) -> BenchResult:
+def _result(quick: bool, on: ModelRun, plan: serve.Plan, replayed: list[Replayed],
+            in_process: StepCost | None) -> BenchResult:
     rows, ratios, targets, tables, configs = [], {}, {}, {}, {}
     for measured, calibration, found in replayed:
         c = measured.configuration
@@ -259,28 +319,31 @@ def _result(quick: bool, plan: serve.Plan, replayed: list[Replayed], in_process:
                             cells={f"{n.replace('_', ' ')} ms": ratios[f"sim_error_{n}_{c.key}_{rate}"]
                                    for n in FIGURES}))
         tables[c.setup.label] = table
-        configs[c.key] = _configuration_config(measured, calibration, found, stages, in_process)
-    plotted = plot([float(r) for r in RATES], "offered requests/s", tables,
-                   f"tiny, 1 thread an engine, {WORKLOAD}: measured vs simulated "
-                   f"(calibrated in service at {CALIBRATION_RATE} req/s)", PLOT)
+        configs[c.key] = _configuration_config(on.model, measured, calibration, found, stages, in_process)
+    plotted = plot([float(r) for r in on.rates], "offered requests/s", tables,
+                   f"{on.model}, 1 thread an engine, {WORKLOAD}: measured vs simulated "
+                   f"(calibrated in service at {on.calibration_rate:g} req/s)",
+                   PLOTS / f"sim_validation_{on.model}.png")
     worst = max(targets, key=lambda k: ratios[k] if not math.isnan(ratios[k]) else math.inf)
     met = sum(1 for k in targets if not math.isnan(ratios[k]) and ratios[k] <= TARGET)
-    config = {"workload": WORKLOAD, "rates_rps": list(RATES), "window_s": plan.window_s, "drain_s": plan.drain_s,
-              "min_requests": plan.min_requests, "seed": serve.SEED, "model": serve.MODEL, "torch_threads": 1,
-              "calibration_rate_rps": CALIBRATION_RATE, "calibration_seed": CALIBRATION_SEED,
-              "in_process_profile": PROFILE, "in_process_profile_path": str(profile_path(PROFILE)),
-              "in_process_step_cost": dataclasses.asdict(in_process), "configurations": configs}
+    config = {"workload": WORKLOAD, "rates_rps": list(on.rates), "window_s": plan.window_s, "drain_s": plan.drain_s,
+              "min_requests": plan.min_requests, "seed": serve.SEED, "model": on.model, "torch_threads": 1,
+              "calibration_rate_rps": on.calibration_rate, "calibration_seed": CALIBRATION_SEED,
+              "in_process_profile": on.in_process,
+              "in_process_profile_path": str(profile_path(on.in_process)) if on.in_process else None,
+              "in_process_step_cost": dataclasses.asdict(in_process) if in_process else None, "configurations": configs}
     return BenchResult(
         bench="sim", quick=quick, ratios=ratios, targets=targets, ceilings={},
         directions=dict.fromkeys(targets, "<="), config=config, rows=rows, plots=[plotted],
-        headline=f"the simulator, calibrated on the engines in service ({WORKLOAD} at {CALIBRATION_RATE} req/s), "
-                 f"against {' and '.join(c.key for c in CONFIGURATIONS)} at {', '.join(map(str, RATES))} req/s: "
+        headline=f"the simulator, calibrated on {on.model}'s engines in service ({WORKLOAD} at "
+                 f"{on.calibration_rate:g} req/s), against {' and '.join(c.key for c in CONFIGURATIONS)} at "
+                 f"{', '.join(f'{r:g}' for r in on.rates)} req/s: "
                  f"{met} of {len(targets)} errors within {TARGET:.0%}; the largest {worst} = {ratios[worst]:.2f}")
 
 
-def _configuration_config(measured: Measured, calibration: Calibration, found: list[Variation], stages: dict,
-                          in_process: StepCost) -> dict:
-    engines = sim_engines(measured.configuration.topology, measured.states)
+def _configuration_config(model: str, measured: Measured, calibration: Calibration, found: list[Variation],
+                          stages: dict, in_process: StepCost | None) -> dict:
+    engines = sim_engines(measured.configuration.topology, measured.states, model)
     plain = found[0].summaries
     return {
         "topology": measured.configuration.topology, "up_args": list(measured.configuration.setup.up_args),
@@ -289,18 +352,21 @@ def _configuration_config(measured: Measured, calibration: Calibration, found: l
             "steps": {e: len(s) for e, s in calibration.steps.items()},
             "step_costs": {e: dataclasses.asdict(cost) for e, cost in calibration.costs.items()},
             "fits": calibration.fits, "request_path": dataclasses.asdict(calibration.path),
-            "profile_paths": [str(served_profile_path(measured.configuration.key, e)) for e in calibration.costs]},
+            "link": dataclasses.asdict(calibration.link),
+            "profile_paths": [str(served_profile_path(model, measured.configuration.key, e))
+                              for e in calibration.costs]},
         "engines": {e: {"role": role, **dataclasses.asdict(spec), "policies": policies}
                     for e, (role, spec, policies) in engines.items()},
         "engines_from": {"device_blocks": "GET /v1/state total_blocks.device",
-                         "num_layers": f"the {serve.MODEL} preset",
+                         "num_layers": f"{model}'s (its preset or checkpoint's config.json)",
                          "block_size": "EngineConfig default", "max_num_seqs": "EngineConfig default",
                          "token_budget": "EngineConfig default (0), decided for the engine's role",
                          "policies": "GET /v1/state, the hooks the simulator runs"},
         "variations": {v.suffix or "calibrated": {"label": v.label,
                                                   "step_costs": [{e: dataclasses.asdict(c) for e, c in costs.items()}
                                                                  for costs in v.costs],
-                                                  "request_paths": [dataclasses.asdict(p) for p in v.paths]}
+                                                  "request_paths": [dataclasses.asdict(p) for p in v.paths],
+                                                  "link": dataclasses.asdict(v.link)}
                        for v in found},
         "sim_per_wall": [s["sim_per_wall"] for s in plain],
         "preemptions_simulated": [s["preemptions"] for s in plain],
@@ -318,8 +384,8 @@ def _configuration_config(measured: Measured, calibration: Calibration, found: l
                                              for steps in measured.load_steps]},
         "step_time_ratio": {"calibrated": [{e: step_time_ratio(calibration.costs[e], s) for e, s in steps.items()}
                                            for steps in measured.load_steps],
-                            "in_process": [{e: step_time_ratio(in_process, s) for e, s in steps.items()}
-                                           for steps in measured.load_steps],
+                            **({"in_process": [{e: step_time_ratio(in_process, s) for e, s in steps.items()}
+                                               for steps in measured.load_steps]} if in_process else {}),
                             "note": "each load's recorded step seconds, summed, over what the cost says of "
                                     "their shapes"},
     }

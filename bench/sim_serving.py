@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kvmesh.infra.local.state import read_state
 from kvmesh.sim.engine import EngineSpec
+from kvmesh.sim.link import KVGeometry
 from kvmesh.sim.served_steps import engine_steps
 from kvmesh.sim.topology import Topology
 
@@ -45,25 +46,42 @@ def serving_engines(run_dir: Path) -> dict[str, ServingEngine]:
     return {c.name: ServingEngine(c.url.rstrip("/"), token) for c in cluster.children if c.name.startswith("engine-")}
 
 
-def sim_engines(topology: str, states: dict[str, dict]) -> dict[str, tuple[str, EngineSpec, dict[str, str]]]:
-    """The simulated engines of `topology` as the real ones are (`states`: engine id -> its GET
-    /v1/state): engine id -> (role, spec, policies)."""
-    return {engine_id: (role, engine_spec(states[engine_id], role), sim_policies(states[engine_id]))
+def sim_engines(topology: str, states: dict[str, dict],
+                model: str = serve.MODEL) -> dict[str, tuple[str, EngineSpec, dict[str, str]]]:
+    """The simulated engines of `topology` as the real ones, serving `model`, are (`states`: engine id
+    -> its GET /v1/state): engine id -> (role, spec, policies)."""
+    layers = kv_geometry(model).num_layers
+    return {engine_id: (role, engine_spec(states[engine_id], layers, role), sim_policies(states[engine_id]))
             for engine_id, role in Topology.parse(topology).roles().items()}
 
 
-def engine_spec(state: dict, role: str = "both") -> EngineSpec:
-    """The simulated engine as the real one: device blocks from its state, layers from the preset it
-    runs, block size, sequence limit and its role's token budget as EngineConfig and its defaults
-    leave them (`kvmesh up` sets none of them)."""
+def engine_spec(state: dict, num_layers: int, role: str = "both") -> EngineSpec:
+    """The simulated engine as the real one: device blocks from its state, the model's layers, block
+    size, sequence limit and its role's token budget as EngineConfig and its defaults leave them
+    (`kvmesh up` sets none of them)."""
     from kvmesh.services.engine.config import EngineConfig
     from kvmesh.services.engine.defaults import token_budget
-    from kvmesh.services.engine.native.models.presets import PRESETS
 
-    config = EngineConfig(model=serve.MODEL)
-    return EngineSpec(block_size=config.block_size, num_layers=PRESETS[serve.MODEL].num_layers,
+    config = EngineConfig()
+    return EngineSpec(block_size=config.block_size, num_layers=num_layers,
                       device_blocks=int(state["total_blocks"]["device"]), max_num_seqs=config.max_num_seqs,
                       token_budget=config.token_budget or token_budget(role))
+
+
+def kv_geometry(model: str) -> KVGeometry:
+    """The KV of the model `kvmesh up --model` names (a preset's, or its checkpoint's config.json), in
+    bfloat16 (the engine's dtype `auto` on this CPU)."""
+    from kvmesh.services.engine.model_source import resolve_model
+    from kvmesh.services.engine.native.models.config import ModelConfig
+
+    source = resolve_model(model)
+    if source.preset is not None:
+        from kvmesh.services.engine.native.models.presets import PRESETS
+
+        config = PRESETS[source.preset]
+    else:
+        config = ModelConfig.from_hf(json.loads((source.checkpoint / "config.json").read_text()))
+    return KVGeometry(config.num_layers, config.num_kv_heads, config.head_dim)
 
 
 def sim_policies(state: dict) -> dict[str, str]:

@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--quick", action="store_true", help="reduced run, under a minute on 2 cores")
     bench.add_argument("--json", dest="json_path", type=Path, help="also write the results here")
     bench.add_argument("--target", metavar="URL", help="serve only: load this OpenAI-compatible server instead")
+    bench.add_argument("--model", help="sim only: the engines' model (tiny, the default, or SmolLM2-135M-Instruct)")
 
     report = commands.add_parser("report", help="latency breakdown, percentiles and span trees from a span file")
     report.add_argument("trace_file", metavar="TRACEFILE", type=Path, help="the span JSON-lines file (trace_file)")
@@ -207,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args.service, args.config)
     if args.command == "bench":
         from kvmesh.bench.runner import run_bench
-        return run_bench(args.name, quick=args.quick, json_path=args.json_path, target=args.target)
+        return run_bench(args.name, quick=args.quick, json_path=args.json_path, target=args.target,
+                         model=args.model)
     if args.command == "report":
         from kvmesh.observability.report import run as run_report
         return run_report(args.trace_file, out_dir=args.out, json_path=args.json_path, slowest=args.slowest)

@@ -17,12 +17,15 @@ from kvmesh.bench import serve
 from kvmesh.bench import sim as bench_sim
 from kvmesh.bench.loadgen import LoadResult, RequestResult, poisson_arrivals
 from kvmesh.bench.report import BenchResult, save
-from kvmesh.bench.sim_serve_calibration import calibrate, served_profile_path, write_served_profiles
+from kvmesh.bench.sim_serve_calibration import (calibrate, measured_link, measured_path, served_profile_path,
+                                               write_served_profiles)
 from kvmesh.bench.sim_serving import sim_engines
 from kvmesh.bench.sim_validation import calibration_fit, six_term_fit, step_time_ratio
 from kvmesh.bench.workloads import WORKLOADS
 from kvmesh.policies.step_shape import FIELDS
+from kvmesh.services.engine.model_source import DEFAULT_MODEL
 from kvmesh.sim.engine import EngineSpec
+from kvmesh.sim.link import KVGeometry, LinkSpec, pull
 from kvmesh.sim.request_path import RequestPath
 from kvmesh.sim.step_cost import TERMS, StepCost, load_profile
 from kvmesh.sim.topology import Topology
@@ -80,7 +83,7 @@ COLOCATED = {"engine-c0": ("both", SPEC, {})}
 STATE = {"total_blocks": {"device": 4096}, "policies": {}}
 
 
-def measured(configuration: bench_sim.Configuration, rates=bench_sim.RATES) -> bench_sim.Measured:
+def measured(configuration: bench_sim.Configuration, rates=bench_sim.TINY.rates) -> bench_sim.Measured:
     """A made-up run of a configuration: timed loads, and each engine's steps taken as TRUTH says."""
     engines = list(Topology.parse(configuration.topology).roles())
     return bench_sim.Measured(configuration, dict.fromkeys(engines, STATE), fake_load(6, 16, timed=True),
@@ -91,7 +94,7 @@ def measured(configuration: bench_sim.Configuration, rates=bench_sim.RATES) -> b
 
 
 def test_the_path_counts_in_the_simulated_latencies():
-    load, cost = fake_load(1, 8), {"engine-c0": load_profile(bench_sim.PROFILE)}
+    load, cost = fake_load(1, 8), {"engine-c0": load_profile(bench_sim.TINY.in_process)}
     plain = bench_sim.simulated(load, COLOCATED, cost)
     late = bench_sim.simulated(load, COLOCATED, cost, RequestPath(first_token_s=0.2, last_token_lag_s=0.01))
     assert late["ttft_p50_s"] == pytest.approx(plain["ttft_p50_s"] + 0.2)  # one request at a time at 1 req/s
@@ -108,6 +111,30 @@ def test_the_calibration_is_its_own_loads_steps_and_path():
             assert getattr(cost, term) == pytest.approx(getattr(TRUTH, term), rel=1e-6, abs=1e-15)
     assert calibration.path.first_token_s == pytest.approx(0.009)
     assert calibration.path.last_token_lag_s == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_split_requests_path_holds_its_hop_to_the_decode_engine_and_not_its_wait_there():
+    load = fake_load(4, 16, timed=True)
+    for i, r in enumerate(load.results):
+        timings = r.kvmesh["timings_ms"]
+        timings["decode_queue"] = 2.0 + 50.0 * (i % 4)  # the hop 2 ms, then a wait for blocks and a step of 0-150
+        r.e2e += timings["decode_queue"] / 1e3 + 0.001  # and 1 ms more to relay the last token
+    path = measured_path(load)
+    assert path.last_token_lag_s == pytest.approx(0.003)
+    assert path.last_token_lag_per_request_s == pytest.approx(0.0, abs=1e-12)
+
+
+def test_the_link_is_the_line_through_the_split_requests_transfers_against_their_kv_bytes():
+    geometry = KVGeometry(num_layers=30, kv_heads=3, head_dim=64)  # SmolLM2-135M's
+    load = fake_load(4, 16, timed=True)
+    for r in load.results:
+        kv_bytes = -(-r.prompt_tokens // 16) * 30 * geometry.block_bytes(16)
+        r.kvmesh["timings_ms"]["transfer"] = 1e3 * (0.002 + kv_bytes / 0.5e9)
+    link = measured_link(load, geometry)
+    assert link.gbps == pytest.approx(0.5)
+    assert [pull(link, geometry, 16, r.prompt_tokens).seconds for r in load.results] == \
+        pytest.approx([r.kvmesh["timings_ms"]["transfer"] / 1e3 for r in load.results])
+    assert measured_link(fake_load(4, 16, timed=True), geometry) == LinkSpec()  # nothing split: the defaults
 
 
 def test_a_calibration_load_that_left_an_engine_without_steps_says_so():
@@ -129,10 +156,12 @@ def test_the_benches_calibrate_five_terms_and_their_with_f_variation_fits_six():
 def test_each_variation_changes_one_assumption():
     run = measured(bench_sim.CONFIGURATIONS[0])
     calibration = calibrate(run.calibration_load, run.calibration_steps)
-    in_process = load_profile(bench_sim.PROFILE)
-    found = {v.suffix: v for v in bench_sim.variations(calibration, run, in_process)}
-    assert list(found) == ["", "_constant_path", "_in_process", "_no_path", "_with_f", "_own_steps", "_own_path",
-                           "_own"]
+    in_process = load_profile(bench_sim.TINY.in_process)
+    found = {v.suffix: v for v in bench_sim.variations(calibration, run, "tiny", in_process)}
+    assert list(found) == ["", "_constant_path", "_in_process", "_no_path", "_default_link", "_with_f", "_own_steps",
+                           "_own_path", "_own"]
+    assert found["_in_process"].link == found["_default_link"].link == LinkSpec()
+    assert {v.link for s, v in found.items() if s not in ("_in_process", "_default_link")} == {calibration.link}
     assert found["_with_f"].paths == [calibration.path] * 4
     assert found["_constant_path"].paths == \
         [RequestPath(calibration.path.first_token_s, calibration.path.last_token_lag_s)] * 4
@@ -142,14 +171,14 @@ def test_each_variation_changes_one_assumption():
     assert [c["engine-c0"].a for c in found["_own_steps"].costs] == \
         pytest.approx([TRUTH.a * (1 + 0.1 * i) for i in range(4)])
     assert [p.first_token_s for p in found["_own_path"].paths] == \
-        pytest.approx([0.05 - 0.03 - 0.001 * rate for rate in bench_sim.RATES])
+        pytest.approx([0.05 - 0.03 - 0.001 * rate for rate in bench_sim.TINY.rates])
     assert found["_own"].costs == found["_own_steps"].costs and found["_own"].paths == found["_own_path"].paths
     assert step_time_ratio(TRUTH, run.load_steps[2]["engine-c0"]) == pytest.approx(1.2)
 
 
 def test_1p1d_is_a_prefill_and_a_decode_engine_each_with_its_roles_budget():
     run = measured(bench_sim.CONFIGURATIONS[1])
-    engines = sim_engines(run.configuration.topology, run.states)
+    engines = sim_engines(run.configuration.topology, run.states, "tiny")
     assert {e: (role, spec.token_budget) for e, (role, spec, _) in engines.items()} == \
         {"engine-p0": ("prefill", 512), "engine-d0": ("decode", 2048)}
     load = fake_load(4, 16)
@@ -160,20 +189,20 @@ def test_1p1d_is_a_prefill_and_a_decode_engine_each_with_its_roles_budget():
 
 def test_the_result_has_every_configurations_and_rates_keys_and_keeps_the_contract(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    in_process = load_profile(bench_sim.PROFILE)
+    in_process = load_profile(bench_sim.TINY.in_process)
     replayed = []
     for configuration in bench_sim.CONFIGURATIONS:
         run = measured(configuration)
         calibration = calibrate(run.calibration_load, run.calibration_steps)
-        replayed.append((run, calibration, bench_sim.variations(calibration, run, in_process)))
-        write_served_profiles(configuration.key, configuration.setup.label, calibration)
+        replayed.append((run, calibration, bench_sim.variations(calibration, run, "tiny", in_process)))
+        write_served_profiles("tiny", configuration.key, configuration.setup.label, calibration)
         for engine_id, cost in calibration.costs.items():
-            assert load_profile(str(served_profile_path(configuration.key, engine_id))) == cost
-    result = bench_sim._result(True, serve.QUICK, replayed, in_process)
+            assert load_profile(str(served_profile_path("tiny", configuration.key, engine_id))) == cost
+    result = bench_sim._result(True, bench_sim.TINY, serve.QUICK, replayed, in_process)
     assert isinstance(result, BenchResult)
     suffixes = [v.suffix for v in replayed[0][2]]
     for configuration in ("colocated", "1p1d"):
-        for rate in bench_sim.RATES:
+        for rate in bench_sim.TINY.rates:
             for name in bench_sim.FIGURES:
                 key = f"sim_error_{name}_{configuration}_{rate}"
                 assert {key, *(f"{key}{suffix}" for suffix in suffixes)} <= result.ratios.keys()
@@ -191,10 +220,55 @@ def test_the_result_has_every_configurations_and_rates_keys_and_keeps_the_contra
 @BENCH_TIMEOUT
 def test_sim_bench_measures_a_real_engine_and_writes_the_contract(tmp_path: Path):
     result, _ = quick_bench(tmp_path, "sim", timeout=600)
-    assert {f"sim_error_p90_e2e_{c}_{rate}" for rate in bench_sim.RATES for c in ("colocated", "1p1d")} <= \
+    assert {f"sim_error_p90_e2e_{c}_{rate}" for rate in bench_sim.TINY.rates for c in ("colocated", "1p1d")} <= \
         result["targets"].keys()
     for configuration in result["config"]["configurations"].values():
         assert all(engine["device_blocks"] > 0 for engine in configuration["engines"].values())
         assert all(steps > 0 for steps in configuration["calibration"]["steps"].values())
     assert {row["compared"] for row in result["rows"]} >= {"measured", "simulated", "relative error"}
     assert Path(tmp_path / result["plots"][0]).stat().st_size > 0
+
+
+def test_on_the_real_model_both_configurations_serve_it_at_rates_of_its_own():
+    real = bench_sim.MODELS[DEFAULT_MODEL]
+    for configuration, served in zip(bench_sim.CONFIGURATIONS, real.configurations()):
+        assert served.setup.env["KVMESH_ENGINE_MODEL"] == DEFAULT_MODEL
+        assert (served.key, served.topology, served.setup.up_args) == \
+            (configuration.key, configuration.topology, configuration.setup.up_args)
+    assert min(real.rates) < real.calibration_rate < max(real.rates)
+    assert real.quick.min_requests >= 20 and real.full.min_requests >= real.quick.min_requests  # P90 not one request
+    assert real.in_process is None
+    assert bench_sim.MODELS["tiny"].configurations()[0].setup.env["KVMESH_ENGINE_MODEL"] == "tiny"
+
+
+def test_the_simulated_engines_have_the_real_models_layers():
+    engines = sim_engines("pd:1:1", dict.fromkeys(("engine-p0", "engine-d0"), STATE), DEFAULT_MODEL)
+    assert {e: spec.num_layers for e, (_, spec, _) in engines.items()} == {"engine-p0": 30, "engine-d0": 30}
+
+
+def test_without_an_in_process_profile_the_real_models_result_has_no_in_process_keys(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    real = bench_sim.MODELS[DEFAULT_MODEL]
+    replayed = []
+    for configuration in real.configurations():
+        run = measured(configuration, real.rates)
+        calibration = calibrate(run.calibration_load, run.calibration_steps)
+        replayed.append((run, calibration, bench_sim.variations(calibration, run, DEFAULT_MODEL, None)))
+    assert "_in_process" not in [v.suffix for v in replayed[0][2]]
+    result = bench_sim._result(True, real, real.quick, replayed, None)
+    assert {f"sim_error_{n}_{c}_{r:g}" for n in bench_sim.TARGETED for c in ("colocated", "1p1d")
+            for r in real.rates} == result.targets.keys()
+    assert not any(k.endswith("_in_process") for k in result.ratios)
+    assert result.config["model"] == DEFAULT_MODEL
+    assert Path(result.plots[0]).name == f"sim_validation_{DEFAULT_MODEL}.png"
+    save(result, tmp_path / "sim.json")
+
+
+@pytest.mark.parametrize("model", list(bench_sim.MODELS))
+def test_no_two_loads_send_the_same_requests(model):
+    # serve.measured_load draws every load's requests from one seed: two loads of one count would send the
+    # same prompts, and the engine's prefix cache would answer the second from the first
+    on = bench_sim.MODELS[model]
+    for plan in (on.quick, on.full):
+        counts = [max(plan.min_requests, round(rate * plan.window_s)) for rate in on.rates]
+        assert len(set(counts)) == len(counts)
