@@ -24,7 +24,7 @@ from functools import cached_property
 from ..allocation import AllocationInput, AllocationParams, AllocationPlan, Grant, block_at_a_time
 from ..allocation.ledger import Ledger
 from ..cache.node_table import PrefixHit
-from ..offload import interleaved
+from ..offload import decodes_next, interleaved
 from ..offload import none as no_offload
 from ..offload.plan import OffloadInput, OffloadParams
 from ..views import RequestView, blocks_for
@@ -86,6 +86,12 @@ class Scheduler:
     def layered(self) -> bool:
         """Whether layer-wise offloading is on: a layer_offload policy and a staging area to run it in."""
         return self.staging_cap > 0 and self.policies.layer_offload is not no_offload
+
+    @property
+    def restores_decodes(self) -> bool:
+        """Whether a prefilled request's offloaded layers come back once before it decodes (LayerKV 4),
+        rather than being staged every step."""
+        return self.layered and self.offload.decode_offloaded == "restore"
 
     @property
     def allots_ahead(self) -> bool:
@@ -151,6 +157,8 @@ class Scheduler:
             self._admit_waiting(plan, budget, now, grants, retain)
         if not stage_first:
             self._stage_running(plan, reserved, budget)
+        if self.restores_decodes and not plan.chunks and not plan.preempted:
+            self._unblock_restores(plan)
         return plan
 
     def _schedule_whole_prompts(self, now: float) -> Plan:
@@ -248,9 +256,11 @@ class Scheduler:
         pending, reserved = list(self.running), []
         while pending and budget > 0:
             request = pending.pop(0)
+            if self._awaits_layers(request):  # its layers did not come back: no decode, no blocks this step
+                continue
             n = min(request.num_tokens - request.num_computed, budget)
             while not self._reserve(request, n):
-                victim = self._pick_victim(pending + [request], short=request)
+                victim = self._pick_victim(self._victims(pending, request) + [request], short=request)
                 self._preempt(victim, plan)
                 if victim is request:
                     break
@@ -277,6 +287,40 @@ class Scheduler:
         if unstaged and not plan.chunks:  # nothing runs that would free the blocks their staging waits for
             self._preempt(self._pick_victim(unstaged), plan)
         return budget
+
+    def _victims(self, pending: list[Schedulable], short: Schedulable) -> list[Schedulable]:
+        """Who may give way to `short`: with every layer on the device it is short of device blocks
+        only, which a request waiting for all of its layers to come back holds none of."""
+        if not self.restores_decodes or short.offloaded:
+            return pending
+        layers = self.blocks.num_layers
+        return [r for r in pending if not (len(r.offloaded) == layers and self._awaits_layers(r))]
+
+    def _awaits_layers(self, request: Schedulable) -> bool:
+        """Whether the request is prefilled and decodes only once its offloaded layers are back."""
+        return self.restores_decodes and bool(request.offloaded) and \
+            request.num_computed == request.num_tokens - 1 and decodes_next(request.view())
+
+    def _unblock_restores(self, plan: Plan) -> None:
+        """Nothing runs, so nothing will free the room the requests waiting for their layers wait for.
+        The first in line (earliest scheduled) gets its layers back if the device holds them now (the
+        policy's room kept the decodes' growth and the staging, which nothing uses this step), and
+        decodes. Else the preemption policy's victim among those behind it that hold device blocks
+        gives them up, so the first fits sooner; with none holding any, among all behind it; the first
+        itself if it waits alone (the device holds it alone at its longest, so only blocks outside the
+        requests, cached prefixes or the ledger's promises, can keep it out)."""
+        waiting = sorted((r for r in self.running if self._awaits_layers(r)), key=lambda r: r.scheduled_at)
+        if not waiting:
+            return
+        first, back = waiting[0], list(waiting[0].offloaded)
+        if self._can_restore(first, back) and self.blocks.move_layers(first, back, "device"):
+            self.layers_offloaded["restored"] += len(back)
+            if self._reserve(first, 1):
+                self._chunk(first, 1, plan)
+            return
+        behind = waiting[1:]
+        holders = [r for r in behind if len(r.offloaded) < self.blocks.num_layers]
+        self._preempt(self._pick_victim(holders or behind or waiting), plan)
 
     def _resume_swapped(self, plan: Plan, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvmesh.policies.prefill_admission.layerkv import prefill_time_s
-from kvmesh.policies.views import RequestView
+from kvmesh.policies.views import PoolView, RequestView
 
 from ..costs import OffloadCost
 from .plan import OffloadInput, OffloadPlan
@@ -70,22 +70,70 @@ def layerkv(inp: OffloadInput) -> OffloadPlan:
     most recently scheduled running requests first, and if that is not enough take them all to none
     (3.1.1: "starting with x/2 layers. If this proves insufficient, the full offloading"); with room
     to spare above the threshold once the requests about to be admitted have theirs, bring
-    offloaded layers back."""
+    offloaded layers back. With `decode_offloaded` "restore", a prefilled request's offloaded layers
+    all come back once the free blocks hold them, before any admission; under a shortfall only
+    layers no decode reads go (_restore_whole)."""
     pool = inp.pool
     free = pool.free.get("device", 0)
     # Below the threshold now, or at any stage of the horizon
     short = inp.params.threshold_blocks - min(free, *forecast_free_blocks(free, inp.running, pool.num_layers,
                                                                           inp.params.horizon_stages, pool.block_size))
-    # Each step, every request with an offloaded layer borrows two blocks (the staging area's halves)
-    # for each block of a layer: room that keeping or restoring layers must leave.
+    restoring = inp.params.decode_offloaded == "restore"
+    # Each step, every request with an offloaded layer it computes in the staging area borrows two
+    # blocks (the area's halves) for each block of a layer: room that keeping or restoring layers must leave.
     staging = 2 * sum(r.blocks_per_layer for r in inp.running
-                      if r.device_layers is not None and r.device_layers < pool.num_layers)
-    retain, slack = _retain(inp, -short - staging)
-    if short > 0:
-        return OffloadPlan(retain=retain, shrink=_shrink(inp.running, pool.num_layers, short))
-    # the requests about to be admitted have had their room: restores get what is left
-    return OffloadPlan(retain=retain, restore=_restore(inp.running, pool.num_layers, slack,
-                                                       inp.params.horizon_stages))
+                      if _offloads(r, pool.num_layers) and not (restoring and decodes_next(r)))
+    if not restoring:
+        retain, slack = _retain(inp, -short - staging)
+        if short > 0:
+            return OffloadPlan(retain=retain, shrink=_shrink(inp.running, pool.num_layers, short))
+        # the requests about to be admitted have had their room: restores get what is left
+        return OffloadPlan(retain=retain, restore=_restore(inp.running, pool.num_layers, slack,
+                                                           inp.params.horizon_stages))
+    # A prefilled request waits for its layers: they come back before anyone is admitted, from the
+    # free blocks (4: a new request "will be included in the batch if the available blocks are sufficient").
+    restore, taken = _restore_whole(inp.running, pool, free - staging)
+    retain, _ = _retain(inp, -short - staging - taken)
+    if short > 0:  # only layers no decode reads: a decoding request's are in use (3.1.1: "until they are used")
+        idle = [r for r in inp.running if r.request_id not in restore and not _decodes_on_device(r, pool.num_layers)]
+        return OffloadPlan(retain=retain, restore=restore, shrink=_shrink(idle, pool.num_layers, short))
+    return OffloadPlan(retain=retain, restore=restore)
+
+
+def decodes_next(r: RequestView) -> bool:
+    """Whether the request's next step is a decode (its prompt computed, a token sampled)."""
+    return r.num_generated > 0 and r.num_computed == r.num_tokens - 1
+
+
+def _offloads(r: RequestView, num_layers: int) -> bool:
+    return r.device_layers is not None and r.device_layers < num_layers
+
+
+def _decodes_on_device(r: RequestView, num_layers: int) -> bool:
+    """Whether it decodes from the device: every layer there, its prompt computed."""
+    return decodes_next(r) and not _offloads(r, num_layers)
+
+
+def _restore_whole(running: Sequence[RequestView], pool: PoolView, room: int) -> tuple[dict[str, int], int]:
+    """Restore mode: of the prefilled requests waiting for their offloaded layers, earliest scheduled
+    first, those whose layers `room` holds all of, beside the next token's blocks of every decode and
+    of theirs; the first that does not fit stops the rest (first come, first served). And the blocks taken."""
+    layers = pool.num_layers
+
+    def growth(r: RequestView, on_device: int) -> int:
+        return on_device * (pool.blocks_for(r.num_tokens) - r.blocks_per_layer)
+
+    room -= sum(growth(r, layers) for r in running if _decodes_on_device(r, layers))
+    waiting = sorted((r for r in running if _offloads(r, layers) and decodes_next(r)),
+                     key=lambda r: r.scheduled_at or r.arrival)
+    restored, taken = {}, 0
+    for r in waiting:
+        need = (layers - r.device_layers) * r.blocks_per_layer + growth(r, layers)
+        if taken + need > room:
+            break
+        taken += need
+        restored[r.request_id] = layers - r.device_layers
+    return restored, taken
 
 
 def _retain(inp: OffloadInput, slack: int) -> tuple[dict[str, int], int]:

@@ -14,6 +14,9 @@ from kvmesh.policies.views import PoolView, RequestView
 class OffloadParams:
     threshold_blocks: int = 0       # Eq. 5: below this many free device blocks (all layers), offload retained layers
     horizon_stages: int = 8         # how many stages (block_size decode steps each) ahead Eq. 5 is run
+    # How a decode gets a request's offloaded layers: "stage", loaded into the staging area every step;
+    # "restore", moved back to the device once, the decode waiting until they all fit (LayerKV 4).
+    decode_offloaded: str = "restore"
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +33,8 @@ class OffloadPlan:
     """`retain`: of a waiting request, how many layers keep their KV on the device when it is
     admitted (absent: all). `shrink`: of a running request, how many of its device layers it keeps
     (fewer than it has now); the engine offloads the rest. `restore`: of a running request, how many
-    of its offloaded layers come back to the device, so its decodes stop loading them every step."""
+    of its offloaded layers come back to the device, so its decodes stop loading them every step
+    (with `decode_offloaded` "restore", all of them: it decodes only then)."""
 
     retain: Mapping[str, int] = field(default_factory=dict)
     shrink: Mapping[str, int] = field(default_factory=dict)

@@ -28,8 +28,9 @@ are not in the text); ShareGPT's lengths: log-normal of the means vLLM's paper g
 161, answers 338 tokens), sigma 1, cut to Llama-2's 4,096-token window; rates of 2 to 8 req/s
 (section 5.2.4 names 5.5 and 6). Varied: the device's KV capacity halved (section 2.2: vLLM's profile
 run for a long max_model_len takes activation memory from the KV blocks), the tier's bandwidth four
-times the PCIe link's (an offloaded layer's decode loads its whole context every step), and no
-predicted range (Eq. 1's N_future then 1, the most conservative)."""
+times the PCIe link's (what a prefill's offload and a decode's restore copy), and no predicted range
+(Eq. 1's N_future then 1, the most conservative). A prefilled request's offloaded layers come back
+to the device once before it decodes (the scheduler's decode_offloaded "restore", LayerKV's default)."""
 
 from __future__ import annotations
 

@@ -22,6 +22,11 @@ OFFLOAD = OffloadCost(beta=1.0, num_layers=4, head_dim=64, num_kv_heads=2, bytes
                       bandwidth_bytes_per_s=1e9)
 
 
+def staged(threshold: int) -> OffloadParams:
+    """Decodes that load their offloaded layers every step (tests/policies/test_layerkv_restore.py: once)."""
+    return OffloadParams(threshold_blocks=threshold, horizon_stages=3, decode_offloaded="stage")
+
+
 def view(request_id: str, **fields) -> RequestView:
     defaults = dict(arrival=0.0, prompt_len=100, num_tokens=100, num_computed=0, num_generated=0, max_tokens=100,
                     blocks_per_layer=0, tier="device")
@@ -229,33 +234,34 @@ def test_without_a_profile_every_layer_is_retained_and_none_offloads_nothing():
 
 
 def test_room_above_the_threshold_brings_offloaded_layers_back_earliest_first():
+    """Decodes that stage their offloaded layers every step: restores take the room left, layer by layer."""
     running = [view("a", device_layers=2, blocks_per_layer=3, scheduled_at=5.0, predicted_output_median=90),
                view("b", device_layers=0, blocks_per_layer=1, scheduled_at=3.0, predicted_output_median=90)]
     roomy = OffloadInput(admitting=[], running=running, pool=pool(free=100), now=0.0,
-                         params=OffloadParams(threshold_blocks=10, horizon_stages=3))
+                         params=staged(10))
     # forecast 100 - 2 a stage: low 94, 84 above the threshold, less 2 x (3 + 1) blocks the two
     # stage each step: 76; a layer back costs its blocks and 3 stages of growth: b (first scheduled)
     # 4 x (1 + 3) = 16, then a 2 x (3 + 3) = 12
     assert layerkv(roomy).restore == {"b": 4, "a": 2} and not layerkv(roomy).shrink
     tight = OffloadInput(admitting=[], running=running, pool=pool(free=100), now=0.0,
-                         params=OffloadParams(threshold_blocks=77, horizon_stages=3))
+                         params=staged(77))
     # 17 above the threshold, 9 past the staging: 2 of b's layers (4 each); then a's first costs 6:
     # no room, and nobody overtakes a
     assert layerkv(tight).restore == {"b": 2}
     staged_only = OffloadInput(admitting=[], running=running, pool=pool(free=100), now=0.0,
-                               params=OffloadParams(threshold_blocks=87, horizon_stages=3))
+                               params=staged(87))
     assert layerkv(staged_only).restore == {}  # 7 above the threshold: the staging's 8 take it all
     # A request about to be admitted gets the room first. At a threshold of 40, 46 are above it and
     # past the staging; w's 100 tokens on every layer take 4 x (7 + 3) = 40: one of b's layers fits
     # in the 6 left. Without w, all of b's (16) and both of a's (12).
     def queued(admitting) -> dict[str, int]:
         return layerkv(OffloadInput(admitting=admitting, running=running, pool=pool(free=100), now=0.0,
-                                    params=OffloadParams(threshold_blocks=40, horizon_stages=3))).restore
+                                    params=staged(40))).restore
     assert queued([view("w")]) == {"b": 1}
     assert queued([]) == {"b": 4, "a": 2}
     # unprofiled, w keeps every layer all the same: the room it takes is the same
     assert layerkv(OffloadInput(admitting=[view("w")], running=running, pool=pool(free=100, prefill=None), now=0.0,
-                                params=OffloadParams(threshold_blocks=40, horizon_stages=3))).restore == {"b": 1}
+                                params=staged(40))).restore == {"b": 1}
 
 
 def test_free_blocks_below_the_threshold_now_offload_even_if_the_forecast_recovers():
