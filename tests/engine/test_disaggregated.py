@@ -5,7 +5,6 @@ colocated engine's, token for token."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from kvmesh.libs.controlplane import RemoteError, ServiceClient
 from kvmesh.services.engine.state import EngineState
 
 from ..conftest import TOKEN
+from ..polling import eventually
 from .conftest import loop_failures
 from .test_engine_http import generate, launch_engine
 
@@ -63,13 +63,10 @@ async def clients(cluster: dict[str, Child]):
 
 
 async def until_idle(client: ServiceClient, timeout: float = 10.0) -> EngineState:
-    deadline = time.monotonic() + timeout
-    while True:
-        state = await client.call("GET", "/v1/state", into=EngineState)
-        if state.free_blocks == state.total_blocks and not (state.running or state.waiting or state.pulling or state.held_kv):
-            return state
-        assert time.monotonic() < deadline, f"engine not idle: {state}"
-        await asyncio.sleep(0.05)
+    """Every block free, nothing running, waiting, pulling or held."""
+    return await eventually(lambda: client.call("GET", "/v1/state", into=EngineState), timeout=timeout, interval=0.05,
+                            until=lambda s: s.free_blocks == s.total_blocks
+                            and not (s.running or s.waiting or s.pulling or s.held_kv))
 
 
 async def disaggregated(clients, prompt: list[int], max_tokens: int, request_id: str, prefill: str = "prefill",

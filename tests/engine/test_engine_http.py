@@ -18,6 +18,7 @@ from kvmesh.libs.messages.engine import Frame
 from kvmesh.services.engine.state import EngineState
 
 from ..conftest import TOKEN, Kvmeta
+from ..polling import eventually
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -281,27 +282,15 @@ async def test_the_engine_publishes_its_prefix_cache_to_kvmeta(kvmeta: Kvmeta, t
     try:
         async with ServiceClient(child.url, token=TOKEN) as engine, KvmetaClient(kvmeta.url, TOKEN) as registry:
             await generate(engine, prompt_token_ids=first, max_tokens=1, temperature=0.0)
-            match = await eventually(registry.lookup, ids, until=lambda m: m and m[0].device_blocks == 4)
+            match = await eventually(lambda: registry.lookup(ids), lambda m: m and m[0].device_blocks == 4, timeout=5)
             assert match[0].engine == "engine-c" and match[0].blocks == 4
             await generate(engine, prompt_token_ids=second, max_tokens=1, temperature=0.0)
-            match = await eventually(registry.lookup, ids, until=lambda m: m and m[0].device_blocks == 1)
+            match = await eventually(lambda: registry.lookup(ids), lambda m: m and m[0].device_blocks == 1, timeout=5)
             assert match[0].blocks == 4   # all still cached here, 3 in the cxl tier
             table = await engine.call("GET", "/v1/cache", params={"tier": "cxl"}, into=dict)
             assert len(table["entries"]) == 3 and not table["entries"][0]["valid_in_gpu"]
-            for _ in range(50):   # the state is published between steps: after the last one, soon
-                state = await engine.call("GET", "/v1/state", into=EngineState)
-                if state.free_blocks == state.total_blocks:
-                    break
-                await asyncio.sleep(0.1)
-            assert state.free_blocks == state.total_blocks
+            # the state is published between steps: after the last one, soon
+            await eventually(lambda: engine.call("GET", "/v1/state", into=EngineState),
+                             lambda state: state.free_blocks == state.total_blocks, timeout=5)
     finally:
         child.stop()
-
-
-async def eventually(call, *args, until, tries: int = 50):
-    for _ in range(tries):
-        result = await call(*args)
-        if until(result):
-            return result
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"never came true; last: {result}")

@@ -20,6 +20,7 @@ from kvmesh.libs.messages.predictor import MAX_PROMPT_CHARS, MAX_PROMPT_TOKENS
 from kvmesh.services.admission.predictor_client import PredictorClient
 
 from ..conftest import TOKEN, cluster_name
+from ..polling import eventually
 from . import test_predictor_embedding as embedding_tests
 from .admission_fixtures import MODEL, launch, ready, start_cluster, wait_until_idle
 from .test_predictor import metrics_text, samples
@@ -61,11 +62,9 @@ def counter(url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(name + "{"))
 
 
-async def eventually(check, timeout: float = 10.0):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not (result := await asyncio.to_thread(check)) and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.2)
-    return result
+async def eventually_true(check):
+    """`check()`, run off the event loop (it reads files and blocking HTTP), once it is truthy."""
+    return await eventually(lambda: asyncio.to_thread(check), bool, interval=0.2)
 
 
 def spans_named(path: Path, name: str) -> list[dict]:
@@ -93,9 +92,9 @@ async def test_requests_are_predicted_and_observed(predicted):
             await client.completions.create(model=MODEL, prompt="count to five", max_tokens=5,
                                             extra_body={"ignore_eos": True})
     assert counter(predictor.url, "kvmesh_predictor_predictions_total") == 3
-    assert await eventually(lambda: counter(predictor.url, "kvmesh_predictor_observations_total") == 3)
+    assert await eventually_true(lambda: counter(predictor.url, "kvmesh_predictor_observations_total") == 3)
     # after two requests of exactly 5 tokens, the history predicts 5 with no spread: the engine is told 5
-    found = await eventually(lambda: len(engine_spans(spans)) == 3 and engine_spans(spans))
+    found = await eventually_true(lambda: len(engine_spans(spans)) == 3 and engine_spans(spans))
     assert [s["attributes"].get("kvmesh.predicted_output_len") for s in found][-1] == 5
     # ... and the range around it, for LayerKV: no spread, so its lower bound and median are 5 too
     assert {name: found[-1]["attributes"].get(f"kvmesh.predicted_output_{name}") for name in ("low", "median")} == \
@@ -128,7 +127,7 @@ async def test_the_predictor_gets_the_prompt_text_and_learns_from_it(embedded):
         # token ids alone go as ids: `embedding` falls back to the history, which has seen 4-token answers
         await client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=4,
                                         extra_body={"ignore_eos": True})
-    found = await eventually(lambda: len(spans_named(spans, "predict")) == 5 and spans_named(spans, "predict"))
+    found = await eventually_true(lambda: len(spans_named(spans, "predict")) == 5 and spans_named(spans, "predict"))
     assert found, "admission left no predict span per request"
     predicted = [span["attributes"]["kvmesh.predicted"] for span in found]
     assert predicted[:4] == expected

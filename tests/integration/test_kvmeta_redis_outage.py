@@ -13,17 +13,7 @@ from kvmesh.libs.controlplane import RemoteError
 
 from ..conftest import start_kvmeta
 from ..factories import worker_info
-
-
-async def eventually(check, timeout: float = 10.0):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        try:
-            return await check()
-        except (RemoteError, AssertionError):
-            if asyncio.get_running_loop().time() > deadline:
-                raise
-            await asyncio.sleep(0.1)
+from ..polling import eventually
 
 
 async def test_kvmeta_answers_503_while_redis_is_down_and_recovers_by_itself(own_redis: Child, tmp_path: Path):
@@ -43,7 +33,7 @@ async def test_kvmeta_answers_503_while_redis_is_down_and_recovers_by_itself(own
 
             own_redis.start()  # same port, empty data: as after a failover without persistence
             own_redis.wait_ready()
-            await eventually(lambda: client.register(worker_info("p1")))
+            await eventually(lambda: client.register(worker_info("p1")), retry=(RemoteError, AssertionError))
             assert [w.info.id for w in await client.workers()] == ["p1"]
 
             # The watch stream broke with Redis; the client reconnected and resynchronised: p1 shows

@@ -26,6 +26,7 @@ from kvmesh.libs.messages.scheduler import ClusterView, MAX_PROMPT_TOKENS, Polic
 
 from ..conftest import TOKEN, Kvmeta, start_kvmeta
 from ..factories import entries, worker_info
+from ..polling import eventually
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +81,7 @@ class Cluster:
     async def until(self, condition, timeout: float = 2.0) -> float:
         """Poll the cluster view until `condition(view)`; the seconds it took."""
         started = time.monotonic()
-        while not condition(await self.view()):
-            assert time.monotonic() - started < timeout, "the scheduler's view did not catch up"
-            await asyncio.sleep(0.01)
+        await eventually(self.view, condition, timeout=timeout, interval=0.01)
         return time.monotonic() - started
 
 
