@@ -5,17 +5,16 @@ Two of serve's configurations, each its own `kvmesh up` (one torch thread an eng
 colocated engine (`colocated`, the simulator's `colocated:1`) and (1) 1P1D pull, a prefill and a
 decode engine (`1p1d`, the simulator's `pd:1:1`, pull mode, the model's KV geometry). The engines'
 model (MODELS, each with its rates):
-  tiny (the default): serve's preset, at 1, 4, 8 and 12 req/s of `arxiv` (serve's colocated sweep up
-     to 12 req/s, about 3/4 of one engine's capacity), calibrated at 6; `--quick` has serve's quick
+  tiny: serve's preset, at 1, 4, 8 and 12 req/s of `arxiv` (serve's colocated sweep up to 12
+     req/s, about 3/4 of one engine's capacity), calibrated at 6; `--quick` has serve's quick
      windows (8 s of arrivals, at least 8 requests a load), the full run serve's (20 s, 16). A
      decode step takes about 1 ms and a TTFT 20-45 ms, so one request's jitter can move a key past
-     15%. It stays the default: the quick run is about 4 minutes, the real model's about 10 (its
-     test's budget is 10 for the bench, start-up included);
-  SmolLM2-135M-Instruct (kvmesh up's default model, its GGUF's 4-bit layers): at 0.5, 1, 1.5 and 2
+     15%;
+  SmolLM2-135M-Instruct (the default, as kvmesh up's; its GGUF's 4-bit layers): at 0.5, 1, 1.5 and 2
      req/s, calibrated at 0.75. Chosen from one measured calibration before the first run (21:34 UTC
      2026-11-28, load 0.3-1.3): arxiv at 0.5 req/s on each configuration took a TTFT of 450 ms (P50)
      and a TBT of 17 ms (colocated) and 10 ms (1P1D); the colocated engine was busy 0.49 s a request
-     (prefill 0.7 ms a prompt token and 1.1 ns a pair: 0.36 s for arxiv's mean 384-token prompt), the
+     (prefill 0.7 ms a prompt token and 1.1 us a pair: 0.36 s for arxiv's mean 384-token prompt), the
      1P1D prefill engine 0.40 s; replayed with those fits, the colocated engine's TTFT P50 starts to
      climb at 2 req/s and its TPOT at 1.5 (3.2x the light load's), 1P1D's TPOT at 1.5: light (0.5)
      to just past capacity (2). The calibration runs between the two lightest rates: the first run
@@ -24,6 +23,7 @@ model (MODELS, each with its rates):
      load (20, 24, 36 and 48), the full run 60 s and 40. No two loads may send the same number of
      requests: serve's loads draw theirs from one seed, and the engine's prefix cache would answer
      the second load's prompts from the first's (the first run's 0.5 and 1 req/s did: a TTFT of 105 ms).
+     Its quick run took 6.3-7.1 minutes at load averages of 7-14, tiny's 2.5.
 On each, one run calibrates, measures and then simulates:
   0. calibration (bench/sim_serve_calibration.py): the cluster first serves a load of its own
      (`arxiv` at the model's calibration rate, requests and arrivals of CALIBRATION_SEED, none of
@@ -128,7 +128,7 @@ FIGURES = {  # key part: (sim.metrics.summarise's key in s, loadgen.summarize's 
 PLOTS = Path("bench-results")  # sim_validation_<model>.png
 
 
-def run(quick: bool, model: str = TINY.model) -> BenchResult:
+def run(quick: bool, model: str = SMOLLM2.model) -> BenchResult:
     if model not in MODELS:
         raise ValueError(f"bench sim has rates for {', '.join(MODELS)}, not {model!r}")
     on = MODELS[model]

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--quick", action="store_true", help="reduced run, under a minute on 2 cores")
     bench.add_argument("--json", dest="json_path", type=Path, help="also write the results here")
     bench.add_argument("--target", metavar="URL", help="serve only: load this OpenAI-compatible server instead")
-    bench.add_argument("--model", help="sim only: the engines' model (tiny, the default, or SmolLM2-135M-Instruct)")
+    bench.add_argument("--model", help="sim only: the engines' model (SmolLM2-135M-Instruct, the default, or tiny)")
 
     report = commands.add_parser("report", help="latency breakdown, percentiles and span trees from a span file")
     report.add_argument("trace_file", metavar="TRACEFILE", type=Path, help="the span JSON-lines file (trace_file)")
