@@ -15,10 +15,11 @@ bench car's quick shape: 3 conversations of 4 turns, 24 system-prompt requests, 
      (libs/kvmeta/nodeid.py, as the native prefix cache names them), so the same prefixes hit.
 The clients are closed-loop: a conversation's turn is sent when its last answer is complete, a
 system-prompt client's next request when its last one's is. The replay's clients are too
-(ClosedLoop): each sends the same requests in the same order, each at the simulated end of the one
-before it; the first ones at the measured run's start. `_open_loop` instead sends every request at
-the time the measured run sent it: a turn the simulator finishes later than the engine did is then
-still running when the next arrives, which finds less cached and more requests in the batch.
+(the simulator's ConversationLoop, through ClosedLoop): each sends the same requests in the same
+order, each at the simulated end of the one before it; the first ones at the measured run's start.
+`_open_loop` instead sends every request at the time the measured run sent it: a turn the simulator
+finishes later than the engine did is then still running when the next arrives, which finds less
+cached and more requests in the batch.
 Keys, for each method m (recompute, lru, car, car_prefetch) and workload w (multi_turn, system_prompts):
   sim_error_{p90_ttft,mean_tpot,p90_e2e}_<m>_<w>: target <= 0.15; sim_error_p50_ttft_...: no target.
 Information, one assumption varied at a time: `_rescaled`, `_own_steps` (as bench sim_cacheopt's),
@@ -36,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -47,6 +47,7 @@ from kvmesh.libs.kvmeta.nodeid import node_ids
 from kvmesh.libs.messages.engine import Targets
 from kvmesh.services.engine.native.factory import build_engine
 from kvmesh.sim.cluster import Cluster
+from kvmesh.sim.conversations import ConversationLoop
 from kvmesh.sim.engine import SimEngine
 from kvmesh.sim.fit import recorded_shape
 from kvmesh.sim.request import SimRequest
@@ -77,45 +78,20 @@ class Measured:
     outcome: car.Outcome
 
 
-class ClosedLoop(Cluster):
-    """One engine's cluster whose clients are closed-loop: each of `clients` (how many, and the indices
-    of the requests they send in turn) sends its first request at the start, then the next one in its
-    queue when it has its last one's answer, at that step's end. Requests sent at once all join the
-    engine before its next step, as bench car's loop adds them before it steps. No decode runs: they
-    apply their requests' ends late, and a client would send late."""
+@dataclasses.dataclass
+class ClosedLoop:
+    """bench car's closed-loop clients over a replay's requests, for sim_replay.simulated: each of
+    `clients` (how many, and the indices of the requests they send in turn) a talk of the simulator's
+    ConversationLoop with no think time, its clients in process (the first requests all join the
+    engine before its first step, each next one before the step after its client's last answer, as
+    bench car's loop adds them before it steps)."""
 
-    def __init__(self, engines: Mapping[str, tuple[str, SimEngine]], clients: Sequence[tuple[int, list[int]]]):
-        super().__init__(engines, max_run_steps=0)
-        self.clients = clients
-        self.queue_of: dict[str, deque[SimRequest]] = {}  # a request sent -> the queue its client sends from
-        self.together: list[SimRequest] = []  # sent at the start with the first
+    engines: Mapping[str, tuple[str, SimEngine]]
+    clients: Sequence[tuple[int, list[int]]]
 
-    def run(self, requests: Sequence[SimRequest], routed=None) -> float:
-        first = []
-        for count, indices in self.clients:
-            queue = deque(requests[i] for i in indices)
-            for request in [queue.popleft() for _ in range(min(count, len(queue)))]:
-                first.append(request)
-                self.queue_of[request.request_id] = queue
-        self.together = first[1:]
-
-        def routed_first(request: SimRequest) -> None:  # the others sent at the start join it on its engine
-            (engine,) = (member.engine for member in self.members.values())
-            for sent in self.together:
-                engine.add(sent)
-            self.together = []
-            if routed is not None:
-                routed(request)
-
-        return super().run(first[:1], routed_first)
-
-    def ended(self, request: SimRequest, engine_id: str) -> None:
-        queue = self.queue_of.get(request.request_id)
-        if queue:
-            sent = queue.popleft()
-            sent.arrival = request.finished_at
-            self.queue_of[sent.request_id] = queue
-            self.members[engine_id].engine.add(sent)
+    def run(self, requests: Sequence[SimRequest]) -> float:
+        talks = [[(requests[i], 0.0) for i in indices] for _, indices in self.clients]
+        return ConversationLoop(self.engines, talks, [count for count, _ in self.clients], in_process=True).run()
 
 
 def run(quick: bool) -> BenchResult:

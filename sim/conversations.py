@@ -17,7 +17,8 @@ The lengths and think times are drawn alike either way (the same seed, the same 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,14 +92,25 @@ def turn(request: SimRequest) -> int:
 class ConversationLoop(Cluster):
     """A cluster whose clients are conversations, closed-loop: a conversation's first turn arrives at
     its start; each later one is sent its think time after the answer before it ended (its arrival set
-    then, and given to the cluster's `arrive`), and routed as any arrival. No decode runs: a run applies
-    its requests' ends late, so a turn would be sent late."""
+    then, and given to the cluster's `arrive`), and routed as any arrival. `senders`: how many clients
+    send each talk's turns, in its order (1 each: a conversation; more: a pool taking turns from one
+    queue, as bench car's system-prompt clients). `in_process`: the clients call one engine in process,
+    as bench car's loop does: the first turns all join it before its first step, and a turn sent with
+    no think time joins it before the step after the answer. No decode runs: a run applies its
+    requests' ends late, so a turn would be sent late."""
 
     def __init__(self, engines: Mapping[str, tuple[str, SimEngine]], talks: list[list[tuple[SimRequest, float]]],
-                 **cluster: object):
+                 senders: Sequence[int] | None = None, in_process: bool = False, **cluster: object):
         super().__init__(engines, **cluster, max_run_steps=0)
-        self.first = [talk[0][0] for talk in talks if talk]
-        self.next_turn = next_turns(talks)
+        if in_process and len(engines) != 1:
+            raise ValueError(f"in-process clients call one engine, not {len(engines)}")
+        self.in_process = in_process
+        # A turn sent -> the queue its client sends the next from, and the think time after its answer.
+        self.client_of: dict[str, tuple[deque[tuple[SimRequest, float]], float]] = {}
+        self.first: list[SimRequest] = []
+        for talk, count in zip(talks, senders or [1] * len(talks)):
+            queue = deque(talk)
+            self.first += [self._send(queue) for _ in range(min(count, len(talk)))]
 
     @classmethod
     def build(cls, topology: Topology, spec: EngineSpec, cost: StepCost, policies: Mapping[str, str],
@@ -109,12 +121,34 @@ class ConversationLoop(Cluster):
 
     def run(self, requests: object = None, routed: object = None) -> float:
         """Serve every conversation (the talks given); the simulated time when the last event happened."""
-        return super().run(self.first)
+        if not self.in_process:
+            return super().run(self.first)
+        together = self.first[1:]
+
+        def join_the_first(request: SimRequest) -> None:
+            (member,) = self.members.values()
+            for sent in together:
+                member.engine.add(sent)
+            together.clear()
+
+        return super().run(self.first[:1], join_the_first)
 
     def ended(self, request: SimRequest, engine_id: str) -> None:
-        sent = following_turn(self.next_turn, request)
-        if sent is not None:
+        queue, think = self.client_of.pop(request.request_id, (None, 0.0))
+        if not queue:
+            return
+        sent = self._send(queue)
+        sent.arrival = request.finished_at + think
+        if self.in_process and think == 0:
+            self.members[engine_id].engine.add(sent)
+        else:
             self.arrive(sent)
+
+    def _send(self, queue: deque[tuple[SimRequest, float]]) -> SimRequest:
+        """The next turn of the queue, its client's now."""
+        request, think = queue.popleft()
+        self.client_of[request.request_id] = queue, think
+        return request
 
 
 def next_turns(talks: list[list[tuple[SimRequest, float]]]) -> dict[str, tuple[SimRequest, float]]:

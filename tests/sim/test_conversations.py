@@ -6,7 +6,8 @@ import pytest
 
 from kvmesh.sim.conversations import (ConversationLoop, Conversations, conversation_shape, conversation_turns,
                                       conversations)
-from kvmesh.sim.engine import EngineSpec
+from kvmesh.sim.engine import EngineSpec, SimEngine
+from kvmesh.sim.request import SimRequest
 from kvmesh.sim.step_cost import StepCost
 from kvmesh.sim.topology import Topology
 from kvmesh.sim.workload import Lengths
@@ -67,3 +68,17 @@ def test_prefix_aware_routing_sends_a_conversation_where_its_history_is_cached()
     served = list(loop.served_on.values())
     assert 0 < served.count("engine-c0") < len(served)  # both engines serve
     assert sum(r.num_cached for talk in talks for r, _ in talk[1:]) > 0
+
+
+def test_a_pool_of_clients_sends_the_next_turn_of_its_queue_a_think_time_after_any_of_its_answers():
+    """Two clients on one queue (as bench car's system-prompt clients): two requests in flight."""
+    requests = [SimRequest(f"r{i}", 0.0, 16, 2 + 2 * (i == 0)) for i in range(4)]
+    engines = {"e": ("both", SimEngine(EngineSpec(block_size=16, device_blocks=64), StepCost(a=0.01)))}
+    ConversationLoop(engines, [[(r, 0.5) for r in requests]], senders=[2]).run()
+    r0, r1, r2, r3 = requests
+    # 10 ms a step; r1, routed as it arrives, joins at the second step and ends first (2 tokens): the
+    # queue's next, r2, is sent 0.5 s after it; r3 0.5 s after r0 (4 tokens).
+    assert (r1.finished_at, r0.finished_at) == pytest.approx((0.03, 0.04))
+    assert (r2.arrival, r3.arrival) == pytest.approx((0.53, 0.54))
+    with pytest.raises(ValueError, match="one engine"):
+        ConversationLoop({**engines, "f": engines["e"]}, [], in_process=True)
