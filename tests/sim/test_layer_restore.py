@@ -2,7 +2,8 @@
 layers come back to the device once, and it decodes only then, from the device. The native
 Scheduler over a real BlockManager and the SimEngine over its layer count decide the same steps; no
 decode is staged; a restore costs its copy as any move between the tiers; and when every running
-request waits for room and nothing runs, one gives its place up."""
+request waits for room and nothing runs, one gives its place up. The conformance also runs "stage"
+(decodes staged every step), which tests/sim/test_layer_count.py ran before "restore" was the default."""
 
 from __future__ import annotations
 
@@ -23,11 +24,12 @@ RESTORE = replace(LAYERED, offload=replace(LAYERED.offload, decode_offloaded="re
 STAGE = replace(LAYERED, offload=replace(LAYERED.offload, decode_offloaded="stage"))
 
 
+@pytest.mark.parametrize("spec", [RESTORE, STAGE], ids=["restore", "stage"])
 @pytest.mark.parametrize("device_blocks", [56, 40], ids=["pool", "tight"])
 @pytest.mark.parametrize("admission", ["fcfs", "layerkv"])
 @pytest.mark.parametrize("decode", [False, True], ids=["colocated", "decode"])
-def test_the_simulator_restores_layers_as_the_native_scheduler_step_by_step(admission, decode, device_blocks):
-    spec = replace(RESTORE, device_blocks=device_blocks)
+def test_the_simulator_restores_layers_as_the_native_scheduler_step_by_step(admission, decode, device_blocks, spec):
+    spec = replace(spec, device_blocks=device_blocks)
     native_log, sim_log, blocks, engine = run_both({"layer_offload": "layerkv", "prefill_admission": admission},
                                                    decode, spec)
 
