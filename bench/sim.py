@@ -30,8 +30,8 @@ On each, one run calibrates, measures and then simulates:
      the validated loads'; the same window), and the profile is fitted to it: each engine's step
      cost to the steps it recorded, the request's path outside the engines, and the link (each split
      request's transfer against its KV bytes);
-  1. measured: the same cluster driven by bench/serve.py's own `measured_load` on `arxiv` at the
-     model's rates;
+  1. measured: the same cluster driven as bench/serve.py's `measured_load` drives it (its four
+     unmeasured warm-up requests, then its requests at the rate) on `arxiv` at the model's rates;
   2. simulated: every request each load sent, with its prompt and output length and its scheduled
      arrival (`RequestResult`), replayed through a `sim.cluster.Cluster` of the same engines with the
      calibrated profile, each engine configured as the real one (bench/sim_serving.py), the tokens
@@ -81,8 +81,8 @@ from kvmesh.sim.workload import replay
 from . import serve
 from .loadgen import STAGES, LoadResult, breakdown, summarize
 from .report import BenchResult, Row
-from .sim_serve_calibration import (CALIBRATION_SEED, WORKLOAD, Calibration, calibrate, calibration_load,
-                                    measured_path, served_profile_path, write_served_profiles)
+from .sim_serve_calibration import (CALIBRATION_SEED, WORKLOAD, Calibration, calibrate, measured_path,
+                                    served_profile_path, warmed_load, write_served_profiles)
 from .sim_serving import Steps, kv_geometry, serving_engines, sim_engines
 from .sim_validation import TARGET, TARGETED, calibration_fit, plot, relative_error, six_term_fit, step_time_ratio
 
@@ -150,7 +150,7 @@ def run(quick: bool, model: str = SMOLLM2.model) -> BenchResult:
 @dataclasses.dataclass
 class Measured:
     """One configuration's run: its engines' state, the calibration load and each validated load,
-    with the steps each engine recorded over each."""
+    with the steps each engine recorded over each (its warm-up's left out)."""
 
     configuration: Configuration
     states: dict[str, dict]       # engine id -> its GET /v1/state before the loads
@@ -168,12 +168,13 @@ def measure_configuration(configuration: Configuration, cluster: serve.LocalClus
     def taken() -> Steps:
         return {engine_id: engine.take() for engine_id, engine in engines.items()}
 
-    first = runner.run(calibration_load(cluster.url, cluster.api_key, on.calibration_rate, plan, progress,
-                                        configuration.setup.label, warmed=taken))
+    label = configuration.setup.label
+    first = runner.run(warmed_load(cluster.url, cluster.api_key, on.calibration_rate, CALIBRATION_SEED, plan,
+                                   progress, f"{label} · calibration", warmed=taken))
     calibration_steps, loads, load_steps = taken(), [], []
     for rate in on.rates:
-        loads.append(runner.run(serve.measured_load(cluster.url, cluster.api_key, WORKLOAD, rate, plan, progress,
-                                                    configuration.setup.label)))
+        loads.append(runner.run(warmed_load(cluster.url, cluster.api_key, rate, serve.SEED, plan, progress, label,
+                                            warmed=taken)))
         load_steps.append(taken())
     return Measured(configuration, states, first, calibration_steps, loads, load_steps)
 
@@ -374,8 +375,8 @@ def _configuration_config(model: str, measured: Measured, calibration: Calibrati
         "engine_side_ms": stages,  # mean per request: the admission's timings_ms (measured) and the simulator's
         "engine_steps": {"measured": [{e: len(s) for e, s in steps.items()} for steps in measured.load_steps],
                          **{v.label: [s["steps"] for s in v.summaries] for v in found},
-                         "note": "measured: the steps GET /v1/steps recorded over each load, its 4 warm-up "
-                                 "requests included"},
+                         "note": "measured: the steps GET /v1/steps recorded over each load, after its 4 "
+                                 "warm-up requests"},
         "step_ms_mean_measured": [{e: float(np.mean([x["seconds"] for x in s])) * 1e3 if s else math.nan
                                    for e, s in steps.items()} for steps in measured.load_steps],
         # how far each load's batches reach past the calibration's: the fit is linear beyond them

@@ -80,8 +80,9 @@ def measured_link(load: LoadResult, geometry: KVGeometry, block_size: int = 16) 
     bandwidth, the reads' cost sim.link's): the line through each one's transfer (the admission's
     timings_ms) against its prompt's KV bytes (whole blocks of `block_size`, kvmesh up's 16, every
     layer of `geometry`). sim.link's loopback defaults where fewer than two requests split (a
-    colocated engine) or the line does not rise. On SmolLM2 the defaults (measured on tiny's 4
-    layers) said 2.5 ms for arxiv's mean prompt, the engines took 22 ms on a quiet machine."""
+    colocated engine); where the line rises slower than their bandwidth allows, that bandwidth and the
+    mean latency left. On SmolLM2 the defaults (measured on tiny's 4 layers) said 2.5 ms for arxiv's
+    mean prompt, the engines took 8-33 ms."""
     default = LinkSpec()
     pulled = [(blocks_for(r.prompt_tokens, block_size) * geometry.num_layers * geometry.block_bytes(block_size),
                r.kvmesh["timings_ms"]["transfer"] / 1e3)
@@ -91,23 +92,24 @@ def measured_link(load: LoadResult, geometry: KVGeometry, block_size: int = 16) 
     size, seconds = (np.asarray(column, dtype=float) for column in zip(*pulled))
     reads_s = default.per_read_us * 1e-6 * geometry.num_layers
     slope, intercept = np.polyfit(size, seconds - reads_s, 1)
-    if slope <= 0:
-        return default
+    if slope < 1 / (default.gbps * 1e9):  # faster than loopback's measured bandwidth: the scatter's, not the link's
+        slope = 1 / (default.gbps * 1e9)
+        intercept = float(np.mean(seconds - reads_s - slope * size))
     return dataclasses.replace(default, gbps=float(1e-9 / slope), latency_us=max(float(intercept), 0.0) * 1e6)
 
 
-async def calibration_load(url: str, api_key: str, rate: float, plan: serve.Plan, progress: Progress, label: str,
-                           warmed: Callable[[], object]) -> LoadResult:
-    """The calibration load: serve's four unmeasured warm-up requests (then `warmed()`), and a
-    Poisson load of its own requests at `rate`, as serve.measured_load sends its loads."""
+async def warmed_load(url: str, api_key: str, rate: float, seed: int, plan: serve.Plan, progress: Progress,
+                      label: str, warmed: Callable[[], object]) -> LoadResult:
+    """serve.measured_load's load, `warmed()` called between its two parts: four unmeasured warm-up
+    requests (of seed + 1), then a Poisson load of its own requests at `rate` (of `seed`). The
+    calibration's seed is CALIBRATION_SEED, the validated loads' serve.SEED (serve's requests)."""
     spec, model = WORKLOADS[WORKLOAD], await served_model(url, api_key)
-    await run_load(url, spec.requests(4, CALIBRATION_SEED + 1), 100.0, model=model, api_key=api_key, time_limit_s=60)
+    await run_load(url, spec.requests(4, seed + 1), 100.0, model=model, api_key=api_key, time_limit_s=60)
     warmed()
     count = max(plan.min_requests, round(rate * plan.window_s))
-    return await run_load(url, spec.requests(count, CALIBRATION_SEED), rate, model=model, api_key=api_key,
-                          seed=CALIBRATION_SEED, concurrency=serve.CONCURRENCY,
-                          time_limit_s=count / rate + plan.drain_s, progress=progress,
-                          label=f"{label} · calibration · {WORKLOAD} @ {rate:g} req/s")
+    return await run_load(url, spec.requests(count, seed), rate, model=model, api_key=api_key, seed=seed,
+                          concurrency=serve.CONCURRENCY, time_limit_s=count / rate + plan.drain_s,
+                          progress=progress, label=f"{label} · {WORKLOAD} @ {rate:g} req/s")
 
 
 def served_profile_path(model: str, configuration: str, engine_id: str) -> Path:

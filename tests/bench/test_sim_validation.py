@@ -65,10 +65,6 @@ def recorded_steps(count: int, cost: StepCost = TRUTH, seed: int = 0) -> list[di
     return steps
 
 
-def scaled(cost: StepCost, factor: float) -> StepCost:
-    return StepCost(*(factor * getattr(cost, t) for t in TERMS))
-
-
 def test_the_replay_is_the_measured_loads_requests_and_arrivals():
     load = fake_load(8, 64)
     replayed = bench_sim.sim_requests(load)
@@ -91,6 +87,10 @@ def measured(configuration: bench_sim.Configuration, rates=bench_sim.TINY.rates)
                               [fake_load(rate, 16, engine_ttft=0.03 + 0.001 * rate, timed=True) for rate in rates],
                               [{e: recorded_steps(40, scaled(TRUTH, 1 + 0.1 * i), seed=i) for e in engines}
                                for i in range(len(rates))])
+
+
+def scaled(cost: StepCost, factor: float) -> StepCost:
+    return StepCost(*(factor * getattr(cost, t) for t in TERMS))
 
 
 def test_the_path_counts_in_the_simulated_latencies():
@@ -135,6 +135,11 @@ def test_the_link_is_the_line_through_the_split_requests_transfers_against_their
     assert [pull(link, geometry, 16, r.prompt_tokens).seconds for r in load.results] == \
         pytest.approx([r.kvmesh["timings_ms"]["transfer"] / 1e3 for r in load.results])
     assert measured_link(fake_load(4, 16, timed=True), geometry) == LinkSpec()  # nothing split: the defaults
+    for r in load.results:  # transfers of 8 ms whatever their size: the defaults' bandwidth, the rest latency
+        r.kvmesh["timings_ms"]["transfer"] = 8.0
+    flat = measured_link(load, geometry)
+    assert flat.gbps == LinkSpec().gbps
+    assert np.mean([pull(flat, geometry, 16, r.prompt_tokens).seconds for r in load.results]) == pytest.approx(0.008)
 
 
 def test_a_calibration_load_that_left_an_engine_without_steps_says_so():
