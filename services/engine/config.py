@@ -73,6 +73,9 @@ class EngineConfig(ServiceConfig, kw_only=True):
                                                                   # free device blocks are forecast below this share
     layer_forecast_stages: Annotated[int, msgspec.Meta(ge=1)] = 8  # how far ahead Eq. 5 looks, in stages of
                                                                   # block_size decode steps
+    # How a decode gets a request's offloaded layers: moved back once, the decode waiting for room (LayerKV 4),
+    # or loaded into the staging area every step.
+    layer_decode: Literal["restore", "stage"] = "restore"
     layer_copy_chunk_blocks: Annotated[int, msgspec.Meta(ge=1)] = 64  # blocks per copy between link checks (3.1.3)
     layer_copy_thread: bool = False    # CPU: copy layers on a worker thread, not inline (cores to spare; a GPU
                                        # always copies on a side stream)

@@ -4,8 +4,6 @@ block of both tiers comes back."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from kvmesh.libs.controlplane import ConfigError
@@ -21,10 +19,9 @@ from .test_engine_correctness import GREEDY, check, prompts, reference  # noqa: 
 LAYERKV = {"layer_offload": "layerkv"}
 
 
-def stage_decodes(engine) -> None:
-    """Decodes load their offloaded layers into the staging area every step (the default restores
-    them once: tests/engine/test_layerkv_restore_engine.py); these tests' policies plan no restores."""
-    engine.scheduler.offload = replace(engine.scheduler.offload, decode_offloaded="stage")
+# Decodes load their offloaded layers into the staging area every step (the default restores them
+# once: tests/engine/test_layerkv_restore_engine.py); these tests' policies plan no restores.
+STAGE = {"layer_decode": "stage"}
 
 
 def keep(layers: int):
@@ -37,8 +34,7 @@ def test_offloaded_layers_keep_greedy_output_identical(tiny_checkpoint, referenc
     monkeypatch.setitem(registry.HOOKS["layer_offload"], "keep", keep(kept))
     # A small token budget splits prompts across steps: later chunks load the earlier ones' KV.
     engine = engine_for(tiny_checkpoint, token_budget=32, policies={"layer_offload": "keep"}, layer_profile="off",
-                        prefix_caching=False, layer_copy_thread=thread)
-    stage_decodes(engine)
+                        prefix_caching=False, layer_copy_thread=thread, **STAGE)
     check(run_all(engine, prompts(5, seed=3, lengths=(20, 90)), GREEDY), reference)
     assert engine.scheduler.layers_offloaded["admitted"] == 5 * (4 - kept)
     assert_all_blocks_free(engine)
@@ -55,8 +51,8 @@ def layerkv_engine(tiny_checkpoint, **overrides):
 
 def test_a_step_record_carries_the_bytes_its_staging_area_copied(tiny_checkpoint, monkeypatch):
     monkeypatch.setitem(registry.HOOKS["layer_offload"], "keep", keep(1))
-    engine = engine_for(tiny_checkpoint, policies={"layer_offload": "keep"}, layer_profile="off", prefix_caching=False)
-    stage_decodes(engine)
+    engine = engine_for(tiny_checkpoint, policies={"layer_offload": "keep"}, layer_profile="off", prefix_caching=False,
+                        **STAGE)
     block = engine.runner.pool.shape.bytes
     engine.add("a", list(range(10, 30)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     engine.step()  # the 20-token prompt in 3 offloaded layers of 2 blocks: both written back, nothing loaded
@@ -85,8 +81,7 @@ def test_layerkv_keeps_every_layer_while_the_device_has_room(tiny_checkpoint, re
 def test_a_forecast_squeeze_offloads_retained_layers_of_running_requests(tiny_checkpoint, reference, monkeypatch):
     monkeypatch.setitem(registry.HOOKS["layer_offload"], "squeeze", _squeeze)
     engine = engine_for(tiny_checkpoint, policies={"layer_offload": "squeeze"}, layer_profile="off",
-                        prefix_caching=False)
-    stage_decodes(engine)
+                        prefix_caching=False, **STAGE)
     check(run_all(engine, prompts(4, seed=5, lengths=(30, 60)), GREEDY), reference)
     assert engine.scheduler.layers_offloaded["forecast"] > 0
     assert_all_blocks_free(engine)
@@ -100,8 +95,7 @@ def _squeeze(inp):
 def test_a_busy_link_delays_each_chunk_until_it_is_free(tiny_checkpoint, reference, monkeypatch):
     monkeypatch.setitem(registry.HOOKS["layer_offload"], "keep", keep(1))
     engine = engine_for(tiny_checkpoint, policies={"layer_offload": "keep"}, layer_profile="off",
-                        layer_copy_chunk_blocks=1)
-    stage_decodes(engine)
+                        layer_copy_chunk_blocks=1, **STAGE)
     link = BusyEveryOtherCheck()
     engine.blocks.copy.link = link
     check(run_all(engine, prompts(3, seed=6), GREEDY), reference)
@@ -124,8 +118,7 @@ def test_a_request_too_long_for_the_staging_area_keeps_every_layer(tiny_checkpoi
     monkeypatch.setitem(registry.HOOKS["layer_offload"], "keep", keep(0))
     # Halves of 3 blocks: a 70-token prompt (5 blocks) cannot be staged, a 20-token one can.
     engine = engine_for(tiny_checkpoint, policies={"layer_offload": "keep"}, layer_profile="off",
-                        layer_staging_blocks=6, prefix_caching=False)
-    stage_decodes(engine)
+                        layer_staging_blocks=6, prefix_caching=False, **STAGE)
     short, long = prompts(1, seed=7, lengths=(20, 20))[0], prompts(1, seed=8, lengths=(70, 70))[0]
     requests = run_all(engine, [long, short], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
                                                              logprobs=True))
@@ -138,8 +131,7 @@ def test_a_prefill_takes_the_staging_area_before_the_decodes(tiny_checkpoint, re
     monkeypatch.setitem(registry.HOOKS["layer_offload"], "keep", keep(0))
     # Halves of 4 blocks: the decoding request's 2 and the new prompt's 3 do not fit in one step.
     engine = engine_for(tiny_checkpoint, policies={"layer_offload": "keep"}, layer_profile="off",
-                        layer_staging_blocks=8, prefix_caching=False)
-    stage_decodes(engine)
+                        layer_staging_blocks=8, prefix_caching=False, **STAGE)
     first_prompt, late_prompt = prompts(1, seed=11, lengths=(20, 20))[0], prompts(1, seed=12, lengths=(40, 40))[0]
     first = engine.add("first", first_prompt, GREEDY)
     engine.step()
@@ -183,9 +175,9 @@ def test_chunked_copier_splits_copies(tiny_checkpoint):
 def test_the_eq5_forecast_offloads_retained_layers_under_a_memory_squeeze(tiny_checkpoint, reference):
     # No profile: admitted requests keep every layer, so only the forecast moves any. 90% of the
     # device tier as the threshold: with three 60-token requests in 96 blocks the forecast runs below it.
+    # Staged: restoring, decodes read all their layers, and the forecast takes only idle ones.
     engine = engine_for(tiny_checkpoint, policies=LAYERKV, layer_profile="off", device_blocks=96,
-                        layer_staging_blocks=16, layer_free_threshold=0.9, prefix_caching=False)
-    stage_decodes(engine)  # restoring, decodes read all their layers: the forecast takes only idle ones
+                        layer_staging_blocks=16, layer_free_threshold=0.9, prefix_caching=False, **STAGE)
     check(run_all(engine, prompts(3, seed=9, lengths=(50, 60)), GREEDY), reference)
     moved = engine.scheduler.layers_offloaded
     assert moved["admitted"] == 0 and moved["forecast"] > 0

@@ -5,8 +5,6 @@ tiers comes back."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from kvmesh.policies.costs import OffloadCost, PrefillCost
@@ -18,11 +16,11 @@ from .test_engine_correctness import GREEDY, prompts
 
 def restoring_engine(tiny_checkpoint, **overrides):
     """A LayerKV engine whose Eq. 4 has an unbounded link (x = 0 for every prompt), its decodes restoring."""
-    engine = engine_for(tiny_checkpoint, policies={"layer_offload": "layerkv"}, layer_profile="off", **overrides)
+    engine = engine_for(tiny_checkpoint, policies={"layer_offload": "layerkv"}, layer_profile="off",
+                        layer_decode="restore", **overrides)
     engine.blocks.use_layer_costs(PrefillCost(alpha=1.0, num_params=10**6, hidden_size=256, flops_per_s=1e9),
                                   OffloadCost(beta=1.0, num_layers=4, head_dim=64, num_kv_heads=2, bytes_per_element=4,
                                               bandwidth_bytes_per_s=float("inf")))
-    engine.scheduler.offload = replace(engine.scheduler.offload, decode_offloaded="restore")
     return engine
 
 

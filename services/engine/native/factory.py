@@ -84,7 +84,7 @@ def build_engine(config: EngineConfig) -> Engine:
     scheduler = Scheduler(blocks, policies, config.max_num_seqs, config.token_budget, allocation_params(config),
                           staging_cap=staging // 2, offload=OffloadParams(
                               threshold_blocks=int(config.layer_free_threshold * pools["device"].num_blocks),
-                              horizon_stages=config.layer_forecast_stages),
+                              horizon_stages=config.layer_forecast_stages, decode_offloaded=config.layer_decode),
                           reuse=Reuse(blocks, WindowParams(config.car_window, config.car_max_wait_ms / 1e3),
                                       link_bandwidth(blocks) if blocks.cache_cxl else 0.0))
     if layerkv:  # LayerKV 3.1.3: copies between the tiers in chunks, each after a check of the link
