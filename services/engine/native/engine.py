@@ -82,7 +82,8 @@ class Engine(EngineHandoff):
 
     def abort(self, request_id: str, reason: str = "abort") -> list[Frame]:
         """End a request wherever it is and free its blocks; its last frame, or none if it is unknown.
-        A request whose KV is being pulled keeps its blocks until the pull has ended (`pull_done`)."""
+        A request whose KV is being pulled keeps its blocks until the pull has ended (`pull_done`), one
+        whose KV is being pushed until its writes have landed (`pushes_landed`)."""
         request = self.scheduler.find(request_id)
         if request is None:
             return self._abort_pushing(request_id, reason)
@@ -91,8 +92,8 @@ class Engine(EngineHandoff):
         if pulling:
             self._aborted_pulls[request_id] = request
         if request.push is not None:  # writes may be in flight: its blocks are freed once they have landed
-            request.push.finish()
             self.pushing[request_id] = (request, None)
+            request.push.finish()
         return [self._frame(request, [], [], [], "")]
 
     @property

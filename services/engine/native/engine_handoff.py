@@ -119,8 +119,8 @@ class EngineHandoff:
     def _await_writes(self, request: Request, text: str) -> None:
         """Push mode: the request has sampled its token (and left the scheduler, its blocks kept); its
         frame waits for the writes to land (`pushes_landed`) while the engine steps on."""
-        request.push.finish()
         self.pushing[request.request_id] = (request, text)
+        request.push.finish()
 
     def pushes_landed(self) -> list[Frame]:
         """The requests whose writes have all landed, or failed: blocks freed, and the first token out
