@@ -23,7 +23,9 @@ model (MODELS, each with its rates):
      load (20, 24, 36 and 48), the full run 60 s and 40. No two loads may send the same number of
      requests: serve's loads draw theirs from one seed, and the engine's prefix cache would answer
      the second load's prompts from the first's (the first run's 0.5 and 1 req/s did: a TTFT of 105 ms).
-     Its quick run took 6.3-7.1 minutes at load averages of 7-14, tiny's 2.5.
+     Its quick run took 5.1 minutes at a load average of 0.4-2.5, 6.3-7.1 at 7-14, tiny's 2.5. Measured
+     on a quiet machine (22:30), 2 req/s is within the colocated engine's capacity (P90 TTFT 955 ms,
+     381 at 0.5); at a load average of 7-15 it was past it (17.5 s).
 On each, one run calibrates, measures and then simulates:
   0. calibration (bench/sim_serve_calibration.py): the cluster first serves a load of its own
      (`arxiv` at the model's calibration rate, requests and arrivals of CALIBRATION_SEED, none of

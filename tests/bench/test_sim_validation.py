@@ -222,7 +222,7 @@ def test_the_result_has_every_configurations_and_rates_keys_and_keeps_the_contra
     save(result, tmp_path / "sim.json")  # JSON all the way down (no numpy scalars)
 
 
-@pytest.mark.timeout(960)  # the real model's quick run: 6.3-7.1 minutes at load averages of 7-14
+@pytest.mark.timeout(960)  # the real model's quick run: 5.1 minutes at load 0.4-2.5, 6.3-7.1 at 7-14
 def test_sim_bench_measures_a_real_engine_and_writes_the_contract(tmp_path: Path):
     result, _ = quick_bench(tmp_path, "sim", timeout=900)
     assert result["config"]["model"] == DEFAULT_MODEL
