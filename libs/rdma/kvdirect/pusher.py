@@ -41,7 +41,11 @@ class LayerPush:
         `blocks` of the local pool; write it out."""
         if self._error is not None or not blocks:
             return
-        remote_offsets, size = self.remote.extents(np.asarray(self.remote_layers[layer][first:first + len(blocks)]))
+        try:
+            remote_offsets, size = self.remote.extents(np.asarray(self.remote_layers[layer][first:first + len(blocks)]))
+        except IndexError as exc:  # blocks the peer does not have: this push fails, not the computing step
+            self._error = str(exc)
+            return
         local_offsets, _ = self.local.extents(np.asarray(blocks))
         segments = Segments(local_offsets, self.remote.addr + remote_offsets,
                             np.full(len(local_offsets), size, dtype=np.int64)).coalesced()
