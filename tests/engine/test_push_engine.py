@@ -33,9 +33,10 @@ class DecodeSide:
     """A server exposing a pool shaped as the engine's (the decode engine's blocks, zeros), and a
     pusher over the engine's own pool."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, blocks: int | None = None):
         self.engine = engine
-        self.pool = torch.zeros_like(engine.blocks.device.tensor)
+        shape = engine.blocks.device.tensor.shape
+        self.pool = torch.zeros((blocks or shape[0], *shape[1:]), dtype=engine.blocks.device.tensor.dtype)
         self.server = KVDirectServer(open_endpoint("tcp", TOKEN), nothing_to_release, timeout=3.0)
         self.server.expose("device", self.pool)
         self.puller = KVDirectPuller(open_endpoint("tcp", TOKEN), timeout=3.0)
@@ -159,3 +160,33 @@ async def test_an_abort_after_the_sample_sends_no_token(decode_side):
     assert await landed(push) is None
     assert engine.pushes_landed() == [] and engine.abort("p") == []
     assert_all_blocks_free(engine)
+
+
+async def test_a_prompt_swapped_out_mid_prefill_writes_its_blocks_again_when_it_resumes(tiny_checkpoint):
+    """Six blocks a layer: A's 50 tokens (4 blocks) take steps 1-2, B's first 30 (2 blocks) step 2;
+    A's blocks stay held while its writes land, so B, short of 2 blocks for its last 20 tokens, is
+    swapped out. Its blocks were free to be reused while its first writes were in flight: resumed,
+    it writes every block again, and the decode side ends with B's KV as computed."""
+    side = await DecodeSide(engine_with(tiny_checkpoint, device_blocks=24, cxl_blocks=64, prefix_caching=False,
+                                        policies={"preemption_strategy": "swap"}), blocks=64).start()
+    try:
+        engine, block = side.engine, side.engine.blocks.device.shape.bytes
+        prompt_b = list(range(600, 650))
+        reserved_a, reserved_b = side.reserved(len(PROMPT)), side.reserved(len(prompt_b), offset=4 * 4)
+        push_a, push_b = await side.push(reserved_a), await side.push(reserved_b)
+        engine.add("a", PROMPT, GREEDY, push=push_a)
+        b = engine.add("b", prompt_b, GREEDY, push=push_b)
+        engine.step(), engine.step()
+        engine.step()
+        assert engine.preemptions["swap"] == 1 and b.num_computed == 30
+        assert await landed(push_a) is None
+        engine.pushes_landed()
+        engine.step()
+        assert engine.last_pushed_bytes == 4 * 4 * block  # blocks 0-4, not 1-4
+        assert await landed(push_b) is None
+        for layer, remote in enumerate(reserved_b):
+            assert torch.equal(side.pool[remote], engine.blocks.device.tensor[b.layers[layer].blocks])
+        assert [f.finish_reason for f in engine.pushes_landed()] == ["length"]
+        assert_all_blocks_free(engine)
+    finally:
+        await side.close()

@@ -106,8 +106,10 @@ class Engine(EngineHandoff):
         plan = self.scheduler.schedule(now)
         self.last_shape = step_shape((len(c.request.prompt_ids), c.request.num_computed, c.num_tokens)
                                      for c in plan.chunks)
-        for _victim, strategy in plan.preempted:
+        for victim, strategy in plan.preempted:
             self.preemptions[strategy] += 1
+            # Its blocks may be reused while writes read them: once resumed, it writes its prompt again.
+            victim.push_from = 0
         events = EngineEvents(pulls=[self._pull_order(request, now) for request in plan.pulls])
         if not plan.chunks:
             self.blocks.flush_loads()

@@ -96,16 +96,18 @@ class EngineHandoff:
 
     def _push_writes(self, chunks: list[ScheduledChunk]) -> list[tuple[Request, int, int]]:
         """Push mode: the blocks each prompt chunk of the step fills, (request, first, end) of its block
-        lists, and the bytes they make in the step's record. A block a chunk completes is written again
-        (an earlier chunk wrote its first part); the prefix cache's blocks go with the first chunk computed."""
+        lists, and the bytes they make in the step's record. Writes start where the last chunk's ended
+        (`push_from`): a block a chunk completes is written again (an earlier chunk wrote its first part);
+        the prefix cache's blocks go with the first chunk computed, and everything again after a preemption."""
         size, writes = self.blocks.block_size, []
         for chunk in chunks:
             request = chunk.request
             prompt = len(request.prompt_ids)
             if request.push is None or request.num_computed >= prompt:
                 continue
-            first = 0 if request.num_computed == request.num_cached else request.num_computed // size
-            writes.append((request, first, -(-min(request.num_computed + chunk.num_tokens, prompt) // size)))
+            computed = min(request.num_computed + chunk.num_tokens, prompt)
+            writes.append((request, request.push_from, -(-computed // size)))
+            request.push_from = computed // size
         self.last_pushed_bytes = (sum(end - first for _, first, end in writes) * self.blocks.num_layers
                                   * self.blocks.device.shape.bytes)
         return writes

@@ -64,6 +64,7 @@ class Request:
     transfer: TransferStats | None = None  # decode role: what the pull moved
     hold_kv: bool = False                  # prefill role: keep the prompt's KV for a decode engine when done
     push: KVPushTarget | None = None       # prefill role, push mode: each chunk's KV written there as computed
+    push_from: int = 0                     # push mode: the first block the next chunk's writes start from
     kv_source: KVHandle | None = None      # decode role: where the prompt's KV is, until it has arrived
     reservation: bool = False              # decode role, push mode: blocks held for KV a prefill engine writes
     kv_deadline: float | None = None       # a reservation nobody claims is freed then
