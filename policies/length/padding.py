@@ -11,6 +11,8 @@ import math
 from collections.abc import Sequence
 from enum import StrEnum
 
+import numpy as np
+
 # CacheOpt section 5: confidence 90% and beta = 100. Section 5 also prints alpha = 8, which breaks
 # Eq. 4's own bound 0 < alpha <= 1 (c would exceed 1); Fig. 17f's alpha = 0.9 matches the 90%.
 DEFAULT_CONFIDENCE = 0.9
@@ -52,18 +54,12 @@ def error_interval(errors: Sequence[float], coverage: float) -> tuple[float, flo
     interpolate linearly between the sorted errors (numpy's and torch's default)."""
     if not 0 < coverage < 1:
         raise ValueError(f"coverage must be in the open interval (0, 1), got {coverage}")
-    ordered = sorted(errors)
-    if not ordered or not all(math.isfinite(e) for e in ordered):
+    values = np.asarray(errors, dtype=float)
+    if not values.size or not np.isfinite(values).all():
         raise ValueError("need at least one error, every one finite")
     tail = (1 - coverage) / 2
-    return _quantile(ordered, tail), _quantile(ordered, 1 - tail)
-
-
-def _quantile(ordered: list[float], q: float) -> float:
-    at = q * (len(ordered) - 1)
-    below = math.floor(at)
-    above = min(below + 1, len(ordered) - 1)
-    return ordered[below] + (at - below) * (ordered[above] - ordered[below])
+    low, high = np.quantile(values, [tail, 1 - tail])
+    return float(low), float(high)
 
 
 def padded_length(predicted: int, padding: float, direction: Direction, max_tokens: int) -> int:
