@@ -41,10 +41,10 @@ def skip_without_vllm() -> None:
         pytest.skip(f"needs vLLM: {reason}")
 
 
-def quick_bench(tmp_path: Path, name: str, timeout: float) -> tuple[dict, subprocess.CompletedProcess]:
-    """`kvmesh bench NAME --quick --json`, run as a user would; its JSON and the run."""
+def quick_bench(tmp_path: Path, name: str, timeout: float, *args: str) -> tuple[dict, subprocess.CompletedProcess]:
+    """`kvmesh bench NAME --quick --json [ARGS]`, run as a user would; its JSON and the run."""
     out = tmp_path / f"{name}.json"
-    done = subprocess.run([sys.executable, "-m", "kvmesh", "bench", name, "--quick", "--json", str(out)],
+    done = subprocess.run([sys.executable, "-m", "kvmesh", "bench", name, "--quick", "--json", str(out), *args],
                           capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     result = msgspec.json.decode(out.read_bytes())
