@@ -10,8 +10,8 @@ import pytest
 
 from kvmesh.libs.rdma.backends import open_endpoint
 from kvmesh.libs.rdma.endpoint import remote_segments
-from kvmesh.libs.rdma.work import (ConnectRefused, LocalAccessError, Opcode, QueuePairError, Segments, Status,
-                                   TransferFailed)
+from kvmesh.libs.rdma.work import (ConnectRefused, LocalAccessError, Opcode, PeerUnreachable, QueuePairError, Segments,
+                                   Status, TransferFailed)
 
 from .conftest import TOKEN
 from .peer import pattern
@@ -141,6 +141,14 @@ async def test_wrong_token_is_refused_at_connect(backend, endpoints):
     finally:
         await intruder.close()
     assert owner.stats.refused_connects == 1
+
+
+async def test_a_closed_endpoint_accepts_no_more_connections(endpoints):
+    owner, reader = endpoints
+    await owner.close()
+    with pytest.raises(PeerUnreachable):
+        await reader.connect(owner.address, timeout=5)
+    assert not owner.queue_pairs
 
 
 async def test_local_range_outside_the_region_is_refused_before_sending(endpoints, buffer):

@@ -5,6 +5,7 @@ lands where the handle says, and a peer that went away fails the push instead of
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import torch
@@ -18,14 +19,17 @@ from kvmesh.libs.rdma.shm.shared import shared_tensor
 from .conftest import TOKEN
 
 POOL_SHAPE = (48, 2, 4, 2, 8)  # one pool, as the engine's: [B, KV, L, H, D]; a layer's blocks are ids in it
+# Backends whose writes the owner's side lands (it stops at close); shm's writer copies into the
+# owner's mapped file itself, so what it posts before the owner's BYE reaches it lands, close or not.
+SERVED_BY_THE_OWNER = {"tcp", "verbs"}
 
 
 async def nothing_to_release(request_id: str) -> bool:
     return False
 
 
-@pytest.fixture
-async def pair(backend):
+@contextlib.asynccontextmanager
+async def opened_pair(backend: str):
     """The decode side's pool behind a server (zeros), and a pusher over a pool holding a pattern
     (the prefill side's computed KV)."""
     target = shared_tensor(POOL_SHAPE, torch.bfloat16)
@@ -37,9 +41,17 @@ async def pair(backend):
     puller = KVDirectPuller(open_endpoint(backend, TOKEN), timeout=5.0)
     puller.expose("device", source)
     await puller.endpoint.start()
-    yield server, address, KVDirectPusher(puller, "device", timeout=5.0), source, target
-    await puller.close()
-    await server.close()
+    try:
+        yield server, address, KVDirectPusher(puller, "device", timeout=5.0), source, target
+    finally:
+        await puller.close()
+        await server.close()
+
+
+@pytest.fixture
+async def pair(backend):
+    async with opened_pair(backend) as opened:
+        yield opened
 
 
 async def test_each_layer_lands_in_the_blocks_reserved_for_it(pair):
@@ -89,3 +101,23 @@ async def test_chunks_land_in_their_blocks_and_a_block_written_again_keeps_its_l
     await asyncio.to_thread(two_steps)
     assert await asyncio.wrap_future(push.landed) is None
     assert torch.equal(target[[30, 31, 32]], source[[7, 8, 9]])
+
+
+async def test_closing_the_server_between_two_chunks_ends_the_push_with_an_error(backend):
+    """The decode side goes away with the first chunk's writes in flight, right after CONNECT: its
+    close returns and the push resolves; where the owner serves writes, with an error, the second
+    chunk landing nowhere. A close that only cancelled its connections' tasks hung within these 30
+    rounds in 4 runs of 6."""
+    reserved = [[30, 31, 32, 33], [34, 35, 36, 37]]
+    for _ in range(30):
+        async with opened_pair(backend) as (server, address, pusher, _, target):
+            push = await pusher.push(address, reserved)
+            for layer in range(2):  # the first chunk, posted on this thread: nothing ran since CONNECT
+                push.layer_done(layer, 0, [layer * 4, layer * 4 + 1])
+            await asyncio.wait_for(server.close(), 15)
+            for layer in range(2):
+                push.layer_done(layer, 2, [layer * 4 + 2, layer * 4 + 3])
+            push.finish()
+            error = await asyncio.wait_for(asyncio.wrap_future(push.landed), 15)
+            if backend in SERVED_BY_THE_OWNER:
+                assert error is not None and not target[[32, 33, 36, 37]].any()

@@ -38,11 +38,17 @@ class KVDirectServer:
         return address
 
     async def close(self) -> None:
-        for task in [self._acceptor, *self._tasks]:
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(*(t for t in [self._acceptor, *self._tasks] if t is not None), return_exceptions=True)
+        """Ends every connection, whatever is in flight: closing the queue pairs first completes what
+        each connection's task waits on (its receives flushed, the peer's writes failed), so the task
+        ends by itself. A cancel alone can be lost: Python 3.11's wait_for returns the result of a
+        send completing as the cancel arrives, and the task then waits on a receive forever."""
+        if self._acceptor is not None:
+            self._acceptor.cancel()
         await self.endpoint.close()
+        tasks = [t for t in [self._acceptor, *self._tasks] if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _accept_loop(self) -> None:
         while True:

@@ -17,6 +17,7 @@ import msgpack
 from ..completion import CompletionQueue
 from ..endpoint import Endpoint, QueuePair
 from ..work import ConnectRefused
+from .link import shutdown_quietly
 from .queue_pair import TcpQueuePair
 from .wire import HEADER, Kind, header, recv_exact, tune
 
@@ -42,7 +43,10 @@ class TcpEndpoint(Endpoint):
 
     async def _close(self) -> None:
         if self._listener is not None:
-            self._listener.close()  # the accept loop ends on the closed socket
+            # Closing alone does not wake a thread blocked in accept() (Linux): it would go on
+            # accepting on the still-open socket. A shut-down listener fails the accept.
+            shutdown_quietly(self._listener, socket.SHUT_RDWR)
+            self._listener.close()
             self._listener = None
 
     def welcome(self) -> dict[str, Any]:

@@ -48,7 +48,7 @@ class Link:
             return
         self._closed.set()
         self._outbox.put(None)  # the writer sends what is queued (e.g. a refusal), then shuts its side
-        _shutdown(self.sock, socket.SHUT_RD)  # wakes the reader
+        shutdown_quietly(self.sock, socket.SHUT_RD)  # wakes the reader
 
     def _write_loop(self) -> None:
         try:
@@ -57,15 +57,17 @@ class Link:
                 send_all(self.sock, buffers)
                 if after is not None:
                     after()
-            _shutdown(self.sock, socket.SHUT_WR)
+            shutdown_quietly(self.sock, socket.SHUT_WR)
         except OSError as exc:
             self._lost(f"sending to the peer failed: {exc}")
 
     def _read_loop(self) -> None:
         view = memoryview(self._header)
         try:
-            while not self._closed.is_set():
+            while True:
                 recv_into_all(self.sock, [view])
+                if self._closed.is_set():  # SHUT_RD does not stop the kernel queueing what the peer sends
+                    return
                 kind, status, _, key, wr_id, n = HEADER.unpack(self._header)
                 self._on_frame(kind, status, key, wr_id, n)
         except PeerClosed:
@@ -87,7 +89,7 @@ class Link:
         self.close()
 
 
-def _shutdown(sock: socket.socket, how: int) -> None:
+def shutdown_quietly(sock: socket.socket, how: int) -> None:
     try:
         sock.shutdown(how)
     except OSError:  # already disconnected
