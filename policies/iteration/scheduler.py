@@ -216,7 +216,10 @@ class Scheduler:
         if request.tier != "device":
             promised += max(0, blocks_for(request.allocation, self.blocks.block_size) - request.blocks_per_layer) \
                 if request.allocation is not None else 0
-        reserved = self.ledger.params.reserved_blocks if self.allots_ahead else 0
+        # With nobody else holding a place the reservation may go too, as the ledger grants then
+        # (Ledger.grantable_tokens): nobody else would ever free it.
+        others = any(r is not request for r in self.ledger.holders())
+        reserved = self.ledger.params.reserved_blocks if self.allots_ahead and others else 0
         return free_after >= 0 and free_after // layers - promised >= reserved
 
     def _stages(self, request: Schedulable, n: int) -> bool:
@@ -306,9 +309,14 @@ class Scheduler:
         The first in line (earliest scheduled) gets its layers back if the device holds them now (the
         policy's room kept the decodes' growth and the staging, which nothing uses this step), and
         decodes. Else the preemption policy's victim among those behind it that hold device blocks
-        gives them up, so the first fits sooner; with none holding any, among all behind it; the first
-        itself if it waits alone (the device holds it alone at its longest, so only blocks outside the
-        requests, cached prefixes or the ledger's promises, can keep it out)."""
+        gives them up, so the first fits sooner; with none holding any, among all behind it.
+        The first waiting alone fits but in one case: the device holds it at its longest (the engine
+        refuses longer requests: max_model_len), idle cached prefixes count as free and are evicted
+        for it, and the ledger's reservation is not kept from it when nobody else holds a place
+        (_can_restore; its own promise was granted within the device). The case: prefix-cache nodes
+        it committed before a forecast shrink took its layers (LayerKV's takes those of prefilling
+        requests) stay held on the device beside the copy restored. Then its decode is staged this
+        step, as in "stage": preempted, it would come back to the same wait, a prefill for each token."""
         waiting = sorted((r for r in self.running if self._awaits_layers(r)), key=lambda r: r.scheduled_at)
         if not waiting:
             return
@@ -319,6 +327,9 @@ class Scheduler:
                 self._chunk(first, 1, plan)
             return
         behind = waiting[1:]
+        if not behind and self._reserve(first, 1) and self._stages(first, 1):
+            self._chunk(first, 1, plan)
+            return
         holders = [r for r in behind if len(r.offloaded) < self.blocks.num_layers]
         self._preempt(self._pick_victim(holders or behind or waiting), plan)
 

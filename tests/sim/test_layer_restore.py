@@ -18,7 +18,7 @@ from kvmesh.sim.engine import SimEngine
 from kvmesh.sim.request import SimRequest
 
 from .test_layer_count import LAYERED
-from .test_one_scheduler import COST, SCRIPT, run_both
+from .test_one_scheduler import COST, SCRIPT, SMALL, run_both
 
 RESTORE = replace(LAYERED, offload=replace(LAYERED.offload, decode_offloaded="restore"))
 STAGE = replace(LAYERED, offload=replace(LAYERED.offload, decode_offloaded="stage"))
@@ -132,3 +132,27 @@ def test_a_decode_short_of_device_blocks_never_preempts_a_request_with_none_ther
     assert engine.free == 0 and b.offloaded == (0, 1, 2, 3)
     step = engine.schedule(1.0)
     assert step.preempted == [("c", "recompute")] and (a, 1) in step.chunks and b in engine.running
+
+
+def test_a_request_waiting_alone_under_the_ledger_gets_its_layers_back_and_finishes():
+    """CacheOpt's ledger, 36 device blocks (9 a layer), a reservation of 2 a layer: a, alone, is
+    allotted 32 tokens (8 blocks a layer) and keeps 1 of 4 layers. Prefilled (7 blocks a layer), its
+    3 others back leave 9 - 7 = 2 a layer, its own promise 1: the reservation, kept from it, made it
+    preempt itself, a whole prefill again for each token it sampled. Nobody else holds a place: the
+    reservation goes too."""
+    spec = replace(RESTORE, device_blocks=36, offload=replace(RESTORE.offload, threshold_blocks=20))
+    engine = SimEngine(spec, COST, {"layer_offload": "layerkv", "kv_allocation": "cacheopt"}, SMALL)
+    a = SimRequest("a", 0.0, 28, 4, tbt_slo_ms=1500.0, predicted_output_len=4, predicted_output_median=4)
+    engine.add(a)
+    now, preempted = 0.0, []
+    for _ in range(20):
+        step = engine.schedule(now)
+        preempted += step.preempted
+        if step.chunks:
+            engine.complete(step, now + 0.5)
+        now += 1.0
+        if a.finished_at is not None:
+            break
+    assert a.finished_at is not None and preempted == [] and len(a.token_times) == 4
+    assert engine.scheduler.layers_offloaded == {"admitted": 3, "forecast": 0, "restored": 3}
+    assert engine.free == spec.device_blocks and engine.blocks.free("cxl") == spec.cxl_blocks
