@@ -71,6 +71,7 @@ class EngineState(msgspec.Struct, kw_only=True):
     swapped: int
     pulling: int    # decode role: requests whose KV is being pulled
     held_kv: int    # prefill role: finished requests whose KV waits for a decode engine
+    pushing: int = 0  # prefill role, push mode: requests whose blocks stay until their writes land (native)
     policies: dict[str, str]
     preemptions: dict[str, int]                # all time, by strategy (vLLM only recomputes)
     unallocated_tokens: int                    # KV allotted to nobody, the reservation left out (CacheOpt 3.3)

@@ -5,6 +5,8 @@ colocated engine's, token for token."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -63,10 +65,10 @@ async def clients(cluster: dict[str, Child]):
 
 
 async def until_idle(client: ServiceClient, timeout: float = 10.0) -> EngineState:
-    """Every block free, nothing running, waiting, pulling or held."""
+    """Every block free, nothing running, waiting, pulling, held or pushing."""
     return await eventually(lambda: client.call("GET", "/v1/state", into=EngineState), timeout=timeout, interval=0.05,
                             until=lambda s: s.free_blocks == s.total_blocks
-                            and not (s.running or s.waiting or s.pulling or s.held_kv))
+                            and not (s.running or s.waiting or s.pulling or s.held_kv or s.pushing))
 
 
 async def disaggregated(clients, prompt: list[int], max_tokens: int, request_id: str, prefill: str = "prefill",
@@ -190,6 +192,28 @@ async def test_push_mode_greedy_equals_colocated_for_concurrent_prompts(clients)
     expected = await asyncio.gather(*(colocated(clients, p, 12) for p in PROMPTS))
     got = await asyncio.gather(*(pushed(clients, p, 12, f"push{i}") for i, p in enumerate(PROMPTS)))
     assert got == expected
+
+
+async def test_a_request_whose_writes_are_landing_shows_in_state_as_pushing(cluster, clients):
+    """Push mode: the prefill engine has sampled the first token and keeps the blocks until the writes
+    land; while the decode engine is stopped (SIGSTOP), they cannot, and /v1/state says who holds them."""
+    if cluster["decode"].env["KVMESH_ENGINE_DATAPLANE"] == "shm":
+        pytest.skip("shm's writer copies into the decode engine's pool itself: a stopped decode engine holds nothing up")
+    await pushed(clients, PROMPTS[0], 2, "push-connects")  # the data-plane connection, made while the peer answers
+    target = await clients["decode"].call("POST", "/v1/kv/reserve", {"request_id": "landing", "num_tokens": 50},
+                                          into=dict)
+    os.kill(cluster["decode"].pid, signal.SIGSTOP)
+    try:
+        first = asyncio.ensure_future(generate(clients["prefill"], request_id="landing", prompt_token_ids=PROMPTS[1],
+                                               max_tokens=1, temperature=0.0, ignore_eos=True,
+                                               kv_transfer={"mode": "push", "target": target}))
+        state = await eventually(lambda: clients["prefill"].call("GET", "/v1/state", into=EngineState),
+                                 until=lambda s: s.pushing == 1, interval=0.05)
+        assert state.free_blocks != state.total_blocks and not (state.running or state.held_kv)
+    finally:
+        os.kill(cluster["decode"].pid, signal.SIGCONT)
+    await asyncio.wait_for(first, 10)  # the writes landed, or failed at the KV timeout: either way it ended
+    await until_idle(clients["prefill"])
 
 
 async def test_a_reservation_nobody_claims_is_freed_after_its_lease(clients):

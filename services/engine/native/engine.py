@@ -192,7 +192,7 @@ class Engine(EngineHandoff):
         return EngineState(free_blocks=dict(view.free), total_blocks=dict(view.total),
                            waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
                            swapped=len(self.scheduler.swapped), pulling=len(self.scheduler.pulling),
-                           held_kv=len(self.held),
+                           held_kv=len(self.held), pushing=len(self.pushing),
                            tbt_ms_p50=tbt[len(tbt) // 2] * 1e3 if tbt else None,
                            tbt_ms_p99=tbt[min(len(tbt) - 1, int(len(tbt) * 0.99))] * 1e3 if tbt else None,
                            steps=self.steps, preemptions=dict(self.preemptions),
