@@ -157,13 +157,13 @@ def test_masked_slots_never_reach_the_answer(tiny_checkpoint):
 def test_sparsified_nodes_mix_with_layer_offload_and_swapping(tiny_checkpoint, monkeypatch, policies, moves):
     from kvmesh.policies import registry
 
-    from .test_layerkv_engine import keep, stage_decodes
+    from .test_layerkv_engine import STAGE, keep
 
     monkeypatch.setitem(registry.HOOKS["layer_offload"], "keep", keep(1))
+    # Decodes staged, with their layers offloaded: a request whose layers were restored is cached as any.
     engine = sparse_engine(tiny_checkpoint, policies={**CAR, **policies}, sparsify_keep_ratios=[0.5] * 4,
                            sparsify_quality_bound=100.0, device_blocks=4 * 24, cxl_blocks=4 * 96, layer_profile="off",
-                           swap_profile="off", token_budget=64)
-    stage_decodes(engine)  # a request decoding with its layers offloaded; one restored would be cached as any
+                           swap_profile="off", token_budget=64, **STAGE)
     talks = [turns(3, seed) for seed in range(4)]
     history = [[] for _ in talks]
     for turn in range(3):   # all conversations at once: the device tier cannot hold them all
