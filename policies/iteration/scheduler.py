@@ -255,13 +255,20 @@ class Scheduler:
 
     def _reserve_running(self, plan: Plan, budget: int) -> tuple[list[tuple[Schedulable, int]], int]:
         """Blocks for this step's tokens of each running request, in order, preempting by the policy
-        when they run short; the requests served and their token counts, and the budget left."""
+        when they run short; the requests served and their token counts, and the budget left. One
+        whose staging area does not fit even now (the free blocks only shrink as the step is planned)
+        takes neither blocks nor budget: it is served with n = 0 and waits for staging room, and those
+        behind it get the budget (else it could take all of it, leave nothing running and be
+        preempted, step after step)."""
         pending, reserved = list(self.running), []
         while pending and budget > 0:
             request = pending.pop(0)
             if self._awaits_layers(request):  # its layers did not come back: no decode, no blocks this step
                 continue
             n = min(request.num_tokens - request.num_computed, budget)
+            if not self._stages(request, n):
+                reserved.append((request, 0))
+                continue
             while not self._reserve(request, n):
                 victim = self._pick_victim(self._victims(pending, request) + [request], short=request)
                 self._preempt(victim, plan)
@@ -279,7 +286,7 @@ class Scheduler:
         costs one its place. One with no room waits and goes first next step."""
         unstaged = []
         for request, n in reserved:
-            if self._stages(request, n):
+            if n and self._stages(request, n):
                 self._chunk(request, n, plan)
             else:
                 unstaged.append(request)

@@ -5,6 +5,8 @@ tiers comes back."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvmesh.policies.costs import OffloadCost, PrefillCost
@@ -83,4 +85,27 @@ def test_a_request_alone_whose_cached_prefix_holds_the_room_decodes_staged_not_p
     [request] = run_all(engine, prompt, params)
     assert request.output_ids == plain[0].output_ids and request.preemptions == 0
     assert engine.scheduler.layers_offloaded == {"admitted": 0, "forecast": 4, "restored": 0}
+    assert_all_blocks_free(engine)
+
+
+def test_a_prefill_with_no_staging_room_leaves_the_budget_to_the_decode_behind_it(tiny_checkpoint):
+    # 64 device blocks (16 a layer), budget 32, threshold 50%: a's 220-token prompt keeps every layer
+    # while b (120 tokens, arriving a step later) is admitted with none, and once a decodes, b's next
+    # chunk finds no staging room. b goes first, and took the whole budget: a got no step, nothing
+    # ran, b was preempted (its prefill lost) and came back: 8 preemptions. Now b's chunk waits
+    # without budget and a decodes every step.
+    rng = random.Random(1)
+    a_prompt, b_prompt = ([rng.randrange(3, 2000) for _ in range(n)] for n in (220, 120))
+    a_params, b_params = (SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (20, 4))
+    plain = engine_for(tiny_checkpoint, prefix_caching=False)
+    expected = [r.output_ids for r in run_all(plain, [a_prompt, b_prompt], a_params)]
+    engine = restoring_engine(tiny_checkpoint, device_blocks=64, cxl_blocks=256, layer_free_threshold=0.5,
+                              token_budget=32)
+    a = engine.add("a", a_prompt, a_params)
+    engine.step()
+    b = engine.add("b", b_prompt, b_params)
+    while engine.scheduler.has_work():
+        engine.step()
+    assert sum(engine.preemptions.values()) == 0
+    assert a.output_ids == expected[0] and b.output_ids == expected[1][:4]
     assert_all_blocks_free(engine)
