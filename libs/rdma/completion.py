@@ -41,7 +41,10 @@ class CompletionQueue:
             return self._ready.pop(wr_id)
         waiter = self._waiters[wr_id] = self._loop.create_future()
         try:
-            return await asyncio.wait_for(waiter, timeout)
+            # asyncio.timeout, not wait_for: wait_for on Python 3.11 can swallow a cancel that comes in
+            # the turn the completion lands, and the cancelled caller would wait on (KVDirectServer.close).
+            async with asyncio.timeout(timeout):
+                return await waiter
         finally:
             self._waiters.pop(wr_id, None)
 
@@ -50,7 +53,8 @@ class CompletionQueue:
         if not self._ready:
             self._arrived.clear()
             try:
-                await asyncio.wait_for(self._arrived.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._arrived.wait()
             except TimeoutError:
                 return []
         taken = []

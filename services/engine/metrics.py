@@ -16,7 +16,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from .state import EngineState
 
-QUEUES = ("waiting", "running", "swapped", "pulling", "held_kv")
+QUEUES = ("waiting", "running", "swapped", "pulling", "held_kv", "pushing")
 
 
 class EngineCollector:

@@ -71,7 +71,7 @@ def ready(stack: ExitStack, child: Child) -> Child:
 
 def idle(state: dict) -> bool:
     return (state["free_blocks"] == state["total_blocks"] and not state["running"] and not state["waiting"]
-            and not state.get("pulling") and not state.get("held_kv"))
+            and not state.get("pulling") and not state.get("held_kv") and not state.get("pushing"))
 
 
 async def engine_state(engine_url: str, token: str = TOKEN) -> dict:
