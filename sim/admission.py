@@ -26,7 +26,7 @@ import numpy as np
 from kvmesh.policies.admission import Admit
 
 from .cluster import Cluster
-from .conversations import following_turn, next_turns
+from .conversations import Clients
 from .engine import EngineSpec, SimEngine
 from .front_door import FrontDoor
 from .request import SimRequest
@@ -42,7 +42,7 @@ class AdmittedCluster(Cluster):
                  talks: list[list[tuple[SimRequest, float]]] | None = None, **cluster: object):
         super().__init__(engines, **cluster, max_run_steps=0)
         self.door = door
-        self.next_turn = next_turns(talks or [])
+        self.turns = Clients(talks or [])
         self.clients: dict[str, SimRequest] = {}
         self.let_in: dict[str, float] = {}        # request id -> when it was routed
         self.no_first_token: list[SimRequest] = []  # routed, no first token seen yet (the backlog's pending)
@@ -60,8 +60,7 @@ class AdmittedCluster(Cluster):
         with conversations, every turn of the talks: the first ones arrive as given, the rest when sent."""
         requests = list(requests)
         self.clients = {request.request_id: request for request in requests}
-        later = {sent.request_id for sent, _ in self.next_turn.values()}
-        return super().run([request for request in requests if request.request_id not in later], routed)
+        return super().run([request for request in requests if request.request_id not in self.turns.later], routed)
 
     def admitted(self, request: SimRequest) -> SimRequest | None:
         if request is not self.clients.get(request.request_id):
@@ -79,9 +78,9 @@ class AdmittedCluster(Cluster):
         following = self.door.finished(request)
         if following is not None:
             self.arrive(self._let_in(following, self.events.now))
-        sent = following_turn(self.next_turn, client)
-        if sent is not None:
-            self.arrive(sent)
+        following = self.turns.after(client)
+        if following is not None:
+            self.arrive(following[0])
 
     def queue_waits(self) -> list[float]:
         """Each request let in: the seconds from its arrival to its slot."""

@@ -105,12 +105,7 @@ class ConversationLoop(Cluster):
         if in_process and len(engines) != 1:
             raise ValueError(f"in-process clients call one engine, not {len(engines)}")
         self.in_process = in_process
-        # A turn sent -> the queue its client sends the next from, and the think time after its answer.
-        self.client_of: dict[str, tuple[deque[tuple[SimRequest, float]], float]] = {}
-        self.first: list[SimRequest] = []
-        for talk, count in zip(talks, senders or [1] * len(talks)):
-            queue = deque(talk)
-            self.first += [self._send(queue) for _ in range(min(count, len(talk)))]
+        self.clients = Clients(talks, senders)
 
     @classmethod
     def build(cls, topology: Topology, spec: EngineSpec, cost: StepCost, policies: Mapping[str, str],
@@ -121,9 +116,10 @@ class ConversationLoop(Cluster):
 
     def run(self, requests: object = None, routed: object = None) -> float:
         """Serve every conversation (the talks given); the simulated time when the last event happened."""
+        first = self.clients.first
         if not self.in_process:
-            return super().run(self.first)
-        together = self.first[1:]
+            return super().run(first)
+        together = first[1:]
 
         def join_the_first(request: SimRequest) -> None:
             (member,) = self.members.values()
@@ -131,40 +127,50 @@ class ConversationLoop(Cluster):
                 member.engine.add(sent)
             together.clear()
 
-        return super().run(self.first[:1], join_the_first)
+        return super().run(first[:1], join_the_first)
 
     def ended(self, request: SimRequest, engine_id: str) -> None:
-        queue, think = self.client_of.pop(request.request_id, (None, 0.0))
-        if not queue:
+        following = self.clients.after(request)
+        if following is None:
             return
-        sent = self._send(queue)
-        sent.arrival = request.finished_at + think
+        sent, think = following
         if self.in_process and think == 0:
             self.members[engine_id].engine.add(sent)
         else:
             self.arrive(sent)
 
+
+class Clients:
+    """Closed-loop clients over talks: each talk's turns are sent in order by `senders` clients (1 a
+    talk by default: a conversation; more: a pool taking turns from one queue), each client's next
+    turn its think time after the answer to its last one ended. `first`: the turns sent at the start
+    (each client's first), `later`: the ids of the rest."""
+
+    def __init__(self, talks: list[list[tuple[SimRequest, float]]], senders: Sequence[int] | None = None):
+        # A turn sent -> the queue its client sends the next from, and the think time after its answer.
+        self._client_of: dict[str, tuple[deque[tuple[SimRequest, float]], float]] = {}
+        self.first: list[SimRequest] = []
+        for talk, count in zip(talks, senders or [1] * len(talks)):
+            queue = deque(talk)
+            self.first += [self._send(queue) for _ in range(min(count, len(talk)))]
+        sent = {request.request_id for request in self.first}
+        self.later = {request.request_id for talk in talks for request, _ in talk} - sent
+
+    def after(self, ended: SimRequest) -> tuple[SimRequest, float] | None:
+        """The turn `ended`'s client sends after its answer (its arrival set: the answer's end plus the
+        think time), and that think time; None when its client has nothing left to send."""
+        queue, think = self._client_of.pop(ended.request_id, (None, 0.0))
+        if not queue:
+            return None
+        sent = self._send(queue)
+        sent.arrival = ended.finished_at + think
+        return sent, think
+
     def _send(self, queue: deque[tuple[SimRequest, float]]) -> SimRequest:
         """The next turn of the queue, its client's now."""
         request, think = queue.popleft()
-        self.client_of[request.request_id] = queue, think
+        self._client_of[request.request_id] = queue, think
         return request
-
-
-def next_turns(talks: list[list[tuple[SimRequest, float]]]) -> dict[str, tuple[SimRequest, float]]:
-    """Each turn's request id: the turn after it in its conversation, and the think time between."""
-    return {request.request_id: (talk[k + 1][0], think)
-            for talk in talks for k, (request, think) in enumerate(talk[:-1])}
-
-
-def following_turn(next_turn: dict[str, tuple[SimRequest, float]], ended: SimRequest) -> SimRequest | None:
-    """Closed loop: the turn sent after `ended`'s answer, its arrival a think time after that answer ended."""
-    following = next_turn.get(ended.request_id)
-    if following is None:
-        return None
-    sent, think = following
-    sent.arrival = ended.finished_at + think
-    return sent
 
 
 def conversation_shape(turns: int, think_s: float, system: int, max_context: int, message: Lengths,
