@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from kvmesh.policies.views import PoolView, RequestView
 
@@ -16,7 +17,7 @@ class OffloadParams:
     horizon_stages: int = 8         # how many stages (block_size decode steps each) ahead Eq. 5 is run
     # How a decode gets a request's offloaded layers: "stage", loaded into the staging area every step;
     # "restore", moved back to the device once, the decode waiting until they all fit (LayerKV 4).
-    decode_offloaded: str = "restore"
+    decode_offloaded: Literal["restore", "stage"] = "restore"
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,6 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-
 from ..engine import EngineSpec, SimEngine
 from ..hardware import Deployment, load_deployment
 from ..layer_fits import layer_fits, with_layerkv
