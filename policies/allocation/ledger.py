@@ -56,12 +56,15 @@ class Ledger:
         """A'_kvc: tokens of device KV allotted to nobody, the global reservation left out."""
         return max(0, self.headroom() - self.params.reserved_blocks) * self.block_size
 
+    def reserved_from(self, request: Allottee | None = None) -> int:
+        """The blocks per layer of the global reservation kept from `request`: all of them while anyone
+        else holds a place, none when nobody does (nobody would ever free KV for it then)."""
+        return self.params.reserved_blocks if any(r is not request for r in self.holders()) else 0
+
     def grantable_tokens(self) -> int:
         """What an allocation policy may grant now: A'_kvc, or, with nobody holding a place, all the
-        headroom, the reservation too (nobody would ever free KV for a request too big for A'_kvc)."""
-        if any(True for _ in self.holders()):
-            return self.unallocated_tokens()
-        return self.headroom() * self.block_size
+        headroom, the reservation too (reserved_from)."""
+        return max(0, self.headroom() - self.reserved_from()) * self.block_size
 
     def promised(self, request: Allottee, allocation: int | None) -> int:
         """Blocks per layer `allocation` promises the request beyond those it holds."""
@@ -84,9 +87,7 @@ class Ledger:
                 request.passes.append((host.request_id, tokens))
         else:
             more = self.promised(request, grant.tokens) - self.promised(request, request.allocation)
-            # With nobody holding a place nobody would ever free KV: then the reservation may go too.
-            others = any(r is not request for r in self.holders())
-            room = self.unallocated_tokens() if others else self.headroom() * self.block_size
+            room = max(0, self.headroom() - self.reserved_from(request)) * self.block_size
             if more > 0 and more * self.block_size > room:
                 return False
         request.allocation = grant.tokens

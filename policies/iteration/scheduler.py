@@ -216,10 +216,7 @@ class Scheduler:
         if request.tier != "device":
             promised += max(0, blocks_for(request.allocation, self.blocks.block_size) - request.blocks_per_layer) \
                 if request.allocation is not None else 0
-        # With nobody else holding a place the reservation may go too, as the ledger grants then
-        # (Ledger.grantable_tokens): nobody else would ever free it.
-        others = any(r is not request for r in self.ledger.holders())
-        reserved = self.ledger.params.reserved_blocks if self.allots_ahead and others else 0
+        reserved = self.ledger.reserved_from(request) if self.allots_ahead else 0
         return free_after >= 0 and free_after // layers - promised >= reserved
 
     def _stages(self, request: Schedulable, n: int) -> bool:
