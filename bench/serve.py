@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,13 +201,17 @@ def started_together(setups: tuple[Setup, ...], tmp: Path, progress: Progress) -
 
 
 async def measured_load(url: str, api_key: str | None, workload: str, rate: float, plan: Plan,
-                        progress: Progress, label: str) -> LoadResult:
-    """One Poisson load of `workload` at `rate`, after a few unmeasured warm-up requests."""
+                        progress: Progress, label: str, seed: int = SEED,
+                        warmed: Callable[[], object] | None = None) -> LoadResult:
+    """One Poisson load of `workload` at `rate` (its requests and arrivals of `seed`), after a few
+    unmeasured warm-up requests (of seed + 1; `warmed()` is called after them)."""
     spec = WORKLOADS[workload]
     model = await served_model(url, api_key)
-    await run_load(url, spec.requests(4, SEED + 1), 100.0, model=model, api_key=api_key, time_limit_s=60)
+    await run_load(url, spec.requests(4, seed + 1), 100.0, model=model, api_key=api_key, time_limit_s=60)
+    if warmed is not None:
+        warmed()
     count = max(plan.min_requests, round(rate * plan.window_s))
-    return await run_load(url, spec.requests(count, SEED), rate, model=model, api_key=api_key, seed=SEED,
+    return await run_load(url, spec.requests(count, seed), rate, model=model, api_key=api_key, seed=seed,
                           concurrency=CONCURRENCY, time_limit_s=count / rate + plan.drain_s,
                           progress=progress, label=f"{label} · {workload} @ {rate:g} req/s")
 

@@ -84,7 +84,7 @@ from . import serve
 from .loadgen import STAGES, LoadResult, breakdown, summarize
 from .report import BenchResult, Row
 from .sim_serve_calibration import (CALIBRATION_SEED, WORKLOAD, Calibration, calibrate, measured_path,
-                                    served_profile_path, warmed_load, write_served_profiles)
+                                    served_profile_path, write_served_profiles)
 from .sim_serving import Steps, kv_geometry, serving_engines, sim_engines
 from .sim_validation import TARGET, TARGETED, calibration_fit, plot, relative_error, six_term_fit, step_time_ratio
 
@@ -171,12 +171,12 @@ def measure_configuration(configuration: Configuration, cluster: serve.LocalClus
         return {engine_id: engine.take() for engine_id, engine in engines.items()}
 
     label = configuration.setup.label
-    first = runner.run(warmed_load(cluster.url, cluster.api_key, on.calibration_rate, CALIBRATION_SEED, plan,
-                                   progress, f"{label} · calibration", warmed=taken))
+    first = runner.run(serve.measured_load(cluster.url, cluster.api_key, WORKLOAD, on.calibration_rate, plan, progress,
+                                           f"{label} · calibration", seed=CALIBRATION_SEED, warmed=taken))
     calibration_steps, loads, load_steps = taken(), [], []
     for rate in on.rates:
-        loads.append(runner.run(warmed_load(cluster.url, cluster.api_key, rate, serve.SEED, plan, progress, label,
-                                            warmed=taken)))
+        loads.append(runner.run(serve.measured_load(cluster.url, cluster.api_key, WORKLOAD, rate, plan, progress, label,
+                                                    warmed=taken)))
         load_steps.append(taken())
     return Measured(configuration, states, first, calibration_steps, loads, load_steps)
 

@@ -7,10 +7,7 @@ the request's path outside the engines to the client's timings against the engin
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from pathlib import Path
-
-from rich.progress import Progress
 
 import numpy as np
 
@@ -19,11 +16,9 @@ from kvmesh.sim.link import KVGeometry, LinkSpec
 from kvmesh.sim.request_path import RequestPath, measure, profile_entry, requests_in_flight
 from kvmesh.sim.step_cost import TERMS, StepCost, write_profile
 
-from . import serve
-from .loadgen import LoadResult, run_load, served_model
+from .loadgen import LoadResult
 from .sim_serving import Steps
 from .sim_validation import calibration_fit
-from .workloads import WORKLOADS
 
 WORKLOAD = "arxiv"               # the calibration's and the validated loads'
 CALIBRATION_SEED = 11            # the calibration load's requests and arrivals (serve's loads: serve.SEED)
@@ -96,20 +91,6 @@ def measured_link(load: LoadResult, geometry: KVGeometry, block_size: int = 16) 
         slope = 1 / (default.gbps * 1e9)
         intercept = float(np.mean(seconds - reads_s - slope * size))
     return dataclasses.replace(default, gbps=float(1e-9 / slope), latency_us=max(float(intercept), 0.0) * 1e6)
-
-
-async def warmed_load(url: str, api_key: str, rate: float, seed: int, plan: serve.Plan, progress: Progress,
-                      label: str, warmed: Callable[[], object]) -> LoadResult:
-    """serve.measured_load's load, `warmed()` called between its two parts: four unmeasured warm-up
-    requests (of seed + 1), then a Poisson load of its own requests at `rate` (of `seed`). The
-    calibration's seed is CALIBRATION_SEED, the validated loads' serve.SEED (serve's requests)."""
-    spec, model = WORKLOADS[WORKLOAD], await served_model(url, api_key)
-    await run_load(url, spec.requests(4, seed + 1), 100.0, model=model, api_key=api_key, time_limit_s=60)
-    warmed()
-    count = max(plan.min_requests, round(rate * plan.window_s))
-    return await run_load(url, spec.requests(count, seed), rate, model=model, api_key=api_key, seed=seed,
-                          concurrency=serve.CONCURRENCY, time_limit_s=count / rate + plan.drain_s,
-                          progress=progress, label=f"{label} · {WORKLOAD} @ {rate:g} req/s")
 
 
 def served_profile_path(model: str, configuration: str, engine_id: str) -> Path:
