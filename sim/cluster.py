@@ -18,7 +18,9 @@ Push mode: the decode part goes to its engine first, as the reservation (`POST /
 that engine gives it blocks, the prefill part starts, and its chunks' KV is written layer by layer
 as each step computes them. The first token comes out when the last write is ACKed (the prefill's
 last frame comes after the writes); then the prefill engine frees its blocks and the decode part
-runs from its last prompt token. `transfer_s` is then what the writes add after the prefill.
+runs from its last prompt token. `transfer_s` is then what the writes add after the prefill. The
+prefill part carries `push` (its decode engine), so a prefill engine with LayerKV keeps every layer
+of a pushed prompt on the device, as the native scheduler does.
 
 An engine whose next steps are all decodes that change nothing but the requests' lengths (and end
 some) takes them as one decode run (decode_run.py): an arrival joins it when the scheduler's decision
@@ -148,6 +150,7 @@ class Cluster:
             return [engine_id]
         part = SimRequest(request.request_id, request.arrival, request.prompt_len, 1, request.ttft_slo_ms,
                           request.tbt_slo_ms, request.predicted_output_len, hold_kv=True,
+                          push=decision.decode if self.transfer_mode == "push" else None,
                           block_names=request.block_names)
         handoff = Handoff(request, decision.prefill, decision.decode, part)
         if self.transfer_mode == "push":

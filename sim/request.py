@@ -30,6 +30,7 @@ class SimRequest:
     predicted_output_median: int | None = None  # and its median (LayerKV Eq. 5)
     kv_elsewhere: int = 0            # decode role: leading tokens whose KV another engine holds, to pull
     hold_kv: bool = False            # prefill role: its KV stays held for a decode engine when it ends
+    push: object | None = None       # prefill role, push mode: where its KV is written (its decode engine's id)
     num_computed: int = 0            # tokens whose KV is in the cache
     blocks_per_layer: int = 0
     tier: str = "device"             # where its KV is: "cxl" while swapped out
@@ -57,11 +58,11 @@ class SimRequest:
     cache_hits: tuple[int, int] = (0, 0)  # CaR: leading blocks cached on the device, then in the cxl tier
     # LayerKV (policies/iteration/seams.py's LayeredRequest), kept by sim/layer_count.py: each layer's
     # tier, the layers in the cxl tier and how many are on the device; empty and None for a request
-    # never counted layer by layer (its layers all in `tier`). No push: the simulator pushes elsewhere.
+    # never counted layer by layer (its layers all in `tier`). A pushed prompt is not placed layer by
+    # layer: every layer stays on the device for its writes, as the native scheduler reads `push`.
     layers: Sequence[LayerTier] = ()
     offloaded: tuple[int, ...] = ()
     device_layers: int | None = None
-    push: None = None
 
     @property
     def num_generated(self) -> int:
