@@ -187,8 +187,7 @@ def search_space(engine_counts: Sequence[int], kinds: Sequence[str], routings: S
     """Every topology of each engine count (colocated:N; pd:P:D for every P + D = N) with every policy
     choice (routing, transfer mode, front door, LayerKV, prefix cache, and each hook of SEARCHED);
     transfer modes only where a KV hand-off happens, every cache on every topology, LayerKV
-    without a prefix cache (the simulator counts one or the other) and not in push mode (a pushed
-    prompt's layers are placed as a colocated one's: Not built yet). In that order, so a tie goes to
+    without a prefix cache (the simulator counts one or the other). In that order, so a tie goes to
     the configuration listed first."""
     unknown = [kind for kind in kinds if kind not in KINDS] + [m for m in transfer_modes if m not in TRANSFER_MODES]
     if unknown:
@@ -207,7 +206,7 @@ def search_space(engine_counts: Sequence[int], kinds: Sequence[str], routings: S
                       for routing, mode, door, layers, cache, allocation, order, strategy in
                       itertools.product(routings, modes, front_doors, layer_offloads,
                                         caches, allocations, orders, strategies)
-                      if not layers or (cache in (None, "none") and mode != "push")]
+                      if not layers or cache in (None, "none")]
     if not space:
         raise ValueError(f"the search space is empty: engine counts {list(engine_counts)}, topologies {list(kinds)}, "
                          f"routing {list(routings)}, transfer modes {list(transfer_modes)}, caches {list(caches)}, "

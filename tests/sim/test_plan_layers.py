@@ -57,7 +57,8 @@ def test_layerkv_is_searched_only_where_the_engines_can_run_it():
     space = search_space([2], ["colocated", "pd"], ["least_loaded"], ["pull", "push"], HOOKS, ["none", "lru"],
                          layer_offloads=[False, True])
     layered = [str(c).replace(" block_at_a_time srtf recompute", "") for c in space if c.layerkv]
-    assert layered == ["colocated:2 least_loaded layerkv cache:none", "pd:1:1 least_loaded pull layerkv cache:none"]
+    assert layered == ["colocated:2 least_loaded layerkv cache:none", "pd:1:1 least_loaded pull layerkv cache:none",
+                       "pd:1:1 least_loaded push layerkv cache:none"]
     assert {c.cache for c in space if c.topology == Topology(prefill=1, decode=1)} == {"none", "lru"}
 
 
