@@ -33,6 +33,10 @@ SLO) and the predicted range of their output length as serving gives it: the pre
 predictor, fed A-shaped requests), Eq. 4's confidence at the run's rate, and admission's
 with_predicted_lengths (layerkv_traces).
 
+`--layer-decode` (LayerKV's engines' `layer_decode`, recorded in the config): "restore", the default,
+brings a prefilled request's offloaded layers back to the device once before it decodes; "stage"
+loads them into the staging area every decode step.
+
 The prefill and offload fits (Eq. 3 and 4) are profiled once, on the first LayerKV engine, and
 handed to the others (the same machine and pools: what each would measure).
 
@@ -53,6 +57,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import matplotlib
 import numpy as np
@@ -96,6 +101,7 @@ L20_PREFILL_1024_MS, L20_DECODE_STEP_MS = 190.0, 20.0
 L20_TTFT_SLO_MS, L20_TPOT_SLO_MS = 3000.0, 200.0
 METHODS = {"fcfs": {}, "layerkv-noslo": {"layer_offload": "layerkv"},
            "layerkv": {"layer_offload": "layerkv", "prefill_admission": "layerkv"}}
+LayerDecode = Literal["restore", "stage"]  # how a decode gets its offloaded layers (EngineConfig.layer_decode)
 
 
 @dataclass(frozen=True)
@@ -118,9 +124,9 @@ class Slos:
     prefill_longest_ms: float  # the longest prompt's prefill, alone
 
 
-def run(quick: bool) -> BenchResult:
+def run(quick: bool, layer_decode: LayerDecode = "restore") -> BenchResult:
     torch.set_num_threads(1 if quick else THREADS)  # quick: the suite's smoke run, beside another worker
-    served = sweep(quick)
+    served = sweep(quick, layer_decode)
     contexts, rates_b, slo, rate_a, capacity_b = (served.contexts, served.rates_b, served.slo, served.rate_a,
                                                   served.capacity_b)
     a, b, trace, predicted_b, profile = served.a, served.b, served.trace, served.predicted_b, served.profile
@@ -160,7 +166,8 @@ def run(quick: bool) -> BenchResult:
         ceilings={"memcpy_gbps": memcpy, "memcpy_64mb_gbps": memcpy_64mb, "engine_device_to_cxl_gbps": engine_copy,
                   "copied_bytes": float(copied), "prefill_1024_ms": slo.prefill_ms,
                   "decode_step_ms": slo.decode_step_ms, "prefill_longest_ms": slo.prefill_longest_ms},
-        config={"model": MODEL, "dtype": DTYPE, "torch_threads": torch.get_num_threads(), "engine": _engine_summary(),
+        config={"model": MODEL, "dtype": DTYPE, "torch_threads": torch.get_num_threads(), "layer_decode": layer_decode,
+                "engine": _engine_summary(layer_decode),
                 "methods": METHODS, "contexts": list(contexts), "output_len": OUTPUT_LEN, "requests_a": n_a,
                 "requests_b": n_b,
                 "rate_a": rate_a, "capacity_b": capacity_b, "rates_b": [s * capacity_b for s in rates_b],
@@ -192,9 +199,10 @@ class Sweep:
     a: dict[tuple[str, int], Metrics]
     b: dict[tuple[str, float], Metrics]
     runs: dict[tuple[str, str], Run]
+    layer_decode: LayerDecode  # LayerKV's engines'
 
 
-def sweep(quick: bool) -> Sweep:
+def sweep(quick: bool, layer_decode: LayerDecode) -> Sweep:
     contexts = (LONGEST,) if quick else CONTEXTS
     rates_b = RATES_B[2:3] if quick else RATES_B
     n_a, n_b = (4, 12) if quick else (32, 96)
@@ -223,7 +231,7 @@ def sweep(quick: bool) -> Sweep:
             for method in METHODS:
                 progress.update(task, description=f"A: {method}, {context}-token prompts at {rate_a:.2f} req/s")
                 a[(method, context)], runs[(method, f"A {context}")] = \
-                    _serve(method, requests, arrivals, told, slo, profile, advance)
+                    _serve(method, layer_decode, requests, arrivals, told, slo, profile, advance)
         predicted_b: dict[float, list[Prediction]] = {}
         for share in rates_b:
             predicted_b[share] = predict(b_predictor, trace, b_max, share * capacity_b)
@@ -232,24 +240,27 @@ def sweep(quick: bool) -> Sweep:
             for method in METHODS:
                 progress.update(task, description=f"B: {method} at {share * capacity_b:.2f} req/s")
                 b[(method, share)], runs[(method, f"B {share:g}x")] = \
-                    _serve(method, trace, arrivals, told, slo, profile, advance)
-    return Sweep(contexts, rates_b, n_a, n_b, slo, rate_a, capacity_b, trace, predicted_b, profile, a, b, runs)
+                    _serve(method, layer_decode, trace, arrivals, told, slo, profile, advance)
+    return Sweep(contexts, rates_b, n_a, n_b, slo, rate_a, capacity_b, trace, predicted_b, profile, a, b, runs,
+                 layer_decode)
 
 
 # -- engines --------------------------------------------------------------------------------------
 
-def _config(method: str) -> EngineConfig:
+def _config(method: str, layer_decode: LayerDecode = "restore") -> EngineConfig:
+    """`method`'s engine; `layer_decode` changes nothing of FCFS's, which offloads no layer."""
     layers = PRESETS[MODEL].num_layers
     per_layer = blocks_for(LONGEST + OUTPUT_LEN, BLOCK_SIZE)  # blocks of one layer of the longest request
     return EngineConfig(model=MODEL, dtype=DTYPE, block_size=BLOCK_SIZE,
                         device_blocks=math.ceil(DEVICE_HOLDS * per_layer) * layers,
                         cxl_blocks=CXL_HOLDS * per_layer * layers, prefix_caching=False, token_budget=2048,
-                        policies=METHODS[method], layer_profile="off", swap_profile="off")
+                        policies=METHODS[method], layer_decode=layer_decode, layer_profile="off",
+                        swap_profile="off")
 
 
-def method_engine(method: str, profile: list[LayerProfile]) -> Engine:
+def method_engine(method: str, layer_decode: LayerDecode, profile: list[LayerProfile]) -> Engine:
     """An engine for `method`; LayerKV's fits from the first LayerKV engine, profiled then."""
-    config = _config(method)
+    config = _config(method, layer_decode)
     if "layer_offload" in METHODS[method] and not profile:
         config.layer_profile = "on"
     engine = build_engine(config)
@@ -270,9 +281,10 @@ def method_engine(method: str, profile: list[LayerProfile]) -> Engine:
 Run = tuple[list[TraceRequest], RunStats]  # a run's requests, and what the replay recorded of it
 
 
-def _serve(method: str, requests: list[TraceRequest], arrivals: np.ndarray, told: list[Targets], slo: Slos,
-           profile: list[LayerProfile], advance: Callable[[], None]) -> tuple[Metrics, Run]:
-    engine = method_engine(method, profile)
+def _serve(method: str, layer_decode: LayerDecode, requests: list[TraceRequest], arrivals: np.ndarray,
+           told: list[Targets], slo: Slos, profile: list[LayerProfile],
+           advance: Callable[[], None]) -> tuple[Metrics, Run]:
+    engine = method_engine(method, layer_decode, profile)
     try:
         stats = replay(engine, requests, arrivals, told, max(r.output_len for r in requests), advance)
         _assert_all_blocks_free(engine, method)
@@ -375,10 +387,11 @@ def _cells(m: Metrics) -> dict[str, float]:
             "restored": m.layers_restored}
 
 
-def _engine_summary() -> dict:
-    config = _config("layerkv")
+def _engine_summary(layer_decode: LayerDecode) -> dict:
+    config = _config("layerkv", layer_decode)
     return {k: getattr(config, k) for k in ("device_blocks", "cxl_blocks", "layer_staging_blocks", "block_size",
-                                            "token_budget", "layer_free_threshold", "layer_forecast_stages")}
+                                            "token_budget", "layer_free_threshold", "layer_forecast_stages",
+                                            "layer_decode")}
 
 
 def _profile_summary(profile: LayerProfile) -> dict:

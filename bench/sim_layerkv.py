@@ -5,7 +5,8 @@ FCFS with every layer on the device against LayerKV's layer offload without and 
 admission, on A (prompts of one context length, 128-token answers) and B (real instructions at a
 share of FCFS's capacity on them), every request with its SLOs and predicted output-length range.
 This bench runs the same sweep (bench.layerkv.sweep; `--quick` its quick shape: A, 4 requests of
-1536-token prompts at FCFS's capacity on them; B, 12 instructions at 3x; one torch thread), and:
+1536-token prompts at FCFS's capacity on them; B, 12 instructions at 3x; one torch thread), with
+LayerKV's decodes in `--layer-decode`'s mode (bench layerkv's: restore, the default, or stage), and:
   0. measured: bench layerkv's sweep, each run with its arrivals, targets and steps;
   1. calibration: after the sweep (it needs the sweep's rates), FCFS serves requests of its own
      shaped and arriving as the sweep's: CALIBRATION_SEED's A-shaped requests (1536-token prompts) at
@@ -60,12 +61,12 @@ PLOT = Path("bench-results/sim_layerkv.png")
 PLOTTED = ("measured", "simulated", "calibrated, rescaled to the run", "the run's own steps")
 
 
-def run(quick: bool) -> BenchResult:
+def run(quick: bool, layer_decode: layerkv.LayerDecode = "restore") -> BenchResult:
     torch.set_num_threads(1 if quick else layerkv.THREADS)
-    served = layerkv.sweep(quick)
+    served = layerkv.sweep(quick, layer_decode)
     calibration = calibration_run(served)
     steps = [step for part in calibration for step in part.steps]
-    engines = {method: configured_engine(method, served.profile) for method in layerkv.METHODS}
+    engines = {method: configured_engine(method, layer_decode, served.profile) for method in layerkv.METHODS}
     calibrated, fit = calibration_fit(steps)
     without_g = fit_engine_steps(steps, held=(*HELD, "g"))[0]
     others = [*calibration_variants(steps), ("_without_g", "calibration without the staged bytes' term g", without_g)]
@@ -86,7 +87,7 @@ def calibration_run(served: layerkv.Sweep) -> list[RunStats]:
     instructions = instruction_trace("serve", served.n_b, output_scale=layerkv.B_OUTPUT_SCALE, seed=CALIBRATION_SEED)
     parts = (("fcfs", a_shaped, served.rate_a), ("fcfs", instructions, served.rates_b[0] * served.capacity_b),
              ("layerkv-noslo", a_shaped, served.rate_a))
-    return [_calibration_part(layerkv.method_engine(method, served.profile), requests, rate)
+    return [_calibration_part(layerkv.method_engine(method, served.layer_decode, served.profile), requests, rate)
             for method, requests, rate in parts]
 
 
@@ -99,9 +100,10 @@ def _calibration_part(engine: Engine, requests: list, rate: float) -> RunStats:
             engine.runner.staging.close()
 
 
-def configured_engine(method: str, profile: list) -> Configured:
-    """The method's engine as the simulator configures it (LayerKV's fits the sweep's profile)."""
-    engine = layerkv.method_engine(method, profile)
+def configured_engine(method: str, layer_decode: layerkv.LayerDecode, profile: list) -> Configured:
+    """The method's engine as the simulator configures it (LayerKV's fits the sweep's profile, its
+    decodes' mode in the spec's offload parameters)."""
+    engine = layerkv.method_engine(method, layer_decode, profile)
     try:
         return configured(engine)
     finally:
@@ -145,7 +147,8 @@ def _result(quick: bool, served: layerkv.Sweep, engines: dict[str, Configured], 
                                     for v in found}}
     worst = max(targets, key=lambda k: ratios[k] if not math.isnan(ratios[k]) else math.inf)
     met = sum(1 for k in targets if not math.isnan(ratios[k]) and ratios[k] <= TARGET)
-    config = {"model": layerkv.MODEL, "torch_threads": torch.get_num_threads(), "contexts": list(served.contexts),
+    config = {"model": layerkv.MODEL, "torch_threads": torch.get_num_threads(), "layer_decode": served.layer_decode,
+              "contexts": list(served.contexts),
               "rates_b": [s * served.capacity_b for s in served.rates_b], "rate_a": served.rate_a,
               "requests_a": served.n_a, "requests_b": served.n_b,
               "engines": {m: {**dataclasses.asdict(c.spec), "policies": c.policies} for m, c in engines.items()},

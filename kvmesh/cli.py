@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", dest="json_path", type=Path, help="also write the results here")
     bench.add_argument("--target", metavar="URL", help="serve only: load this OpenAI-compatible server instead")
     bench.add_argument("--model", help="sim only: the engines' model (SmolLM2-135M-Instruct, the default, or tiny)")
+    bench.add_argument("--layer-decode", choices=("restore", "stage"),
+                       help="layerkv and sim_layerkv only: a prefilled request's offloaded layers come back to the "
+                            "device once before it decodes (restore, the default) or are staged every step (stage)")
 
     report = commands.add_parser("report", help="latency breakdown, percentiles and span trees from a span file")
     report.add_argument("trace_file", metavar="TRACEFILE", type=Path, help="the span JSON-lines file (trace_file)")
@@ -209,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from kvmesh.bench.runner import run_bench
         return run_bench(args.name, quick=args.quick, json_path=args.json_path, target=args.target,
-                         model=args.model)
+                         model=args.model, layer_decode=args.layer_decode)
     if args.command == "report":
         from kvmesh.observability.report import run as run_report
         return run_report(args.trace_file, out_dir=args.out, json_path=args.json_path, slowest=args.slowest)
@@ -226,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             spec = _engine_spec(args, geometry)
             policies = _engine_policies(args.policy)
             conversation = _conversation(args)
-        except ValueError as exc:
+        except (ValueError, FileNotFoundError) as exc:  # FileNotFoundError: --profile, read for its swap rates
             print(f"kvmesh plan: {exc}", file=sys.stderr)
             return 2
         return run_plan(args.profile, args.rate, args.prompt, args.output, args.slo, args.attainment, spec,
@@ -349,7 +352,7 @@ def _sim_workload_arguments(parser: argparse.ArgumentParser) -> None:
                              "--kv-geometry and --block-size")
     parser.add_argument("--swap-gbps", type=_swap_gbps, metavar="OUT:IN",
                         help="the cxl tier's copy bandwidth, GB/s device to cxl and back, or one figure for both "
-                             "(default: 25, PCIe 4.0 x16)")
+                             "(default: what --profile measured, else 25, PCIe 4.0 x16)")
 
 
 def _conversation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -375,7 +378,8 @@ def _conversation(args: argparse.Namespace):
 
 def _engine_spec(args: argparse.Namespace, geometry: KVGeometry) -> EngineSpec:
     from kvmesh.sim.engine import EngineSpec
-    tier = {}
+    from kvmesh.sim.tier_copies import load_swap_rates
+    tier = load_swap_rates(args.profile)  # what the profile measured (kvmesh sim calibrate), if it did
     if args.cxl_blocks:
         # A simulated block holds --block-size tokens of num_layers / --num-layers of the model's layers
         # (all of them at the default --num-layers 1): a swap copies that share of the KV per block.

@@ -1,8 +1,12 @@
-"""`kvmesh bench layerkv --quick --json` compares LayerKV's methods in one run and writes the contract.
-One file per bench: each takes a minute or two, and xdist spreads files, not tests, over its workers."""
+"""`kvmesh bench layerkv --quick --json` compares LayerKV's methods in one run and writes the contract,
+with LayerKV's decodes in the `--layer-decode` mode asked (the quick run: stage; bench sim_layerkv's
+test runs the default, restore). One file per bench: each takes a minute or two, and xdist spreads
+files, not tests, over its workers."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 from .quick import BENCH_TIMEOUT, quick_bench
@@ -11,7 +15,8 @@ pytestmark = BENCH_TIMEOUT
 
 
 def test_layerkv_bench_compares_fcfs_and_layerkv_with_and_without_its_scheduler(tmp_path: Path):
-    result, done = quick_bench(tmp_path, "layerkv", timeout=300)
+    result, done = quick_bench(tmp_path, "layerkv", 300, "--layer-decode", "stage")
+    assert result["config"]["layer_decode"] == result["config"]["engine"]["layer_decode"] == "stage"
     assert {"mean_ttft_ratio_fcfs_vs_layerkv", "throughput_ratio_layerkv_vs_fcfs",
             "violation_rate_drop"} == set(result["targets"]) <= result["ratios"].keys()
     assert {"memcpy_gbps", "engine_device_to_cxl_gbps"} <= result["ceilings"].keys()
@@ -24,3 +29,11 @@ def test_layerkv_bench_compares_fcfs_and_layerkv_with_and_without_its_scheduler(
     assert {row["path"] for row in result["rows"]} == {"fcfs", "layerkv-noslo", "layerkv"}
     assert Path(tmp_path / result["plots"][0]).stat().st_size > 0
     assert "points fewer SLO violations" in " ".join(done.stdout.split())  # the headline, however rich wraps it
+
+
+def test_layer_decode_is_a_choice_of_two_for_the_layerkv_benches_only():
+    for args in (("layerkv", "--layer-decode", "keep"), ("kvmeta", "--layer-decode", "stage")):
+        done = subprocess.run([sys.executable, "-m", "kvmesh", "bench", *args], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 2, done.stderr
+    assert "--layer-decode is for `layerkv` and `sim_layerkv` only, not 'kvmeta'" in done.stderr

@@ -1,6 +1,7 @@
 """`kvmesh bench sim_layerkv`: the simulated engine is the method's engine, LayerKV's staging area,
-Eq. 5's parameters and fits included; a replayed request carries its predicted range; a run's name
-in keys; and, end to end, `--quick --json` measures bench layerkv's runs and replays them."""
+Eq. 5's parameters, its decodes' mode and fits included; a replayed request carries its predicted
+range; a run's name in keys; and, end to end, `--quick --json` measures bench layerkv's runs and
+replays them (in the default mode, restore; bench layerkv's test runs stage)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ from .quick import BENCH_TIMEOUT, quick_bench
 def test_the_simulated_engine_offloads_layers_as_the_methods_engine_does():
     torch.set_num_threads(1)
     profile: list = []
-    ours, fcfs = bench.configured_engine("layerkv", profile), bench.configured_engine("fcfs", profile)
+    ours, fcfs = bench.configured_engine("layerkv", "stage", profile), bench.configured_engine("fcfs", "stage", profile)
     assert ours.policies["layer_offload"] == "layerkv" and ours.policies["prefill_admission"] == "layerkv"
+    assert ours.spec.offload.decode_offloaded == "stage"
     assert ours.spec.staging_cap > 0 and ours.spec.cxl_blocks > 0 and ours.spec.offload.threshold_blocks > 0
     assert ours.spec.prefill_cost == profile[0].prefill_cost and ours.spec.offload_cost == profile[0].offload_cost
     # Its layer copies run at the bandwidth its profile measured (Eq. 4's).
@@ -66,5 +68,7 @@ def test_sim_layerkv_bench_replays_bench_layerkvs_runs_and_writes_the_contract(t
     assert {f"sim_error_p90_e2e_{r}" for r in runs} == targeted
     assert result["config"]["calibration"]["steps"] > 0
     assert result["config"]["engines"]["layerkv"]["staging_cap"] > 0
+    assert result["config"]["layer_decode"] == result["config"]["engines"]["layerkv"]["offload"]["decode_offloaded"] \
+        == "restore"
     assert {row["compared"] for row in result["rows"]} >= {"measured", "simulated", "relative error"}
     assert Path(tmp_path / result["plots"][0]).stat().st_size > 0
