@@ -128,6 +128,10 @@ class QueuePair(ABC):
         self._teardown()
 
     async def close(self) -> None:
+        self.close_now()
+
+    def close_now(self) -> None:
+        """close(), for a caller that cannot await (a handshake thread)."""
         if self.state is not QpState.CLOSED:
             self.state = QpState.CLOSED
             self.error = self.error or "closed"
@@ -177,6 +181,8 @@ class Endpoint(ABC):
         self._wr_ids = itertools.count(1)
         self._accepted: asyncio.Queue[QueuePair] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
+        self._admission = threading.RLock()  # close() against handshakes finishing on other threads
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -186,6 +192,11 @@ class Endpoint(ABC):
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def closing(self) -> bool:
+        """close() has begun: a CONNECT is refused from now on."""
+        return self._closing
 
     def next_wr_id(self) -> int:
         return next(self._wr_ids)
@@ -240,19 +251,33 @@ class Endpoint(ABC):
             qp = await asyncio.wait_for(self._connect(address, CompletionQueue(self._loop)), timeout)
         except (OSError, TimeoutError) as exc:
             raise PeerUnreachable(f"cannot connect to {address}: {exc or 'timed out'}") from exc
-        self.queue_pairs.add(qp)
+        if not self._admit(qp):
+            raise QueuePairError(f"the endpoint closed while connecting to {address}")
         return qp
 
     async def close(self) -> None:
+        with self._admission:
+            self._closing = True
         for qp in list(self.queue_pairs):
             await qp.close()
         await self._close()
 
     def _adopt(self, qp: QueuePair) -> None:
-        """Called on the loop when a peer's connection was accepted."""
-        self.queue_pairs.add(qp)
-        assert self._accepted is not None
-        self._accepted.put_nowait(qp)
+        """A peer's connection was accepted (called on any thread): the queue pair goes to accept()."""
+        with self._admission:  # the loop is open while close() has not begun
+            if self._admit(qp):
+                assert self._loop is not None and self._accepted is not None
+                self._loop.call_soon_threadsafe(self._accepted.put_nowait, qp)
+
+    def _admit(self, qp: QueuePair) -> bool:
+        """Count `qp` among the queue pairs close() closes; if close() has begun (a handshake finishing
+        as the endpoint closes), close `qp` here instead and say so."""
+        with self._admission:
+            if not self._closing:
+                self.queue_pairs.add(qp)
+                return True
+        qp.close_now()
+        return False
 
     def _forget(self, qp: QueuePair) -> None:
         self.queue_pairs.discard(qp)

@@ -85,10 +85,11 @@ class TcpEndpoint(Endpoint):
             return
         tune(sock)
         assert self._loop is not None
-        qp = self.queue_pair_class(self, peer, CompletionQueue(self._loop), sock)
-        self._loop.call_soon_threadsafe(self._adopt, qp)
+        self._adopt(self.queue_pair_class(self, peer, CompletionQueue(self._loop), sock))
 
     def _refusal(self, hello: dict[str, Any]) -> str | None:
+        if self.closing:
+            return "the endpoint is closed"
         if not isinstance(hello, dict) or not isinstance(hello.get("token"), str):
             return "malformed CONNECT"
         if not self.token_ok(hello["token"].encode()):

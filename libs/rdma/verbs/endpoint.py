@@ -127,6 +127,8 @@ class VerbsEndpoint(Endpoint):
         self._adopt(qp)
 
     def _refusal(self, hello: Hello) -> str | None:
+        if self.closing:
+            return "the endpoint is closed"
         if not self.token_ok(hello.token.encode()):
             return "wrong cluster token"
         if hello.backend != self.backend:
