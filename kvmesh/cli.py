@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             spec = _engine_spec(args, geometry)
             policies = _engine_policies(args.policy)
             conversation = _conversation(args)
-        except ValueError as exc:
+        except (ValueError, FileNotFoundError) as exc:  # FileNotFoundError: --profile, read for its swap rates
             print(f"kvmesh plan: {exc}", file=sys.stderr)
             return 2
         return run_plan(args.profile, args.rate, args.prompt, args.output, args.slo, args.attainment, spec,
@@ -352,7 +352,7 @@ def _sim_workload_arguments(parser: argparse.ArgumentParser) -> None:
                              "--kv-geometry and --block-size")
     parser.add_argument("--swap-gbps", type=_swap_gbps, metavar="OUT:IN",
                         help="the cxl tier's copy bandwidth, GB/s device to cxl and back, or one figure for both "
-                             "(default: 25, PCIe 4.0 x16)")
+                             "(default: what --profile measured, else 25, PCIe 4.0 x16)")
 
 
 def _conversation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -378,7 +378,8 @@ def _conversation(args: argparse.Namespace):
 
 def _engine_spec(args: argparse.Namespace, geometry: KVGeometry) -> EngineSpec:
     from kvmesh.sim.engine import EngineSpec
-    tier = {}
+    from kvmesh.sim.tier_copies import load_swap_rates
+    tier = load_swap_rates(args.profile)  # what the profile measured (kvmesh sim calibrate), if it did
     if args.cxl_blocks:
         # A simulated block holds --block-size tokens of num_layers / --num-layers of the model's layers
         # (all of them at the default --num-layers 1): a swap copies that share of the KV per block.

@@ -10,6 +10,7 @@ import numpy as np
 from kvmesh.policies.step_shape import FIELDS
 
 from .step_cost import TERMS, StepCost
+from .tier_copies import CopyRate
 
 COLUMNS = (*FIELDS, "staged_bytes")  # a timed step's row: its shape, then the bytes its staging area copied
 Row = tuple[float, ...]              # as COLUMNS; a shape alone (5 values) stages nothing
@@ -27,18 +28,8 @@ def fit_step_cost(shapes: Sequence[Row], seconds: Sequence[float], relative: boo
                          f"got {len(shapes)} and {len(seconds)}")
     x = np.array([[1.0, *shape, *[0] * (len(COLUMNS) - len(shape))] for shape in shapes], dtype=float)
     y = np.asarray(seconds, dtype=float)
-    scale = y if relative else np.ones_like(y)
-    free = [i for i, term in enumerate(TERMS) if term not in held]
-    while True:
-        a = x[:, free] / scale[:, None]
-        norms = np.linalg.norm(a, axis=0)  # columns to unit length: staged bytes run to 1e8 a step, the constant is 1
-        norms[norms == 0] = 1.0            # a column of zeros (nothing staged) is fitted 0
-        solved = np.linalg.lstsq(a / norms, y / scale, rcond=None)[0] / norms
-        if (solved >= 0).all():
-            break
-        free.pop(int(np.argmin(solved)))
-    coefficients = np.zeros(len(TERMS))
-    coefficients[free] = solved
+    coefficients, free = nonnegative_least_squares(x, y, relative,
+                                                   [i for i, term in enumerate(TERMS) if term not in held])
     fitted = x @ coefficients
     errors = np.abs(y - fitted) / y
     fit = {"samples": len(y), "rms_residual_s": float(np.sqrt(np.mean((y - fitted) ** 2))),
@@ -47,6 +38,26 @@ def fit_step_cost(shapes: Sequence[Row], seconds: Sequence[float], relative: boo
            "steps": [{**dict(zip(COLUMNS, shape)), "measured_s": float(m), "fitted_s": float(f)}
                      for shape, m, f in zip(shapes, y, fitted)]}
     return StepCost(*coefficients.tolist()), fit
+
+
+def nonnegative_least_squares(x: np.ndarray, y: np.ndarray, relative: bool,
+                              free: list[int]) -> tuple[np.ndarray, list[int]]:
+    """The coefficients of x's columns `free` minimising the squared (relative) error of x @ them
+    against y, the others 0, a column whose best value is negative held at 0 (and the others
+    refitted); the coefficients, and the columns left free."""
+    scale = y if relative else np.ones_like(y)
+    free = list(free)
+    while True:
+        a = x[:, free] / scale[:, None]
+        norms = np.linalg.norm(a, axis=0)  # columns to unit length: staged bytes run to 1e8 a step, the constant is 1
+        norms[norms == 0] = 1.0            # a column of zeros (nothing staged) is fitted 0
+        solved = np.linalg.lstsq(a / norms, y / scale, rcond=None)[0] / norms
+        if (solved >= 0).all():
+            break
+        free.pop(int(np.argmin(solved)))
+    coefficients = np.zeros(x.shape[1])
+    coefficients[free] = solved
+    return coefficients, free
 
 
 def fit_engine_steps(steps: Sequence[dict], held: Sequence[str] = ()) -> tuple[StepCost, dict]:
@@ -60,6 +71,25 @@ def fit_engine_steps(steps: Sequence[dict], held: Sequence[str] = ()) -> tuple[S
     cost, fit = fit_step_cost([recorded_shape(s) for s in steps], seconds, relative=False, held=held)
     summary = {k: v for k, v in fit.items() if k != "steps"}
     return cost, {**summary, "measured_s": float(sum(seconds)), "fitted_s": sum(r["fitted_s"] for r in fit["steps"])}
+
+
+def fit_copy_rate(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[CopyRate, dict]:
+    """seconds = fixed_s + bytes / bytes_per_s through copies of `sizes` bytes timed `seconds`, least
+    squares on the relative error (copies range from kilobytes to tens of megabytes), a negative
+    fixed cost held at 0; the rate, and the residuals of each copy."""
+    x = np.array([[1.0, size] for size in sizes], dtype=float)
+    y = np.asarray(seconds, dtype=float)
+    if len(y) != len(x) or len(set(sizes)) < 2:
+        raise ValueError(f"need a timing of each copy, of two sizes at least; got {len(x)} copies, {len(y)} timings")
+    (fixed, per_byte), _ = nonnegative_least_squares(x, y, True, [0, 1])
+    if not per_byte > 0:
+        raise ValueError("the copies took no longer the more they copied: no bandwidth to fit")
+    fitted = x @ [fixed, per_byte]
+    errors = np.abs(y - fitted) / y
+    return CopyRate(float(1 / per_byte), float(fixed)), {
+        "samples": len(y), "mean_relative_error": float(errors.mean()), "max_relative_error": float(errors.max()),
+        "copies": [{"bytes": int(size), "measured_s": float(m), "fitted_s": float(f)}
+                   for size, m, f in zip(sizes, y, fitted)]}
 
 
 def recorded_shape(step: dict) -> Row:

@@ -1,13 +1,16 @@
-"""Calibration: the fit recovers known coefficients, and a short real run on tiny writes a profile."""
+"""Calibration: the fit recovers known coefficients and copy rates, and a short real run on tiny
+writes a profile, with the swap bandwidths the simulator then takes unless --swap-gbps says otherwise."""
 
 import json
 
 import numpy as np
 import pytest
 
+from kvmesh.cli import main
 from kvmesh.sim import calibrate
-from kvmesh.sim.fit import fit_step_cost, recorded_shape
+from kvmesh.sim.fit import fit_copy_rate, fit_step_cost, recorded_shape
 from kvmesh.sim.step_cost import TERMS, StepCost, load_profile
+from kvmesh.sim.tier_copies import CopyRate, load_swap_rates
 
 
 def test_the_fit_recovers_known_coefficients_from_exact_timings():
@@ -66,17 +69,73 @@ def test_a_profile_written_before_the_prefill_sequence_term_loads_with_it_at_zer
     assert load_profile(str(path)) == StepCost(a=1e-3, b=4e-5, c=5e-5, d=2e-7, e=1e-7, f=0.0)
 
 
-def test_a_short_calibration_on_tiny_writes_a_profile(tmp_path, monkeypatch):
-    monkeypatch.setattr(calibrate, "BATCHES", (1, 2))
-    monkeypatch.setattr(calibrate, "PROMPTS", (16, 48))
-    monkeypatch.setattr(calibrate, "DECODE_STEPS", 3)
-    monkeypatch.setattr(calibrate, "REPEATS", 1)
-    path = tmp_path / "tiny.json"
-    assert calibrate.run("tiny", "float32", 1, path) == 0
+def test_the_copy_rate_and_its_fixed_cost_are_recovered_from_exact_timings():
+    truth = CopyRate(bytes_per_s=12e9, fixed_s=12e-6)
+    sizes = [32768 * 4**i for i in range(5)]  # 16 to 4,096 tokens of tiny's KV
+    rate, fit = fit_copy_rate(sizes, [truth.seconds(n) for n in sizes])
+    assert rate.bytes_per_s == pytest.approx(truth.bytes_per_s, rel=1e-9)
+    assert rate.fixed_s == pytest.approx(truth.fixed_s, rel=1e-9)
+    assert fit["samples"] == 5 and fit["max_relative_error"] < 1e-9 and fit["copies"][0]["bytes"] == 32768
 
-    body = json.loads(path.read_text())
+
+def test_a_copy_rate_whose_fixed_cost_would_be_negative_goes_through_the_origin():
+    """Timings of 9, 20 and 40 us for 100, 200 and 400 kB: the line through them would start at -2 us,
+    so the fixed cost is 0 and the rate the relative least squares through the origin:
+    k = sum(x / y) / sum((x / y)^2) in bytes per second."""
+    sizes, seconds = [100e3, 200e3, 400e3], [9e-6, 20e-6, 40e-6]
+    rate, _ = fit_copy_rate(sizes, seconds)
+    ratios = np.array(sizes) / np.array(seconds)
+    assert rate.fixed_s == 0 and rate.bytes_per_s == pytest.approx((ratios ** 2).sum() / ratios.sum(), rel=1e-9)
+
+
+def test_a_copy_rate_needs_two_sizes():
+    with pytest.raises(ValueError, match="two sizes"):
+        fit_copy_rate([1e6, 1e6], [1e-4, 1.1e-4])
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory):
+    """A short calibration of tiny: two batches, two prompts, swaps of 16 and 256 tokens."""
+    path = tmp_path_factory.mktemp("calibrate") / "tiny.json"
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in (("BATCHES", (1, 2)), ("PROMPTS", (16, 48)), ("DECODE_STEPS", 3), ("REPEATS", 1),
+                            ("SWAP_TOKENS", (16, 256))):
+            patch.setattr(calibrate, name, value)
+        assert calibrate.run("tiny", "float32", 1, path) == 0
+    return path
+
+
+def test_a_short_calibration_on_tiny_writes_a_profile(tiny_profile):
+    body = json.loads(tiny_profile.read_text())
     assert body["model"] == "tiny" and body["dtype"] == "float32" and body["threads"] == 1
     assert all(body["coefficients"][term]["origin"] for term in TERMS)
     assert body["fit"]["samples"] == len(body["fit"]["steps"]) >= len(TERMS)
-    cost = load_profile(str(path))
+    cost = load_profile(str(tiny_profile))
     assert cost.a >= 0 and cost.seconds(128, 4, 1000, 8256, 1) > 0
+
+
+def test_the_calibration_measures_the_swaps_both_ways(tiny_profile):
+    """A swap of 16 tokens of tiny in float32 copies one block of each of its 4 layers, 2 x 16 x 2 x 64
+    x 4 bytes each; of 256 tokens, 16 blocks a layer."""
+    tier = json.loads(tiny_profile.read_text())["tier"]
+    for direction in ("swap_out", "swap_in"):
+        assert tier[f"{direction}_bytes_per_s"]["value"] > 0 and tier[f"{direction}_fixed_s"]["value"] >= 0
+        assert tier[f"{direction}_bytes_per_s"]["origin"]
+        assert [c["bytes"] for c in tier["fit"][direction]["copies"]] == [4 * 16384, 16 * 4 * 16384]
+    assert load_swap_rates(str(tiny_profile)) == {"swap_out_bytes_per_s": tier["swap_out_bytes_per_s"]["value"],
+                                                  "swap_in_bytes_per_s": tier["swap_in_bytes_per_s"]["value"]}
+
+
+@pytest.mark.parametrize("swap_gbps, expected", [((), None), (("--swap-gbps", "20:10"), (20e9, 10e9))])
+def test_sim_run_swaps_at_the_profile_s_measured_bandwidth_unless_told(tmp_path, tiny_profile, swap_gbps, expected):
+    out = tmp_path / "run.json"
+    assert main(["sim", "run", "--profile", str(tiny_profile), "--rate", "20", "--requests", "50",
+                 "--cxl-blocks", "256", *swap_gbps, "--json", str(out)]) == 0
+    engine = json.loads(out.read_text())["config"]["engine"]
+    measured = load_swap_rates(str(tiny_profile))
+    assert (engine["swap_out_bytes_per_s"], engine["swap_in_bytes_per_s"]) == \
+        (expected or (measured["swap_out_bytes_per_s"], measured["swap_in_bytes_per_s"]))
+
+
+def test_a_profile_without_a_tier_section_measured_no_swaps():
+    assert load_swap_rates("opt-13b-a100-fp16-tp1") == {}  # a GPU profile: its tier is sim/hardware.py's

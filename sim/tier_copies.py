@@ -1,0 +1,46 @@
+"""The cxl tier's copies as a fitted profile measured them: `kvmesh sim calibrate` times the native
+engine's swaps of a request's KV (BlockManager.swap_out and swap_in, every layer) at a few sizes,
+and fits each direction's
+
+    seconds = fixed_s + bytes / bytes_per_s
+
+(sim/fit.py's fit_copy_rate). The profile's `tier` section holds both directions' terms, each with
+its origin, and the fit's residuals; the simulator's EngineSpec takes the bandwidths from it
+(`swap_out_bytes_per_s`, `swap_in_bytes_per_s`; kvmesh/cli.py, where `--swap-gbps` overrides them).
+It prices a swap by its bytes alone: the fixed cost is the profile's record of what that leaves out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .step_cost import read_profile
+
+DIRECTIONS = {"swap_out": "device to cxl", "swap_in": "cxl to device"}
+
+
+@dataclass(frozen=True, slots=True)
+class CopyRate:
+    bytes_per_s: float
+    fixed_s: float = 0.0  # what a swap costs whatever its size: the copy's calls, one per block
+
+    def seconds(self, nbytes: float) -> float:
+        return self.fixed_s + nbytes / self.bytes_per_s
+
+
+def tier_entry(fitted: dict[str, tuple[CopyRate, dict]], about: str, origin: str) -> dict:
+    """The `tier` section of a profile (step_cost.write_profile's `about["tier"]`): each direction's
+    bandwidth and fixed cost, with `origin`, and its fit (by direction, as `fitted` gives them)."""
+    entry: dict = {"about": about}
+    for direction, (rate, _) in fitted.items():
+        entry[f"{direction}_bytes_per_s"] = {"value": rate.bytes_per_s, "origin": origin}
+        entry[f"{direction}_fixed_s"] = {"value": rate.fixed_s, "origin": origin}
+    return entry | {"fit": {direction: fit for direction, (_, fit) in fitted.items()}}
+
+
+def load_swap_rates(name: str) -> dict[str, float]:
+    """A fitted profile's measured swap bandwidths, as EngineSpec's fields; none in a profile without
+    a `tier` section (one fitted before it, or a GPU profile, whose tier is sim/hardware.py's)."""
+    tier = read_profile(name).get("tier")
+    if not isinstance(tier, dict):
+        return {}
+    return {key: float(tier[key]["value"]) for key in (f"{d}_bytes_per_s" for d in DIRECTIONS) if key in tier}
