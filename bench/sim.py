@@ -143,7 +143,7 @@ def run(quick: bool, model: str = SMOLLM2.model) -> BenchResult:
     in_process = load_profile(on.in_process) if on.in_process else None
     replayed = []
     for m in measured:
-        calibration = calibrate(m.calibration_load, m.calibration_steps, kv_geometry(model))
+        calibration = calibrated(m, model)
         write_served_profiles(model, m.configuration.key, m.configuration.setup.label, calibration)
         replayed.append((m, calibration, variations(calibration, m, model, in_process)))
     return _result(quick, on, plan, replayed, in_process)
@@ -182,6 +182,14 @@ def measure_configuration(configuration: Configuration, cluster: serve.LocalClus
 
 
 # -- the calibration ------------------------------------------------------------------------------
+
+
+def calibrated(measured: Measured, model: str) -> Calibration:
+    """The profile fitted to a configuration's calibration load, its KV in the blocks its engines
+    used (the simulated engines' block size, which the replay pulls in)."""
+    engines = sim_engines(measured.configuration.topology, measured.states, model)
+    block_size, = {spec.block_size for _, spec, _ in engines.values()}
+    return calibrate(measured.calibration_load, measured.calibration_steps, kv_geometry(model), block_size)
 
 
 # -- the variations -------------------------------------------------------------------------------
@@ -362,8 +370,8 @@ def _configuration_config(model: str, measured: Measured, calibration: Calibrati
                     for e, (role, spec, policies) in engines.items()},
         "engines_from": {"device_blocks": "GET /v1/state total_blocks.device",
                          "num_layers": f"{model}'s (its preset or checkpoint's config.json)",
-                         "block_size": "EngineConfig default", "max_num_seqs": "EngineConfig default",
-                         "token_budget": "EngineConfig default (0), decided for the engine's role",
+                         "block_size": "the engines' configuration", "max_num_seqs": "the engines' configuration",
+                         "token_budget": "the engines' configuration (0: decided for the engine's role)",
                          "policies": "GET /v1/state, the hooks the simulator runs"},
         "variations": {v.suffix or "calibrated": {"label": v.label,
                                                   "step_costs": [{e: dataclasses.asdict(c) for e, c in costs.items()}

@@ -37,7 +37,9 @@ class Calibration:
     steps: Steps
 
 
-def calibrate(load: LoadResult, steps: Steps, geometry: KVGeometry = KVGeometry()) -> Calibration:
+def calibrate(load: LoadResult, steps: Steps, geometry: KVGeometry, block_size: int) -> Calibration:
+    """The profile fitted to the calibration load, its KV in the model's `geometry` and the run's blocks
+    of `block_size` tokens."""
     for engine_id, engine_steps in steps.items():
         if len(engine_steps) < len(TERMS):  # e.g. engines that never answered: nothing to fit
             failed = sum(r.error is not None for r in load.results)
@@ -46,7 +48,7 @@ def calibrate(load: LoadResult, steps: Steps, geometry: KVGeometry = KVGeometry(
                                f"{len(load.results)} requests failed")
     fitted = {engine_id: calibration_fit(engine_steps) for engine_id, engine_steps in steps.items()}
     return Calibration({e: cost for e, (cost, _) in fitted.items()}, {e: fit for e, (_, fit) in fitted.items()},
-                       measured_path(load), measured_link(load, geometry), load, steps)
+                       measured_path(load), measured_link(load, geometry, block_size), load, steps)
 
 
 def measured_path(load: LoadResult) -> RequestPath:
@@ -70,10 +72,10 @@ def measured_path(load: LoadResult) -> RequestPath:
                    in_flight)
 
 
-def measured_link(load: LoadResult, geometry: KVGeometry, block_size: int = 16) -> LinkSpec:
+def measured_link(load: LoadResult, geometry: KVGeometry, block_size: int) -> LinkSpec:
     """The link a load's split requests crossed, as sim.link times a pull (latency + bytes /
     bandwidth, the reads' cost sim.link's): the line through each one's transfer (the admission's
-    timings_ms) against its prompt's KV bytes (whole blocks of `block_size`, kvmesh up's 16, every
+    timings_ms) against its prompt's KV bytes (whole blocks of `block_size`, the run's engines', every
     layer of `geometry`). sim.link's loopback defaults where fewer than two requests split (a
     colocated engine); where the line rises slower than their bandwidth allows, that bandwidth and the
     mean latency left. On SmolLM2 the defaults (measured on tiny's 4 layers) said 2.5 ms for arxiv's

@@ -57,12 +57,14 @@ def sim_engines(topology: str, states: dict[str, dict],
 
 def engine_spec(state: dict, num_layers: int, role: str = "both") -> EngineSpec:
     """The simulated engine as the real one: device blocks from its state, the model's layers, block
-    size, sequence limit and its role's token budget as EngineConfig and its defaults leave them
-    (`kvmesh up` sets none of them)."""
+    size, sequence limit and its role's token budget as the engines' configuration leaves them
+    (`kvmesh up` sets none of them: KVMESH_ENGINE_*, a KVMESH_CONFIG file, else EngineConfig's defaults,
+    read from this process's environment, which bench serve's clusters inherit)."""
+    from kvmesh.libs.controlplane.config import load_config
     from kvmesh.services.engine.config import EngineConfig
     from kvmesh.services.engine.defaults import token_budget
 
-    config = EngineConfig()
+    config = load_config(EngineConfig, "engine")
     return EngineSpec(block_size=config.block_size, num_layers=num_layers,
                       device_blocks=int(state["total_blocks"]["device"]), max_num_seqs=config.max_num_seqs,
                       token_budget=config.token_budget or token_budget(role))

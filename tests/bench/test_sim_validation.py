@@ -19,7 +19,7 @@ from kvmesh.bench.loadgen import LoadResult, RequestResult, poisson_arrivals
 from kvmesh.bench.report import BenchResult, save
 from kvmesh.bench.sim_serve_calibration import (calibrate, measured_link, measured_path, served_profile_path,
                                                write_served_profiles)
-from kvmesh.bench.sim_serving import sim_engines
+from kvmesh.bench.sim_serving import kv_geometry, sim_engines
 from kvmesh.bench.sim_validation import calibration_fit, six_term_fit, step_time_ratio
 from kvmesh.bench.workloads import WORKLOADS
 from kvmesh.policies.step_shape import FIELDS
@@ -105,7 +105,7 @@ def test_the_path_counts_in_the_simulated_latencies():
 
 def test_the_calibration_is_its_own_loads_steps_and_path():
     calibration = calibrate(fake_load(6, 16, ttft=0.05, engine_ttft=0.041, timed=True),
-                            {"engine-p0": recorded_steps(80), "engine-d0": recorded_steps(60, seed=1)})
+                            {"engine-p0": recorded_steps(80), "engine-d0": recorded_steps(60, seed=1)}, KVGeometry(), 16)
     for cost in calibration.costs.values():
         for term in TERMS:
             assert getattr(cost, term) == pytest.approx(getattr(TRUTH, term), rel=1e-6, abs=1e-15)
@@ -130,23 +130,40 @@ def test_the_link_is_the_line_through_the_split_requests_transfers_against_their
     for r in load.results:
         kv_bytes = -(-r.prompt_tokens // 16) * 30 * geometry.block_bytes(16)
         r.kvmesh["timings_ms"]["transfer"] = 1e3 * (0.002 + kv_bytes / 0.5e9)
-    link = measured_link(load, geometry)
+    link = measured_link(load, geometry, 16)
     assert link.gbps == pytest.approx(0.5)
     assert [pull(link, geometry, 16, r.prompt_tokens).seconds for r in load.results] == \
         pytest.approx([r.kvmesh["timings_ms"]["transfer"] / 1e3 for r in load.results])
-    assert measured_link(fake_load(4, 16, timed=True), geometry) == LinkSpec()  # nothing split: the defaults
+    assert measured_link(fake_load(4, 16, timed=True), geometry, 16) == LinkSpec()  # nothing split: the defaults
     for r in load.results:  # transfers of 8 ms whatever their size: the defaults' bandwidth, the rest latency
         r.kvmesh["timings_ms"]["transfer"] = 8.0
-    flat = measured_link(load, geometry)
+    flat = measured_link(load, geometry, 16)
     assert flat.gbps == LinkSpec().gbps
     assert np.mean([pull(flat, geometry, 16, r.prompt_tokens).seconds for r in load.results]) == pytest.approx(0.008)
+
+
+def test_a_run_whose_engines_use_other_blocks_has_its_link_priced_in_them(monkeypatch):
+    monkeypatch.setenv("KVMESH_ENGINE_BLOCK_SIZE", "32")  # the engines' configuration, as kvmesh up reads it
+    run = measured(bench_sim.CONFIGURATIONS[1])
+    geometry = kv_geometry("tiny")
+    load = run.calibration_load
+    for r in load.results:
+        kv_bytes = -(-r.prompt_tokens // 32) * geometry.num_layers * geometry.block_bytes(32)
+        r.kvmesh["timings_ms"]["transfer"] = 1e3 * (0.002 + kv_bytes / 0.5e9)
+    link = bench_sim.calibrated(run, "tiny").link
+    assert link.gbps == pytest.approx(0.5)
+    assert [pull(link, geometry, 32, r.prompt_tokens).seconds for r in load.results] == \
+        pytest.approx([r.kvmesh["timings_ms"]["transfer"] / 1e3 for r in load.results])
+    engines = sim_engines(run.configuration.topology, run.states, "tiny")
+    assert {spec.block_size for _, spec, _ in engines.values()} == {32}  # the replay pulls in the same blocks
+    assert measured_link(load, geometry, 16).gbps != pytest.approx(0.5)  # kvmesh up's default would misprice it
 
 
 def test_a_calibration_load_that_left_an_engine_without_steps_says_so():
     load = fake_load(6, 16)
     load.results[0].error = "timeout"
     with pytest.raises(RuntimeError, match=r"engine-d0 recorded 0 steps .* 1 of 16 requests failed"):
-        calibrate(load, {"engine-p0": recorded_steps(80), "engine-d0": []})
+        calibrate(load, {"engine-p0": recorded_steps(80), "engine-d0": []}, KVGeometry(), 16)
 
 
 def test_the_benches_calibrate_five_terms_and_their_with_f_variation_fits_six():
@@ -160,7 +177,7 @@ def test_the_benches_calibrate_five_terms_and_their_with_f_variation_fits_six():
 
 def test_each_variation_changes_one_assumption():
     run = measured(bench_sim.CONFIGURATIONS[0])
-    calibration = calibrate(run.calibration_load, run.calibration_steps)
+    calibration = bench_sim.calibrated(run, "tiny")
     in_process = load_profile(bench_sim.TINY.in_process)
     found = {v.suffix: v for v in bench_sim.variations(calibration, run, "tiny", in_process)}
     assert list(found) == ["", "_constant_path", "_in_process", "_no_path", "_default_link", "_with_f", "_own_steps",
@@ -198,7 +215,7 @@ def test_the_result_has_every_configurations_and_rates_keys_and_keeps_the_contra
     replayed = []
     for configuration in bench_sim.CONFIGURATIONS:
         run = measured(configuration)
-        calibration = calibrate(run.calibration_load, run.calibration_steps)
+        calibration = bench_sim.calibrated(run, "tiny")
         replayed.append((run, calibration, bench_sim.variations(calibration, run, "tiny", in_process)))
         write_served_profiles("tiny", configuration.key, configuration.setup.label, calibration)
         for engine_id, cost in calibration.costs.items():
@@ -260,7 +277,7 @@ def test_without_an_in_process_profile_the_real_models_result_has_no_in_process_
     replayed = []
     for configuration in real.configurations():
         run = measured(configuration, real.rates)
-        calibration = calibrate(run.calibration_load, run.calibration_steps)
+        calibration = bench_sim.calibrated(run, DEFAULT_MODEL)
         replayed.append((run, calibration, bench_sim.variations(calibration, run, DEFAULT_MODEL, None)))
     assert "_in_process" not in [v.suffix for v in replayed[0][2]]
     result = bench_sim._result(True, real, real.quick, replayed, None)
