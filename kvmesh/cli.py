@@ -352,7 +352,8 @@ def _sim_workload_arguments(parser: argparse.ArgumentParser) -> None:
                              "--kv-geometry and --block-size")
     parser.add_argument("--swap-gbps", type=_swap_gbps, metavar="OUT:IN",
                         help="the cxl tier's copy bandwidth, GB/s device to cxl and back, or one figure for both "
-                             "(default: what --profile measured, else 25, PCIe 4.0 x16)")
+                             "(default: --profile's, what a fitted one measured or a GPU deployment's tier; "
+                             "else 25, PCIe 4.0 x16)")
 
 
 def _conversation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -379,7 +380,7 @@ def _conversation(args: argparse.Namespace):
 def _engine_spec(args: argparse.Namespace, geometry: KVGeometry) -> EngineSpec:
     from kvmesh.sim.engine import EngineSpec
     from kvmesh.sim.tier_copies import load_swap_rates
-    tier = load_swap_rates(args.profile)  # what the profile measured (kvmesh sim calibrate), if it did
+    tier = load_swap_rates(args.profile)  # what a fitted profile measured, if it did; a GPU deployment's tier
     if args.cxl_blocks:
         # A simulated block holds --block-size tokens of num_layers / --num-layers of the model's layers
         # (all of them at the default --num-layers 1): a swap copies that share of the KV per block.

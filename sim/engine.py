@@ -5,7 +5,9 @@ when blocks run short (a swap to the cxl tier when the strategy says so and it h
 swapped-out ones, then waiting ones in the admission policy's order, with any kv_allocation policy
 (allocation ahead through CacheOpt's ledger), and LayerKV's layer offload (layer by layer in
 layer_count.py, a step's staged layers timed by staging_time.py). A step lasts what the step cost
-says, with its staged layers' copies overlapped, plus the copies of its swaps and layer moves.
+says, with its staged layers' copies overlapped, plus the copies of its swaps (each one's fixed cost
+and its bytes over the bandwidth, as a fitted profile's `tier` measured them) and layer moves (their
+bytes).
 
 With `prefix_caching` the count is prefix_count.py's: the prefix cache's nodes, evicted by the
 cache_policy hook, and with `cache_cxl` CaR's cxl tier of nodes and its Shuffled Window and
@@ -58,6 +60,8 @@ class EngineSpec:
     block_bytes: int = 0          # KV bytes of one block of one layer: what a swap copies per block
     swap_out_bytes_per_s: float = 25e9  # device to cxl copy bandwidth (PCIe 4.0 x16, one direction)
     swap_in_bytes_per_s: float = 25e9   # cxl to device
+    swap_out_fixed_s: float = 0.0       # what a swap out costs whatever its size (a fitted profile's `tier`)
+    swap_in_fixed_s: float = 0.0        # and a swap in
     # LayerKV: the most blocks a staged layer of a step may use (the scheduler's staging_cap; 0: no
     # layer-wise offloading), Eq. 5's threshold and horizon, and Eq. 3 and 4's fits (the native
     # engine profiles them at start; None: not profiled, every layer stays and Algorithm 1 admits all).
@@ -208,6 +212,7 @@ class SimEngine:
     def schedule(self, now: float) -> Step:
         moved = self.blocks.moved.copy()
         cache_copied = self.blocks.copied.copy() if isinstance(self.blocks, PrefixCount) else None
+        swapped = len(self.scheduler.swapped)
         plan = self.scheduler.schedule(now)
         step = Step(pulls=list(plan.pulls), preempted=[(r.request_id, how) for r, how in plan.preempted])
         for chunk in plan.chunks:
@@ -215,8 +220,11 @@ class SimEngine:
             if chunk.request.offloaded and self.scheduler.staging_cap:
                 self._stage(step, chunk.request)
         copied = self.blocks.moved - moved
+        swaps_out = sum(how == "swap" for _, how in step.preempted)
+        swaps_in = swapped + swaps_out - len(self.scheduler.swapped)  # only a swap in leaves `swapped` in a step
         step.swap_s = self.spec.block_bytes * (copied["cxl"] / self.spec.swap_out_bytes_per_s +
-                                               copied["device"] / self.spec.swap_in_bytes_per_s)
+                                               copied["device"] / self.spec.swap_in_bytes_per_s) + \
+            swaps_out * self.spec.swap_out_fixed_s + swaps_in * self.spec.swap_in_fixed_s
         if isinstance(self.blocks, PrefixCount):
             self._cache_copies(step, cache_copied)
         self.preemptions += [(now, request_id, strategy) for request_id, strategy in step.preempted]

@@ -5,14 +5,16 @@ and fits each direction's
     seconds = fixed_s + bytes / bytes_per_s
 
 (sim/fit.py's fit_copy_rate). The profile's `tier` section holds both directions' terms, each with
-its origin, and the fit's residuals; the simulator's EngineSpec takes the bandwidths from it
-(`swap_out_bytes_per_s`, `swap_in_bytes_per_s`; kvmesh/cli.py, where `--swap-gbps` overrides them).
-It prices a swap by its bytes alone: the fixed cost is the profile's record of what that leaves out."""
+its origin, and the fit's residuals; the simulator's EngineSpec takes both terms from it
+(`swap_out_bytes_per_s`, `swap_out_fixed_s` and the same of `swap_in`; kvmesh/cli.py, where
+`--swap-gbps` overrides the bandwidths). A GPU profile's swaps are its deployment's tier's
+(sim/hardware.py), bandwidth alone."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .hardware import load_deployment
 from .step_cost import read_profile
 
 DIRECTIONS = {"swap_out": "device to cxl", "swap_in": "cxl to device"}
@@ -38,9 +40,14 @@ def tier_entry(fitted: dict[str, tuple[CopyRate, dict]], about: str, origin: str
 
 
 def load_swap_rates(name: str) -> dict[str, float]:
-    """A fitted profile's measured swap bandwidths, as EngineSpec's fields; none in a profile without
-    a `tier` section (one fitted before it, or a GPU profile, whose tier is sim/hardware.py's)."""
-    tier = read_profile(name).get("tier")
+    """A profile's swap rates, as EngineSpec's fields: a fitted profile's measured bandwidths and fixed
+    costs (none in one without a `tier` section, fitted before it), a GPU deployment's tier's bandwidths."""
+    body = read_profile(name)
+    if body.get("kind") == "roofline":
+        tier = load_deployment(name).tier
+        return {"swap_out_bytes_per_s": tier.from_device_gbs * 1e9, "swap_in_bytes_per_s": tier.to_device_gbs * 1e9}
+    tier = body.get("tier")
     if not isinstance(tier, dict):
         return {}
-    return {key: float(tier[key]["value"]) for key in (f"{d}_bytes_per_s" for d in DIRECTIONS) if key in tier}
+    fields = [f"{d}_{term}" for d in DIRECTIONS for term in ("bytes_per_s", "fixed_s")]
+    return {key: float(tier[key]["value"]) for key in fields if key in tier}

@@ -9,7 +9,7 @@ import pytest
 from kvmesh.cli import main
 from kvmesh.sim import calibrate
 from kvmesh.sim.fit import fit_copy_rate, fit_step_cost, recorded_shape
-from kvmesh.sim.step_cost import TERMS, StepCost, load_profile
+from kvmesh.sim.step_cost import TERMS, StepCost, load_profile, read_profile
 from kvmesh.sim.tier_copies import CopyRate, load_swap_rates
 
 
@@ -122,8 +122,8 @@ def test_the_calibration_measures_the_swaps_both_ways(tiny_profile):
         assert tier[f"{direction}_bytes_per_s"]["value"] > 0 and tier[f"{direction}_fixed_s"]["value"] >= 0
         assert tier[f"{direction}_bytes_per_s"]["origin"]
         assert [c["bytes"] for c in tier["fit"][direction]["copies"]] == [4 * 16384, 16 * 4 * 16384]
-    assert load_swap_rates(str(tiny_profile)) == {"swap_out_bytes_per_s": tier["swap_out_bytes_per_s"]["value"],
-                                                  "swap_in_bytes_per_s": tier["swap_in_bytes_per_s"]["value"]}
+    assert load_swap_rates(str(tiny_profile)) == {f"{d}_{term}": tier[f"{d}_{term}"]["value"]
+                                                  for d in ("swap_out", "swap_in") for term in ("bytes_per_s", "fixed_s")}
 
 
 @pytest.mark.parametrize("swap_gbps, expected", [((), None), (("--swap-gbps", "20:10"), (20e9, 10e9))])
@@ -135,7 +135,26 @@ def test_sim_run_swaps_at_the_profile_s_measured_bandwidth_unless_told(tmp_path,
     measured = load_swap_rates(str(tiny_profile))
     assert (engine["swap_out_bytes_per_s"], engine["swap_in_bytes_per_s"]) == \
         (expected or (measured["swap_out_bytes_per_s"], measured["swap_in_bytes_per_s"]))
+    # A swap's fixed cost is the profile's either way: --swap-gbps gives bandwidths.
+    assert (engine["swap_out_fixed_s"], engine["swap_in_fixed_s"]) == \
+        (measured["swap_out_fixed_s"], measured["swap_in_fixed_s"])
 
 
-def test_a_profile_without_a_tier_section_measured_no_swaps():
-    assert load_swap_rates("opt-13b-a100-fp16-tp1") == {}  # a GPU profile: its tier is sim/hardware.py's
+@pytest.mark.parametrize("swap_gbps, expected", [((), (50e9, 50e9)), (("--swap-gbps", "20:10"), (20e9, 10e9))])
+def test_sim_run_on_a_gpu_profile_swaps_at_its_deployment_s_tier_unless_told(tmp_path, swap_gbps, expected):
+    """llama-3.1-70b on four L20s, each two sharing a PCIe Gen4 link: 12.5 GB/s a GPU each way, so the
+    engine's tier is 50 GB/s (sim/hardware.py), not the 25 of EngineSpec's default."""
+    out = tmp_path / "run.json"
+    assert main(["sim", "run", "--profile", "llama-3.1-70b-l20-bf16-tp4", "--rate", "2", "--requests", "10",
+                 "--cxl-blocks", "256", *swap_gbps, "--json", str(out)]) == 0
+    engine = json.loads(out.read_text())["config"]["engine"]
+    assert (engine["swap_out_bytes_per_s"], engine["swap_in_bytes_per_s"]) == expected
+    assert engine["swap_out_fixed_s"] == engine["swap_in_fixed_s"] == 0.0  # a GPU profile measured no swaps
+
+
+def test_a_profile_without_a_tier_section_measured_no_swaps(tmp_path):
+    body = read_profile("tiny-cpu-bfloat16-1t")
+    del body["tier"]  # as profiles fitted before the swaps were timed, or by --from-engine
+    path = tmp_path / "untimed.json"
+    path.write_text(json.dumps(body))
+    assert load_swap_rates(str(path)) == {}

@@ -133,8 +133,11 @@ def test_the_simulator_decides_as_the_native_scheduler_step_by_step(policies, de
 
 
 def test_a_step_waits_for_its_swaps_copies():
-    """Each block a swap copies takes block_bytes over its direction's bandwidth, on top of the step cost."""
-    engine = SimEngine(SPEC, COST, {"preemption_strategy": "swap"}, SMALL)
+    """A swap takes its direction's fixed cost plus block_bytes over its bandwidth for each block it
+    copies, on top of the step cost: b's 4 blocks in each of 2 layers, 64 bytes each, out at 1 MB/s
+    (0.512 ms) after 0.25 s, back in at 2 MB/s (0.256 ms) after 0.5 s."""
+    spec = replace(SPEC, swap_out_fixed_s=0.25, swap_in_fixed_s=0.5)
+    engine = SimEngine(spec, COST, {"preemption_strategy": "swap"}, SMALL)
     a, b = SimRequest("a", 0.0, 12, 20), SimRequest("b", 0.0, 8, 20)  # 8 and 7 blocks a layer at their longest
     engine.add(a)
     engine.add(b)
@@ -144,16 +147,15 @@ def test_a_step_waits_for_its_swaps_copies():
             break
         engine.complete(step, k + 0.5)
     assert step.preempted == [("b", "swap")]
-    swapped = SPEC.num_layers * b.blocks_per_layer
-    assert b.tier == "cxl" and swapped > 0
-    assert step.swap_s == pytest.approx(swapped * SHAPE.bytes / SPEC.swap_out_bytes_per_s)
+    assert b.tier == "cxl" and SPEC.num_layers * b.blocks_per_layer * SHAPE.bytes == 2 * 4 * 64
+    assert step.swap_s == pytest.approx(0.25 + 0.512e-3, rel=1e-12)
     assert engine.seconds(step) == pytest.approx(COST.seconds(step.prefill_tokens, step.decode_tokens,
                                                              step.decode_context, step.prefill_context) + step.swap_s)
     while b.tier == "cxl":  # a runs on until b fits again, and is swapped back in
         engine.complete(step, k + 0.5)
         k += 1
         step = engine.schedule(float(k))
-    assert step.swap_s == pytest.approx(swapped * SHAPE.bytes / SPEC.swap_in_bytes_per_s)
+    assert step.swap_s == pytest.approx(0.5 + 0.256e-3, rel=1e-12)
 
 
 # With the prefix cache: three conversations that open with the same 8-token system prompt, each turn's
