@@ -1,6 +1,7 @@
 """A simulated cluster: engines of roles `both`, `prefill` and `decode`, a routing policy from
 policies/routing called as the scheduler calls it, and the KV hand-off in pull or push mode over
-links (sim/link.py), in one event loop where each engine steps on its own.
+links (sim/link.py; each prefill engine's shared by its pairs, sim/shared_link.py), in one event loop
+where each engine steps on its own.
 
 A request routed to a pair runs in two parts, as admission sends them (docs/serving.md): on the
 prefill engine its prompt with `max_tokens` 1, the KV held when it ends; then, from its first token
@@ -16,9 +17,10 @@ never looks a pull up (the record takes the prefill part's cached tokens).
 
 Push mode: the decode part goes to its engine first, as the reservation (`POST /v1/kv/reserve`); when
 that engine gives it blocks, the prefill part starts, and its chunks' KV is written layer by layer
-as each step computes them. The first token comes out when the last write is ACKed (the prefill's
-last frame comes after the writes); then the prefill engine frees its blocks and the decode part
-runs from its last prompt token. `transfer_s` is then what the writes add after the prefill. The
+as each step computes them (queued on the link as the step starts, each layer's for when the step
+reaches its end). The first token comes out when the last write is ACKed (the prefill's last frame
+comes after the writes); then the prefill engine frees its blocks and the decode part runs from its
+last prompt token. `transfer_s` is then what the writes add after the prefill. The
 prefill part carries `push` (its decode engine), so a prefill engine with LayerKV keeps every layer
 of a pushed prompt on the device, as the native scheduler does.
 
@@ -42,9 +44,10 @@ from . import decode_run
 from .decode_run import DecodeRun
 from .engine import EngineSpec, SimEngine, Step
 from .events import EventQueue
-from .link import KVGeometry, Link, LinkSpec, pull, push
+from .link import KVGeometry, LinkSpec, pull, push
 from .prefix_count import PrefixCount
 from .request import SimRequest
+from .shared_link import SharedLink
 from .step_cost import StepCost
 from .topology import Topology
 
@@ -66,9 +69,10 @@ class Member:
     run: DecodeRun | None = None      # the decode run it is in
 
 
-@dataclass
+@dataclass(eq=False)
 class Handoff:
-    """A request split across a pair: its record, and each part on its engine."""
+    """A request split across a pair: its record, and each part on its engine (its transfers' owner
+    on the prefill engine's link)."""
 
     whole: SimRequest
     prefill: str
@@ -76,7 +80,8 @@ class Handoff:
     prefill_part: SimRequest
     decode_part: SimRequest | None = None
     transfer_start: float | None = None  # pull: its start; push: the prefill's end
-    push_done: float | None = None       # push: when the writes queued so far are ACKed
+    acked_at: float | None = None        # when its transfers queued so far are ACKed, as the link plays now
+    version: int = 0                     # of acked_at: a PULL_DONE or PUSH_DONE for an older one is stale
 
 
 class Cluster:
@@ -100,7 +105,7 @@ class Cluster:
         self.route = registry.resolve(routing)
         self.routing_state = RoutingState()
         self.link, self.geometry = link, geometry
-        self.links: dict[tuple[str, str], Link] = {}
+        self.links: dict[str, SharedLink] = {}  # prefill engine -> its link
         self.handoffs: dict[str, Handoff] = {}
 
     def run(self, requests: Iterable[SimRequest], routed: Callable[[SimRequest], None] | None = None) -> float:
@@ -122,10 +127,14 @@ class Cluster:
                 touched = self._step_done(*event.payload, events)
             elif event.kind == RUN_DONE:
                 touched = self._run_done(*event.payload)
-            elif event.kind == PULL_DONE:
-                touched = self._pull_done(event.payload, events.now)
             else:
-                touched = self._push_done(event.payload, events.now)
+                handoff, version = event.payload
+                if version != handoff.version:  # its transfers land later now: a later event has it
+                    touched = []
+                elif event.kind == PULL_DONE:
+                    touched = self._pull_done(handoff, events.now)
+                else:
+                    touched = self._push_done(handoff, events.now)
             while touched:
                 touched += self._kick(touched.pop(0), events)
         return events.now
@@ -171,12 +180,10 @@ class Cluster:
         self.handoffs[handoff.whole.request_id] = handoff
         return [handoff.decode]
 
-    def _step_done(self, engine_id: str, step: Step, start: float, events: EventQueue) -> list[str]:
+    def _step_done(self, engine_id: str, step: Step, events: EventQueue) -> list[str]:
         now, member = events.now, self.members[engine_id]
         member.busy = False
         touched = [engine_id]
-        if self.transfer_mode == "push" and self.handoffs:
-            self._push_chunks(step, start, now)
         for part in member.engine.complete(step, now):
             handoff = self.handoffs.get(part.request_id)
             if handoff is None:  # served whole: its own record
@@ -187,11 +194,14 @@ class Cluster:
                 touched += self._to_decode(handoff, now)
             else:
                 handoff.transfer_start = now
-                events.schedule(handoff.push_done, PUSH_DONE, handoff)
+                events.schedule(handoff.acked_at, PUSH_DONE, (handoff, handoff.version))
         return touched
 
     def _push_chunks(self, step: Step, start: float, end: float) -> None:
-        """Queue the writes of the prefill parts' chunks, layer by layer as the step computed them."""
+        """Queue the writes of the prefill parts' chunks on the link, each layer's when the step from
+        `start` to `end` reaches its end (evenly)."""
+        layers = self.geometry.num_layers
+        releases = [start + (end - start) * layer / layers for layer in range(1, layers + 1)]
         for part, n in step.chunks:
             handoff = self.handoffs.get(part.request_id)
             if handoff is not None and part is handoff.prefill_part:
@@ -200,7 +210,7 @@ class Cluster:
                 computed = 0 if part.num_computed == part.num_cached else part.num_computed
                 transfer = push(self.link, self.geometry, self.members[handoff.decode].engine.spec.block_size,
                                 computed, part.num_computed + n - computed)
-                handoff.push_done = self._link(handoff).start_layers(start, end, transfer, self.geometry.num_layers)
+                self._acked(self._link(handoff).add(start, handoff.decode, handoff, transfer, releases))
 
     def _push_done(self, handoff: Handoff, now: float) -> list[str]:
         """The last write is ACKed: the first token goes out, the prefill engine frees the KV, and the
@@ -279,7 +289,10 @@ class Cluster:
                     self._settled(handoff.prefill).add(handoff.prefill_part)
                     prefills.append(handoff.prefill)
             if step.chunks:
-                events.schedule(events.now + member.engine.seconds(step), STEP_DONE, (engine_id, step, events.now))
+                end = events.now + member.engine.seconds(step)
+                if self.transfer_mode == "push" and self.handoffs:
+                    self._push_chunks(step, events.now, end)
+                events.schedule(end, STEP_DONE, (engine_id, step))
                 member.busy = True
             elif not step.preempted:  # nothing fits until something else happens
                 break
@@ -333,10 +346,20 @@ class Cluster:
         transfer = pull(self.link, self.geometry, self.members[handoff.decode].engine.spec.block_size,
                         handoff.decode_part.kv_elsewhere)
         handoff.transfer_start = events.now
-        events.schedule(self._link(handoff).start(events.now, transfer), PULL_DONE, handoff)
+        self._acked(self._link(handoff).add(events.now, handoff.decode, handoff, transfer, (events.now,)))
 
-    def _link(self, handoff: Handoff) -> Link:
-        return self.links.setdefault((handoff.prefill, handoff.decode), Link())
+    def _link(self, handoff: Handoff) -> SharedLink:
+        return self.links.setdefault(handoff.prefill, SharedLink())
+
+    def _acked(self, landed: list[tuple[Handoff, float]]) -> None:
+        """Hand-offs whose transfers land at a new time (queued now, or slowed by one queued now): their
+        ACK moves, and its event with it once there is one (a pull's from its start, a push's from the
+        prefill's end)."""
+        for handoff, at in landed:
+            handoff.acked_at, handoff.version = at + self.link.latency_s, handoff.version + 1
+            if handoff.transfer_start is not None:
+                self.events.schedule(handoff.acked_at, PULL_DONE if self.transfer_mode == "pull" else PUSH_DONE,
+                                     (handoff, handoff.version))
 
     def _views(self, now: float) -> EngineTable:
         """Each engine as the scheduler sees it (services/scheduler/cluster.py): its load at its last

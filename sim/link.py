@@ -12,10 +12,10 @@ written as the prefill computes the layer.
   request's blocks are contiguous on both sides;
 - bytes: whole blocks, as the puller reads them: K and V of `block_size` tokens, per layer.
 
-A link joins one prefill engine to one decode engine (one puller connection) and its transfers share
-it first come, first served: a transfer's reads start when the one before it has landed. The
-COMPLETE/ACK round trip does not hold the link (the puller keeps posting other requests' reads
-while it waits for an ACK).
+A pair (one prefill engine, one decode engine: one puller connection) serves its transfers first
+come, first served: a transfer's reads start when the one before it has landed. The COMPLETE/ACK
+round trip does not hold the connection (the puller keeps posting other requests' reads while it
+waits for an ACK). The pairs of one prefill engine share its bandwidth (shared_link.py).
 
 Push: a prefill step computing a chunk of the prompt reaches its layers one after another, evenly
 over the step; each layer's share of the chunk's writes is queued on the link when its layer is
@@ -73,12 +73,17 @@ class LinkSpec:
             raise ValueError(f"link: bandwidth must be > 0, latency and per-read cost >= 0, block runs >= 1; "
                              f"got {self.gbps} GB/s, {self.latency_us} us, {self.per_read_us} us, {self.block_runs}")
 
+    @property
+    def latency_s(self) -> float:
+        return self.latency_us * 1e-6
+
 
 @dataclass(frozen=True, slots=True)
 class Transfer:
     bytes: int
     reads: int
     data_s: float       # the reads: what holds the link
+    bytes_s: float      # of data_s, the bytes over the bandwidth (what transfers sharing the link split)
     latency_s: float    # the COMPLETE/ACK round trip after them
 
     @property
@@ -101,23 +106,6 @@ def _blocks(link: LinkSpec, geometry: KVGeometry, block_size: int, blocks: int) 
     runs = min(blocks, link.block_runs) if link.coalescing else blocks
     reads = runs * geometry.num_layers * (2 if link.kv_apart else 1)
     size = blocks * geometry.num_layers * geometry.block_bytes(block_size)
-    return Transfer(size, reads, link.per_read_us * 1e-6 * reads + size / (link.gbps * 1e9), link.latency_us * 1e-6)
+    bytes_s = size / (link.gbps * 1e9)
+    return Transfer(size, reads, link.per_read_us * 1e-6 * reads + bytes_s, bytes_s, link.latency_s)
 
-
-class Link:
-    """One prefill-decode pair's connection: transfers one after another, first come, first served."""
-
-    def __init__(self) -> None:
-        self.free_at = 0.0  # when the reads queued so far have landed
-
-    def start(self, now: float, transfer: Transfer) -> float:
-        """Queue a transfer's reads at `now`; when its COMPLETE is ACKed."""
-        self.free_at = max(now, self.free_at) + transfer.data_s
-        return self.free_at + transfer.latency_s
-
-    def start_layers(self, start: float, end: float, transfer: Transfer, layers: int) -> float:
-        """Queue a transfer's writes layer by layer, as a step from `start` to `end` computes each
-        layer (evenly); when the last one is ACKed."""
-        for layer in range(1, layers + 1):
-            self.free_at = max(start + (end - start) * layer / layers, self.free_at) + transfer.data_s / layers
-        return self.free_at + transfer.latency_s

@@ -32,7 +32,7 @@ def fingerprint(topology: str, rate: float, count: int, **options) -> str:
     ("colocated:8", 32.0, 1600, {}, "dce58c88454a80ef"),
     ("colocated:8", 32.0, 400, {"max_run_steps": 0}, "d2d663604654ae6b"),
     ("pd:2:4", 12.0, 400, {}, "b23c9bb1b99fdfb5"),
-    ("pd:2:4", 12.0, 400, {"transfer_mode": "push", "heartbeat_s": 0.25}, "c37a730efd0213f9"),
+    ("pd:2:4", 12.0, 400, {"transfer_mode": "push", "heartbeat_s": 0.25}, "6acfa862ec8e91b7"),
 ])
 def test_what_is_simulated_stays_the_same(topology, rate, count, options, digest):
     assert fingerprint(topology, rate, count, **options) == digest

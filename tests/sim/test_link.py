@@ -1,9 +1,10 @@
 """The link model: bytes from the KV geometry, reads with and without coalescing, transfers one
-after another on a link."""
+after another on a pair's connection."""
 
 import pytest
 
-from kvmesh.sim.link import KVGeometry, Link, LinkSpec, pull, push
+from kvmesh.sim.link import KVGeometry, LinkSpec, pull, push
+from kvmesh.sim.shared_link import SharedLink
 
 GEOMETRY = KVGeometry(num_layers=4, kv_heads=2, head_dim=64, dtype_bytes=2)
 LINK = LinkSpec(gbps=2.0, latency_us=500.0, per_read_us=10.0)
@@ -30,10 +31,10 @@ def test_coalescing_merges_each_contiguous_run_into_one_read(coalescing, runs, r
 
 def test_transfers_on_one_link_go_first_come_first_served():
     """The second one's reads start when the first one's have landed; the ACK wait holds nobody."""
-    link, first, second = Link(), pull(LINK, GEOMETRY, 16, 100), pull(LINK, GEOMETRY, 16, 30)
-    assert link.start(1.0, first) == pytest.approx(1.0 + first.seconds, rel=1e-12)
-    assert link.start(1.0, second) == pytest.approx(1.0 + first.data_s + second.seconds, rel=1e-12)
-    assert link.start(5.0, first) == pytest.approx(5.0 + first.seconds, rel=1e-12)  # idle by then
+    link, first, second = SharedLink(), pull(LINK, GEOMETRY, 16, 100), pull(LINK, GEOMETRY, 16, 30)
+    assert link.add(1.0, "d", "a", first, [1.0]) == [("a", 1.0 + first.data_s)]
+    assert link.add(1.0, "d", "b", second, [1.0]) == [("b", 1.0 + first.data_s + second.data_s)]
+    assert link.add(5.0, "d", "c", first, [5.0]) == [("c", 5.0 + first.data_s)]  # idle by then
 
 
 def test_bad_geometry_and_links_are_refused():
@@ -52,8 +53,9 @@ def test_pushed_writes_follow_the_layers_and_leave_the_last_layers_write(step_s)
     transfer, layers = push(LINK, GEOMETRY, 16, 0, 100), GEOMETRY.num_layers
     assert transfer.bytes == pull(LINK, GEOMETRY, 16, 100).bytes
     w = transfer.data_s / layers
-    done = Link().start_layers(2.0, 2.0 + step_s, transfer, layers)
-    assert done == pytest.approx(2.0 + max(step_s + w, step_s / layers + layers * w) + transfer.latency_s, rel=1e-12)
+    [(_, landed)] = SharedLink().add(2.0, "d", "a", transfer, [2.0 + step_s * layer / layers
+                                                                for layer in range(1, layers + 1)])
+    assert landed == pytest.approx(2.0 + max(step_s + w, step_s / layers + layers * w), rel=1e-12)
 
 
 def test_a_chunk_pushes_the_blocks_it_fills():
