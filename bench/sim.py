@@ -186,9 +186,8 @@ def measure_configuration(configuration: Configuration, cluster: serve.LocalClus
 
 def calibrated(measured: Measured, model: str) -> Calibration:
     """The profile fitted to a configuration's calibration load, its KV in the blocks its engines
-    used (the simulated engines' block size, which the replay pulls in)."""
-    engines = sim_engines(measured.configuration.topology, measured.states, model)
-    block_size, = {spec.block_size for _, spec, _ in engines.values()}
+    used (their GET /v1/state's block size, which the simulated engines and the replay's pulls take)."""
+    block_size, = {state["block_size"] for state in measured.states.values()}
     return calibrate(measured.calibration_load, measured.calibration_steps, kv_geometry(model), block_size)
 
 
@@ -370,7 +369,7 @@ def _configuration_config(model: str, measured: Measured, calibration: Calibrati
                     for e, (role, spec, policies) in engines.items()},
         "engines_from": {"device_blocks": "GET /v1/state total_blocks.device",
                          "num_layers": f"{model}'s (its preset or checkpoint's config.json)",
-                         "block_size": "the engines' configuration", "max_num_seqs": "the engines' configuration",
+                         "block_size": "GET /v1/state block_size", "max_num_seqs": "the engines' configuration",
                          "token_budget": "the engines' configuration (0: decided for the engine's role)",
                          "policies": "GET /v1/state, the hooks the simulator runs"},
         "variations": {v.suffix or "calibrated": {"label": v.label,

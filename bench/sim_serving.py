@@ -56,8 +56,8 @@ def sim_engines(topology: str, states: dict[str, dict],
 
 
 def engine_spec(state: dict, num_layers: int, role: str = "both") -> EngineSpec:
-    """The simulated engine as the real one: device blocks from its state, the model's layers, block
-    size, sequence limit and its role's token budget as the engines' configuration leaves them
+    """The simulated engine as the real one: device blocks and their size from its state, the model's
+    layers, the sequence limit and its role's token budget as the engines' configuration leaves them
     (`kvmesh up` sets none of them: KVMESH_ENGINE_*, a KVMESH_CONFIG file, else EngineConfig's defaults,
     read from this process's environment, which bench serve's clusters inherit)."""
     from kvmesh.libs.controlplane.config import load_config
@@ -65,7 +65,7 @@ def engine_spec(state: dict, num_layers: int, role: str = "both") -> EngineSpec:
     from kvmesh.services.engine.defaults import token_budget
 
     config = load_config(EngineConfig, "engine")
-    return EngineSpec(block_size=config.block_size, num_layers=num_layers,
+    return EngineSpec(block_size=int(state["block_size"]), num_layers=num_layers,
                       device_blocks=int(state["total_blocks"]["device"]), max_num_seqs=config.max_num_seqs,
                       token_budget=config.token_budget or token_budget(role))
 

@@ -66,6 +66,7 @@ class EngineState(msgspec.Struct, kw_only=True):
     backend: str = "native"
     free_blocks: dict[str, int]
     total_blocks: dict[str, int]
+    block_size: int  # tokens a KV block holds
     waiting: int
     running: int
     swapped: int

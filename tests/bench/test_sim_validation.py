@@ -76,13 +76,14 @@ def test_the_replay_is_the_measured_loads_requests_and_arrivals():
 
 
 COLOCATED = {"engine-c0": ("both", SPEC, {})}
-STATE = {"total_blocks": {"device": 4096}, "policies": {}}
+STATE = {"total_blocks": {"device": 4096}, "block_size": 16, "policies": {}}
 
 
-def measured(configuration: bench_sim.Configuration, rates=bench_sim.TINY.rates) -> bench_sim.Measured:
-    """A made-up run of a configuration: timed loads, and each engine's steps taken as TRUTH says."""
+def measured(configuration: bench_sim.Configuration, rates=bench_sim.TINY.rates, state=STATE) -> bench_sim.Measured:
+    """A made-up run of a configuration: timed loads, each engine's GET /v1/state `state`, and each
+    engine's steps taken as TRUTH says."""
     engines = list(Topology.parse(configuration.topology).roles())
-    return bench_sim.Measured(configuration, dict.fromkeys(engines, STATE), fake_load(6, 16, timed=True),
+    return bench_sim.Measured(configuration, dict.fromkeys(engines, state), fake_load(6, 16, timed=True),
                               {e: recorded_steps(80, seed=k) for k, e in enumerate(engines)},
                               [fake_load(rate, 16, engine_ttft=0.03 + 0.001 * rate, timed=True) for rate in rates],
                               [{e: recorded_steps(40, scaled(TRUTH, 1 + 0.1 * i), seed=i) for e in engines}
@@ -143,8 +144,8 @@ def test_the_link_is_the_line_through_the_split_requests_transfers_against_their
 
 
 def test_a_run_whose_engines_use_other_blocks_has_its_link_priced_in_them(monkeypatch):
-    monkeypatch.setenv("KVMESH_ENGINE_BLOCK_SIZE", "32")  # the engines' configuration, as kvmesh up reads it
-    run = measured(bench_sim.CONFIGURATIONS[1])
+    monkeypatch.setenv("KVMESH_ENGINE_BLOCK_SIZE", "16")  # this process's configuration: the engines' state wins
+    run = measured(bench_sim.CONFIGURATIONS[1], state=STATE | {"block_size": 32})
     geometry = kv_geometry("tiny")
     load = run.calibration_load
     for r in load.results:

@@ -189,7 +189,7 @@ class Engine(EngineHandoff):
     def state(self) -> EngineState:
         view = self.blocks.pool_view()
         tbt = sorted(self._tbt)
-        return EngineState(free_blocks=dict(view.free), total_blocks=dict(view.total),
+        return EngineState(free_blocks=dict(view.free), total_blocks=dict(view.total), block_size=view.block_size,
                            waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
                            swapped=len(self.scheduler.swapped), pulling=len(self.scheduler.pulling),
                            held_kv=len(self.held), pushing=len(self.pushing),
