@@ -194,7 +194,7 @@ class Scheduler:
         for request_id, keep in plan.shrink.items():
             request = by_id.get(request_id)
             on_device = [i for i, layer in enumerate(request.layers) if layer.tier == "device"] if request else []
-            if keep >= len(on_device):
+            if keep >= len(on_device) or request.push is not None:  # a push writes its chunks from the device
                 continue
             stay = {on_device[i] for i in interleaved(len(on_device), max(0, keep))}
             if self.blocks.move_layers(request, [i for i in on_device if i not in stay], "cxl"):
