@@ -197,11 +197,10 @@ class Cluster:
                 events.schedule(handoff.acked_at, PUSH_DONE, (handoff, handoff.version))
         return touched
 
-    def _push_chunks(self, step: Step, start: float, end: float) -> None:
-        """Queue the writes of the prefill parts' chunks on the link, each layer's when the step from
-        `start` to `end` reaches its end (evenly)."""
-        layers = self.geometry.num_layers
-        releases = [start + (end - start) * layer / layers for layer in range(1, layers + 1)]
+    def _push_chunks(self, engine_id: str, step: Step, start: float, end: float) -> None:
+        """Queue the writes of the prefill parts' chunks on the engine's link, each layer's when the step
+        from `start` to `end` reaches its end (evenly)."""
+        writes = []
         for part, n in step.chunks:
             handoff = self.handoffs.get(part.request_id)
             if handoff is not None and part is handoff.prefill_part:
@@ -210,7 +209,12 @@ class Cluster:
                 computed = 0 if part.num_computed == part.num_cached else part.num_computed
                 transfer = push(self.link, self.geometry, self.members[handoff.decode].engine.spec.block_size,
                                 computed, part.num_computed + n - computed)
-                self._acked(self._link(handoff).add(start, handoff.decode, handoff, transfer, releases))
+                writes.append((handoff.decode, handoff, transfer))
+        if writes:
+            layers = self.geometry.num_layers
+            releases = [start + (end - start) * layer / layers for layer in range(1, layers + 1)]
+            self._acked(self._link(engine_id).add(start, [(decode, handoff, transfer, releases)
+                                                          for decode, handoff, transfer in writes]))
 
     def _push_done(self, handoff: Handoff, now: float) -> list[str]:
         """The last write is ACKed: the first token goes out, the prefill engine frees the KV, and the
@@ -291,7 +295,7 @@ class Cluster:
             if step.chunks:
                 end = events.now + member.engine.seconds(step)
                 if self.transfer_mode == "push" and self.handoffs:
-                    self._push_chunks(step, events.now, end)
+                    self._push_chunks(engine_id, step, events.now, end)
                 events.schedule(end, STEP_DONE, (engine_id, step))
                 member.busy = True
             elif not step.preempted:  # nothing fits until something else happens
@@ -346,10 +350,10 @@ class Cluster:
         transfer = pull(self.link, self.geometry, self.members[handoff.decode].engine.spec.block_size,
                         handoff.decode_part.kv_elsewhere)
         handoff.transfer_start = events.now
-        self._acked(self._link(handoff).add(events.now, handoff.decode, handoff, transfer, (events.now,)))
+        self._acked(self._link(handoff.prefill).add(events.now, [(handoff.decode, handoff, transfer, (events.now,))]))
 
-    def _link(self, handoff: Handoff) -> SharedLink:
-        return self.links.setdefault(handoff.prefill, SharedLink())
+    def _link(self, prefill: str) -> SharedLink:
+        return self.links.setdefault(prefill, SharedLink())
 
     def _acked(self, landed: list[tuple[Handoff, float]]) -> None:
         """Hand-offs whose transfers land at a new time (queued now, or slowed by one queued now): their

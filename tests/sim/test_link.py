@@ -32,9 +32,9 @@ def test_coalescing_merges_each_contiguous_run_into_one_read(coalescing, runs, r
 def test_transfers_on_one_link_go_first_come_first_served():
     """The second one's reads start when the first one's have landed; the ACK wait holds nobody."""
     link, first, second = SharedLink(), pull(LINK, GEOMETRY, 16, 100), pull(LINK, GEOMETRY, 16, 30)
-    assert link.add(1.0, "d", "a", first, [1.0]) == [("a", 1.0 + first.data_s)]
-    assert link.add(1.0, "d", "b", second, [1.0]) == [("b", 1.0 + first.data_s + second.data_s)]
-    assert link.add(5.0, "d", "c", first, [5.0]) == [("c", 5.0 + first.data_s)]  # idle by then
+    assert link.add(1.0, [("d", "a", first, [1.0])]) == [("a", 1.0 + first.data_s)]
+    assert link.add(1.0, [("d", "b", second, [1.0])]) == [("b", 1.0 + first.data_s + second.data_s)]
+    assert link.add(5.0, [("d", "c", first, [5.0])]) == [("c", 5.0 + first.data_s)]  # idle by then
 
 
 def test_bad_geometry_and_links_are_refused():
@@ -53,8 +53,8 @@ def test_pushed_writes_follow_the_layers_and_leave_the_last_layers_write(step_s)
     transfer, layers = push(LINK, GEOMETRY, 16, 0, 100), GEOMETRY.num_layers
     assert transfer.bytes == pull(LINK, GEOMETRY, 16, 100).bytes
     w = transfer.data_s / layers
-    [(_, landed)] = SharedLink().add(2.0, "d", "a", transfer, [2.0 + step_s * layer / layers
-                                                                for layer in range(1, layers + 1)])
+    releases = [2.0 + step_s * layer / layers for layer in range(1, layers + 1)]
+    [(_, landed)] = SharedLink().add(2.0, [("d", "a", transfer, releases)])
     assert landed == pytest.approx(2.0 + max(step_s + w, step_s / layers + layers * w), rel=1e-12)
 
 

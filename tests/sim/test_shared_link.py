@@ -21,10 +21,11 @@ READS = TRANSFER.data_s - TRANSFER.bytes_s
 
 def test_two_equal_pulls_starting_together_each_take_twice_the_bandwidth_part():
     link = SharedLink()
-    assert link.add(1.0, "d0", "a", TRANSFER, [1.0]) == [("a", 1.0 + TRANSFER.data_s)]  # alone: link.py's price
-    landed = dict(link.add(1.0, "d1", "b", TRANSFER, [1.0]))
-    assert landed == pytest.approx({"a": 1.0 + READS + 2 * TRANSFER.bytes_s, "b": 1.0 + READS + 2 * TRANSFER.bytes_s},
-                                   rel=1e-12)
+    assert link.add(1.0, [("d0", "a", TRANSFER, [1.0])]) == [("a", 1.0 + TRANSFER.data_s)]  # link.py's price
+    shared = 1.0 + READS + 2 * TRANSFER.bytes_s
+    assert dict(link.add(1.0, [("d1", "b", TRANSFER, [1.0])])) == pytest.approx({"a": shared, "b": shared}, rel=1e-12)
+    together = SharedLink().add(1.0, [("d0", "a", TRANSFER, [1.0]), ("d1", "b", TRANSFER, [1.0])])
+    assert dict(together) == pytest.approx({"a": shared, "b": shared}, rel=1e-12)  # queued at once: the same
 
 
 def test_a_pull_starting_halfway_through_another_slows_it_from_there():
@@ -33,8 +34,8 @@ def test_a_pull_starting_halfway_through_another_slows_it_from_there():
     b - (d - READS) / 2 of bytes left, which it moves alone."""
     d, b = TRANSFER.data_s, TRANSFER.bytes_s
     link = SharedLink()
-    link.add(0.0, "d0", "a", TRANSFER, [0.0])
-    landed = dict(link.add(d / 2, "d1", "b", TRANSFER, [d / 2]))
+    link.add(0.0, [("d0", "a", TRANSFER, [0.0])])
+    landed = dict(link.add(d / 2, [("d1", "b", TRANSFER, [d / 2])]))
     assert landed["a"] == pytest.approx(3 * d / 2, rel=1e-12)
     assert landed["b"] == pytest.approx(3 * d / 2 + b - (d - READS) / 2, rel=1e-12)
 
@@ -43,17 +44,18 @@ def test_a_transfer_queued_behind_its_pairs_own_waits_for_it_and_then_runs_alone
     """a then c on d0 (first come, first served), b on d1: a and b share from 0 and both land at
     READS + 2B; c starts then, alone."""
     link = SharedLink()
-    link.add(0.0, "d0", "a", TRANSFER, [0.0])
-    link.add(0.0, "d0", "c", TRANSFER, [0.0])
-    landed = dict(link.add(0.0, "d1", "b", TRANSFER, [0.0]))
+    link.add(0.0, [("d0", "a", TRANSFER, [0.0])])
+    link.add(0.0, [("d0", "c", TRANSFER, [0.0])])
+    landed = dict(link.add(0.0, [("d1", "b", TRANSFER, [0.0])]))
     both = READS + 2 * TRANSFER.bytes_s
     assert landed == pytest.approx({"a": both, "b": both, "c": both + TRANSFER.data_s}, rel=1e-12)
 
 
 def test_a_transfer_that_ends_before_another_starts_is_not_slowed():
     link = SharedLink()
-    link.add(0.0, "d0", "a", TRANSFER, [0.0])
-    assert link.add(TRANSFER.data_s, "d1", "b", TRANSFER, [TRANSFER.data_s]) == [("b", 2 * TRANSFER.data_s)]
+    link.add(0.0, [("d0", "a", TRANSFER, [0.0])])
+    later = TRANSFER.data_s
+    assert link.add(later, [("d1", "b", TRANSFER, [later])]) == [("b", 2 * TRANSFER.data_s)]
 
 
 def test_pushes_to_two_decode_engines_share_each_layers_writes():
@@ -64,9 +66,9 @@ def test_pushes_to_two_decode_engines_share_each_layers_writes():
     w, w_bytes = transfer.data_s / layers, transfer.bytes_s / layers
     releases = [step_s * layer / layers for layer in range(1, layers + 1)]
     link = SharedLink()
-    [(_, alone)] = link.add(0.0, "d0", "a", transfer, releases)
+    [(_, alone)] = link.add(0.0, [("d0", "a", transfer, releases)])
     assert alone == pytest.approx(step_s / layers + layers * w, rel=1e-12)
-    landed = dict(link.add(0.0, "d1", "b", transfer, releases))
+    landed = dict(link.add(0.0, [("d1", "b", transfer, releases)]))
     assert landed == pytest.approx({"a": step_s / layers + layers * (w + w_bytes),
                                     "b": step_s / layers + layers * (w + w_bytes)}, rel=1e-12)
 
@@ -122,3 +124,19 @@ def test_overlapping_pulls_of_a_loaded_cluster_take_longer_than_alone():
 
     assert over_alone("pd:1:3") > 1.2
     assert over_alone("pd:3:3") == pytest.approx(1.0, rel=1e-9)
+
+
+def test_the_link_is_busy_until_the_sum_of_the_work_and_queueing_at_once_or_one_by_one_agrees():
+    """Without per-read time the shared link moves bytes at its full bandwidth whenever any pair has
+    a transfer: 12 transfers on 4 pairs queued at 0 land last at the sum of their times; each pair's
+    land in their order; queued one at a time they land when queued together says."""
+    link, reads_free = SharedLink(), LinkSpec(gbps=2.0, latency_us=500.0, per_read_us=0.0)
+    transfers = [(f"d{i % 4}", f"r{i}", pull(reads_free, GEOMETRY, 16, 40 + 37 * i), [0.0]) for i in range(12)]
+    together, one_by_one = dict(SharedLink().add(0.0, transfers)), {}
+    for transfer in transfers:
+        one_by_one.update(link.add(0.0, [transfer]))  # each time, those it moved
+    assert one_by_one == pytest.approx(together, rel=1e-12)
+    assert max(together.values()) == pytest.approx(sum(t.data_s for _, _, t, _ in transfers), rel=1e-12)
+    for pair in range(4):
+        landed = [together[f"r{i}"] for i in range(pair, 12, 4)]
+        assert landed == sorted(landed)
