@@ -200,7 +200,7 @@ class Cluster:
     def _push_chunks(self, engine_id: str, step: Step, start: float, end: float) -> None:
         """Queue the writes of the prefill parts' chunks on the engine's link, each layer's when the step
         from `start` to `end` reaches its end (evenly)."""
-        writes = []
+        writes, layers = [], self.geometry.num_layers
         for part, n in step.chunks:
             handoff = self.handoffs.get(part.request_id)
             if handoff is not None and part is handoff.prefill_part:
@@ -209,12 +209,11 @@ class Cluster:
                 computed = 0 if part.num_computed == part.num_cached else part.num_computed
                 transfer = push(self.link, self.geometry, self.members[handoff.decode].engine.spec.block_size,
                                 computed, part.num_computed + n - computed)
-                writes.append((handoff.decode, handoff, transfer))
+                releases = writes[0][3] if writes else [start + (end - start) * layer / layers
+                                                        for layer in range(1, layers + 1)]
+                writes.append((handoff.decode, handoff, transfer, releases))
         if writes:
-            layers = self.geometry.num_layers
-            releases = [start + (end - start) * layer / layers for layer in range(1, layers + 1)]
-            self._acked(self._link(engine_id).add(start, [(decode, handoff, transfer, releases)
-                                                          for decode, handoff, transfer in writes]))
+            self._acked(self._link(engine_id).add(start, writes))
 
     def _push_done(self, handoff: Handoff, now: float) -> list[str]:
         """The last write is ACKed: the first token goes out, the prefill engine frees the KV, and the
