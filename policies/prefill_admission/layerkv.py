@@ -7,6 +7,7 @@ prefill times (Eq. 3) sum to less than the smallest allowance (Eq. 2).
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 
 from kvmesh.policies.costs import PrefillCost
@@ -40,18 +41,24 @@ def max_prefills(prefill_times_s: Sequence[float], min_allowance_s: float) -> in
     return n
 
 
-def allowance_s(request: RequestView, now: float) -> float | None:
+def allowance_s(request: RequestView, now: float, decode_s: float | None = None) -> float | None:
     """Eq. 1 for one running request; None when it is not decoding or has no TPOT SLO.
 
     Decoding starts with the first token, so N_past counts the tokens after it and T_past the time
-    since it (the wait for decode steps included). T_future is the current TPOT times N_future; the
-    current TPOT is the time its latest token took, or the time it has waited for the next when
-    that is longer, not T_past / N_past. The average would make Eq. 1 (TPOT_slo - average) (N_past +
-    N_future), whose sign no prediction could change: one prefill that stalled a young request would
-    hold every other until the request's average recovered. Read as the rate decoding goes at now,
-    N_future spreads the stall over the tokens still to come, as the paper's prediction is there to.
-    Before a second token there is no rate yet: it is taken to be the SLO (an allowance of about
-    nil: conservative)."""
+    since it (the wait for decode steps included, and a wait for its offloaded layers to come back).
+    T_future is the current TPOT times N_future; the current TPOT is the time its latest token took,
+    or the time it has waited for the next when that is longer, not T_past / N_past. The average
+    would make Eq. 1 (TPOT_slo - average) (N_past + N_future), whose sign no prediction could change:
+    one prefill that stalled a young request would hold every other until the request's average
+    recovered. Read as the rate decoding goes at now, N_future spreads the stall over the tokens
+    still to come, as the paper's prediction is there to.
+
+    Before a second token the request has no rate of its own: it is taken to be `decode_s`, the
+    rate the engine's decodes go at now (the running requests' latest token times), and the SLO
+    when none has one. (Taking the SLO always made the allowance -T_past from the first token on:
+    every new first token held every prefill, and a prefilled request waiting for its layers to come
+    back, which has no second token for as long as it waits, held the queue for its whole wait though
+    its TPOT budget had room for it: docs/layerkv.md.)"""
     if request.first_token_at is None or request.tbt_slo_ms is None:
         return None
     slo = request.tbt_slo_ms / 1e3
@@ -59,7 +66,7 @@ def allowance_s(request: RequestView, now: float) -> float | None:
     t_past = max(0.0, now - request.first_token_at)
     n_future = future_tokens(n_past, request.predicted_output_low)
     if request.last_token_gap_s is None or request.last_token_at is None:
-        tpot = slo
+        tpot = slo if decode_s is None else decode_s
     else:
         tpot = max(request.last_token_gap_s, now - request.last_token_at)
     return allowed_prefill_s(slo, n_past, n_future, t_past, tpot * n_future)
@@ -73,7 +80,9 @@ def layerkv(waiting: Sequence[RequestView], running: Sequence[RequestView], pool
     tokens still to compute, seqlen = num_tokens - num_computed; a decoding request already behind
     its SLO has a negative allowance and holds every prefill until it finishes (Eq. 2 as written)."""
     order = sorted(waiting, key=lambda r: r.arrival)
-    allowances = [a for a in (allowance_s(r, now) for r in running) if a is not None]
+    gaps = [r.last_token_gap_s for r in running if r.last_token_gap_s is not None]
+    decode_s = statistics.median(gaps) if gaps else None
+    allowances = [a for a in (allowance_s(r, now, decode_s) for r in running) if a is not None]
     if not allowances or pool.prefill_cost is None:
         return [r.request_id for r in order]
     times = [prefill_time_s(r.uncomputed_tokens, pool.prefill_cost) for r in order]

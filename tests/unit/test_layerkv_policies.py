@@ -101,10 +101,17 @@ def test_admission_without_a_tpot_slo_a_decoding_request_or_a_profile_is_fcfs():
         assert admit(waiting, running, pool(prefill=cost), now=12.0) == ["w1", "w2"]
 
 
-def test_before_its_second_token_a_request_allows_nothing():
-    # N_past 0: the TPOT is taken to be the SLO, so T_allow = T_tpot * N_future - T_future - T_past < 0
-    fresh = view("d", first_token_at=12.0, num_generated=1, tbt_slo_ms=200.0, predicted_output_low=30)
+def test_before_its_second_token_a_request_decodes_at_the_rate_the_others_do():
+    # N_past 0, N_future 30: its TPOT is taken to be the running requests' median latest token time,
+    # 50 ms (a peer with no TPOT SLO of its own still says how fast decodes go):
+    # T_allow = 0.2 * 30 - (0.5 + 0.05 * 30) = 4 s, room for the 0.41 s prefill
+    fresh = view("f", first_token_at=12.0, num_generated=1, tbt_slo_ms=200.0, predicted_output_low=30)
+    peers = [decoding(None, gap=0.03), decoding(None, gap=0.05), decoding(None, gap=0.4)]
+    assert admit([view("w")], [fresh, *peers], pool(), now=12.5) == ["w"]
+    # alone, the SLO: 6 - (0.5 + 6) < 0, nothing
     assert admit([view("w")], [fresh], pool(), now=12.5) == []
+    # waiting 5 s for its layers to come back, that wait is in T_past: 6 - (5 + 1.5) < 0, nothing
+    assert admit([view("w")], [fresh, *peers], pool(), now=17.0) == []
 
 
 # -- Eq. 4 and interleaving ------------------------------------------------------------------------
