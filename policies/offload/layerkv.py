@@ -92,12 +92,13 @@ def layerkv(inp: OffloadInput) -> OffloadPlan:
                                                            inp.params.horizon_stages))
     # A prefilled request waits for its layers: they come back before anyone is admitted, from the
     # free blocks (4: a new request "will be included in the batch if the available blocks are sufficient").
-    restore, taken = _restore_whole(inp.running, pool, free - staging)
+    restore, emptied, taken = _restore_whole(inp.running, pool, free - staging)
     retain, _ = _retain(inp, -short - staging - taken)
     if short > 0:  # only layers no decode reads: a decoding request's are in use (3.1.1: "until they are used")
-        idle = [r for r in inp.running if r.request_id not in restore and not _decodes_on_device(r, pool.num_layers)]
-        return OffloadPlan(retain=retain, restore=restore, shrink=_shrink(idle, pool.num_layers, short))
-    return OffloadPlan(retain=retain, restore=restore)
+        idle = [r for r in inp.running if r.request_id not in restore and r.request_id not in emptied
+                and not _decodes_on_device(r, pool.num_layers)]
+        return OffloadPlan(retain=retain, restore=restore, shrink=emptied | _shrink(idle, pool.num_layers, short))
+    return OffloadPlan(retain=retain, restore=restore, shrink=emptied)
 
 
 def decodes_next(r: RequestView) -> bool:
@@ -114,10 +115,13 @@ def _decodes_on_device(r: RequestView, num_layers: int) -> bool:
     return decodes_next(r) and not _offloads(r, num_layers)
 
 
-def _restore_whole(running: Sequence[RequestView], pool: PoolView, room: int) -> tuple[dict[str, int], int]:
+def _restore_whole(running: Sequence[RequestView], pool: PoolView, room: int) -> tuple[dict[str, int], dict[str, int], int]:
     """Restore mode: of the prefilled requests waiting for their offloaded layers, earliest scheduled
     first, those whose layers `room` holds all of, beside the next token's blocks of every decode and
-    of theirs; the first that does not fit stops the rest (first come, first served). And the blocks taken."""
+    of theirs; the first that does not fit stops the rest (first come, first served), but takes the
+    device layers of the waiting requests behind it when they make it fit, the latest scheduled first:
+    they decode only once all of theirs are back, so until then those layers hold room the first
+    could decode in. The restores, the layers those behind keep (none), and the blocks taken net."""
     layers = pool.num_layers
 
     def growth(r: RequestView, on_device: int) -> int:
@@ -126,14 +130,25 @@ def _restore_whole(running: Sequence[RequestView], pool: PoolView, room: int) ->
     room -= sum(growth(r, layers) for r in running if _decodes_on_device(r, layers))
     waiting = sorted((r for r in running if _offloads(r, layers) and decodes_next(r)),
                      key=lambda r: r.scheduled_at or r.arrival)
-    restored, taken = {}, 0
-    for r in waiting:
+    restored, emptied, taken = {}, {}, 0
+    for i, r in enumerate(waiting):
         need = (layers - r.device_layers) * r.blocks_per_layer + growth(r, layers)
         if taken + need > room:
-            break
+            short = taken + need - room
+            for behind in reversed(waiting[i + 1:]):
+                if short <= 0:
+                    break
+                if behind.device_layers:
+                    emptied[behind.request_id] = 0
+                    short -= behind.device_layers * behind.blocks_per_layer
+            if short > 0:
+                return restored, {}, taken
+            taken += need - sum(b.device_layers * b.blocks_per_layer for b in waiting if b.request_id in emptied)
+            restored[r.request_id] = layers - r.device_layers
+            return restored, emptied, taken
         taken += need
         restored[r.request_id] = layers - r.device_layers
-    return restored, taken
+    return restored, emptied, taken
 
 
 def _retain(inp: OffloadInput, slack: int) -> tuple[dict[str, int], int]:

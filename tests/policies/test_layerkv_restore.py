@@ -48,8 +48,15 @@ def test_prefilled_requests_get_all_their_layers_back_earliest_first_as_the_free
     assert plan(100).restore == {"b": 4, "a": 3}
     # 30 free: 22 hold b's 20, not a's 9 more
     assert plan(30).restore == {"b": 4}
-    # 26 free: 18 do not hold b's 20, and a (9) does not overtake it
-    assert plan(26).restore == {}
+    # 22 free: 14 do not hold b's 20, a (9) does not overtake it, and a's one device layer (3
+    # blocks, idle until its other three are back) would not make b fit
+    assert plan(22).restore == {}
+
+
+def test_the_first_waiting_restore_takes_the_idle_device_layers_of_those_behind_it():
+    # 26 free: 18 do not hold b's 20, but with a's device layer (3 blocks) given up they do (no
+    # threshold: nothing else is shrunk)
+    assert (plan(26, threshold=0).restore, plan(26, threshold=0).shrink) == ({"b": 4}, {"a": 0})
 
 
 def test_the_threshold_does_not_hold_a_restore_back_and_a_shortfall_takes_only_idle_layers():

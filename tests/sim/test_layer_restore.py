@@ -85,10 +85,11 @@ def test_a_prefilled_request_decodes_once_its_layers_are_back_paying_their_copy_
     assert step.chunks == [(request, 1)] and step.swap_s == 0.0 and step.staged == {}
 
 
-def test_when_every_running_request_waits_for_room_the_one_behind_gives_its_place_up():
+def test_when_every_running_request_waits_for_room_the_one_behind_gives_its_device_layers_up():
     """20 device blocks: a and b keep 2 of 4 layers (8 blocks each); bringing a's other 2 back takes 8
-    more and 4 are free, b's the same. Nothing runs that would free any: b, behind a and holding
-    device blocks, is preempted (recomputed, as vLLM's default), and a then gets its layers back."""
+    more and 4 are free, b's the same. b, behind a, decodes only once all of its layers are back, so
+    its 2 on the device hold room for nothing: they go to the cxl tier, and a gets its layers back and
+    decodes in the same step. Nobody is preempted (before, b was: recomputed, its prefill thrown away)."""
     spec = replace(RESTORE, device_blocks=20, offload=replace(RESTORE.offload, threshold_blocks=0))
     engine = SimEngine(spec, COST, {"layer_offload": "layerkv"})
     a, b = (SimRequest(rid, 0.0, 14, 2, predicted_output_median=2) for rid in "ab")
@@ -96,10 +97,8 @@ def test_when_every_running_request_waits_for_room_the_one_behind_gives_its_plac
     prefilled(engine, b, (1, 3), 2.0)
     assert engine.free == 4
     step = engine.schedule(3.0)
-    assert step.chunks == [] and step.preempted == [("b", "recompute")]
-    assert list(engine.waiting) == [b] and b.num_computed == 0 and engine.free == 12
-    step = engine.schedule(3.0)
-    assert step.chunks == [(a, 1)] and a.offloaded == () and step.staged == {}
+    assert step.chunks == [(a, 1)] and step.preempted == [] and step.staged == {}
+    assert a.offloaded == () and b.offloaded == (0, 1, 2, 3) and b.num_computed == b.prompt_len
 
 
 def test_with_nothing_else_to_run_the_first_in_line_gets_its_layers_back_whatever_the_policy(monkeypatch):
