@@ -31,6 +31,10 @@ class TierLink:
     to_device_gbs: float      # a load or swap-in
     from_device_gbs: float    # an offload or swap-out
 
+    def swap_rates(self) -> dict[str, float]:
+        """As EngineSpec's swap fields, bytes a second each way."""
+        return {"swap_out_bytes_per_s": self.from_device_gbs * 1e9, "swap_in_bytes_per_s": self.to_device_gbs * 1e9}
+
 
 @dataclass(frozen=True, slots=True)
 class Deployment:
@@ -48,10 +52,7 @@ class Deployment:
         with `cxl_blocks`, a cxl tier that is the deployment's: a swap copies the geometry's block
         bytes at the tier's bandwidth each way (engine-wide already). `overrides` win."""
         blocks = self.kv_capacity_tokens // block_size * self.geometry.num_layers
-        tier = {} if not cxl_blocks else {
-            "block_bytes": self.geometry.block_bytes(block_size),
-            "swap_out_bytes_per_s": self.tier.from_device_gbs * 1e9,
-            "swap_in_bytes_per_s": self.tier.to_device_gbs * 1e9}
+        tier = {} if not cxl_blocks else {"block_bytes": self.geometry.block_bytes(block_size)} | self.tier.swap_rates()
         return EngineSpec(**({"block_size": block_size, "num_layers": self.geometry.num_layers,
                               "device_blocks": blocks, "cxl_blocks": cxl_blocks} | tier | overrides))
 

@@ -44,8 +44,7 @@ def load_swap_rates(name: str) -> dict[str, float]:
     costs (none in one without a `tier` section, fitted before it), a GPU deployment's tier's bandwidths."""
     body = read_profile(name)
     if body.get("kind") == "roofline":
-        tier = load_deployment(name).tier
-        return {"swap_out_bytes_per_s": tier.from_device_gbs * 1e9, "swap_in_bytes_per_s": tier.to_device_gbs * 1e9}
+        return load_deployment(name).tier.swap_rates()
     tier = body.get("tier")
     if not isinstance(tier, dict):
         return {}

@@ -1,7 +1,7 @@
 """What the iteration scheduler (scheduler.py) asks of a request, of the block accounting and of
 CaR's reuse: the native engine passes its Request, BlockManager and Reuse; the simulator passes its
-SimRequest and a count of blocks (sim/block_count.py). The `Layered` parts are asked for only with
-layer-wise offloading on (LayerKV), which the simulator does not run."""
+SimRequest and a count of blocks (sim/block_count.py, or sim/layer_count.py layer by layer). The
+`Layered` parts are asked for only with layer-wise offloading on (LayerKV)."""
 
 from __future__ import annotations
 
