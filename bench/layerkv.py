@@ -57,7 +57,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import matplotlib
 import numpy as np
@@ -66,6 +65,7 @@ from rich.progress import Progress
 
 from kvmesh.libs.messages.engine import SamplingParams, Targets
 from kvmesh.policies.length.predictors import Prediction
+from kvmesh.policies.offload import LayerDecode
 from kvmesh.policies.views import blocks_for
 from kvmesh.services.engine.config import EngineConfig
 from kvmesh.services.engine.dtypes import fastest_dtype
@@ -101,7 +101,6 @@ L20_PREFILL_1024_MS, L20_DECODE_STEP_MS = 190.0, 20.0
 L20_TTFT_SLO_MS, L20_TPOT_SLO_MS = 3000.0, 200.0
 METHODS = {"fcfs": {}, "layerkv-noslo": {"layer_offload": "layerkv"},
            "layerkv": {"layer_offload": "layerkv", "prefill_admission": "layerkv"}}
-LayerDecode = Literal["restore", "stage"]  # how a decode gets its offloaded layers (EngineConfig.layer_decode)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from kvmesh.libs.messages.engine import Targets
+from kvmesh.policies.offload import LayerDecode
 from kvmesh.services.engine.native.engine import Engine
 from kvmesh.sim.fit import fit_engine_steps
 from kvmesh.sim.step_cost import StepCost
@@ -61,7 +62,7 @@ PLOT = Path("bench-results/sim_layerkv.png")
 PLOTTED = ("measured", "simulated", "calibrated, rescaled to the run", "the run's own steps")
 
 
-def run(quick: bool, layer_decode: layerkv.LayerDecode = "restore") -> BenchResult:
+def run(quick: bool, layer_decode: LayerDecode = "restore") -> BenchResult:
     torch.set_num_threads(1 if quick else layerkv.THREADS)
     served = layerkv.sweep(quick, layer_decode)
     calibration = calibration_run(served)
@@ -100,7 +101,7 @@ def _calibration_part(engine: Engine, requests: list, rate: float) -> RunStats:
             engine.runner.staging.close()
 
 
-def configured_engine(method: str, layer_decode: layerkv.LayerDecode, profile: list) -> Configured:
+def configured_engine(method: str, layer_decode: LayerDecode, profile: list) -> Configured:
     """The method's engine as the simulator configures it (LayerKV's fits the sweep's profile, its
     decodes' mode in the spec's offload parameters)."""
     engine = layerkv.method_engine(method, layer_decode, profile)

@@ -130,25 +130,25 @@ def _restore_whole(running: Sequence[RequestView], pool: PoolView, room: int) ->
     room -= sum(growth(r, layers) for r in running if _decodes_on_device(r, layers))
     waiting = sorted((r for r in running if _offloads(r, layers) and decodes_next(r)),
                      key=lambda r: r.scheduled_at or r.arrival)
-    restored, emptied, taken = {}, {}, 0
+    restored, taken = {}, 0
     for i, r in enumerate(waiting):
         need = (layers - r.device_layers) * r.blocks_per_layer + growth(r, layers)
-        if taken + need > room:
-            short = taken + need - room
-            for behind in reversed(waiting[i + 1:]):
-                if short <= 0:
-                    break
-                if behind.device_layers:
-                    emptied[behind.request_id] = 0
-                    short -= behind.device_layers * behind.blocks_per_layer
-            if short > 0:
-                return restored, {}, taken
-            taken += need - sum(b.device_layers * b.blocks_per_layer for b in waiting if b.request_id in emptied)
+        if taken + need <= room:
+            taken += need
             restored[r.request_id] = layers - r.device_layers
-            return restored, emptied, taken
-        taken += need
+            continue
+        emptied, freed = {}, 0
+        for behind in reversed(waiting[i + 1:]):
+            if taken + need <= room + freed:
+                break
+            if behind.device_layers:
+                emptied[behind.request_id] = 0
+                freed += behind.device_layers * behind.blocks_per_layer
+        if taken + need > room + freed:
+            return restored, {}, taken
         restored[r.request_id] = layers - r.device_layers
-    return restored, emptied, taken
+        return restored, emptied, taken + need - freed
+    return restored, {}, taken
 
 
 def _retain(inp: OffloadInput, slack: int) -> tuple[dict[str, int], int]:

@@ -10,14 +10,16 @@ from typing import Literal
 
 from kvmesh.policies.views import PoolView, RequestView
 
+# How a decode gets a request's offloaded layers: "stage", loaded into the staging area every step;
+# "restore", moved back to the device once, the decode waiting until they all fit (LayerKV 4).
+LayerDecode = Literal["restore", "stage"]
+
 
 @dataclass(frozen=True, slots=True)
 class OffloadParams:
     threshold_blocks: int = 0       # Eq. 5: below this many free device blocks (all layers), offload retained layers
     horizon_stages: int = 8         # how many stages (block_size decode steps each) ahead Eq. 5 is run
-    # How a decode gets a request's offloaded layers: "stage", loaded into the staging area every step;
-    # "restore", moved back to the device once, the decode waiting until they all fit (LayerKV 4).
-    decode_offloaded: Literal["restore", "stage"] = "restore"
+    decode_offloaded: LayerDecode = "restore"
 
 
 @dataclass(frozen=True, slots=True)

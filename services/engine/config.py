@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from kvmesh.libs.controlplane import ServiceConfig
+from kvmesh.policies.offload.plan import LayerDecode
 
 from .model_source import DEFAULT_MODEL
 
@@ -73,9 +74,7 @@ class EngineConfig(ServiceConfig, kw_only=True):
                                                                   # free device blocks are forecast below this share
     layer_forecast_stages: Annotated[int, msgspec.Meta(ge=1)] = 8  # how far ahead Eq. 5 looks, in stages of
                                                                   # block_size decode steps
-    # How a decode gets a request's offloaded layers: moved back once, the decode waiting for room (LayerKV 4),
-    # or loaded into the staging area every step.
-    layer_decode: Literal["restore", "stage"] = "restore"
+    layer_decode: LayerDecode = "restore"  # a decode's offloaded layers: restored once, or staged every step
     layer_copy_chunk_blocks: Annotated[int, msgspec.Meta(ge=1)] = 64  # blocks per copy between link checks (3.1.3)
     layer_copy_thread: bool = False    # CPU: copy layers on a worker thread, not inline (cores to spare; a GPU
                                        # always copies on a side stream)
