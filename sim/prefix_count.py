@@ -11,7 +11,8 @@ and `b` blocks a layer owns `b - h` of them, the nodes' are the cache's. Every c
 is counted in bytes by why it was made (`copied`), for the engine to time (sim/engine.py): "offload"
 (a device node evicted to make room, on the step's path), "offload_idle" (CaR III-C.2's asynchronous
 offload past the high-water mark), "load" (a hit's nodes brought back at its turn, layer by layer
-inside its step, III-C.1) and "prefetch" (III-B.2, ahead of its turn, under the steps before it)."""
+inside its step, III-C.1) and "prefetch" (III-B.2, ahead of its turn, under the steps before it).
+With `links` set (cache_links.py) each copy is also queued on its direction's link, to be timed there."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from kvmesh.policies.cache.replacement import RUN_SCORE, UNCLAIMED_SCORE, WINDOW
 from kvmesh.policies.views import PoolView
 
 from .block_count import BlockCount
+from .cache_links import CacheLinks
 from .request import SimRequest
 
 
@@ -49,6 +51,7 @@ class PrefixCount(NodeTable, BlockCount):
         self.hit_blocks: Counter = Counter()   # found, by the tier they were found in
         self.moved_nodes: Counter = Counter()  # nodes moved to a tier
         self.copied: Counter = Counter()       # bytes copied between tiers, by why (the module's docstring)
+        self.links: CacheLinks | None = None
         self._offloading_idle = False
 
     # -- what the scheduler asks (policies/iteration/seams.py's Blocks) ---------------------------
@@ -159,7 +162,7 @@ class PrefixCount(NodeTable, BlockCount):
             n.tier == "device" and n.score <= max_score for n in self.evictable.values())
         cold = cold[:min(len(cold), spare // self.num_layers)]
         self._take(len(cold) * self.num_layers, "device", max_score)
-        self.copied["prefetch" if spare_only else "load"] += len(cold) * self.num_layers * self.block_bytes
+        self._copied("prefetch" if spare_only else "load", cold)
         for node in cold:
             if not layerwise:
                 self.free_blocks["cxl"] += self.num_layers
@@ -220,13 +223,19 @@ class PrefixCount(NodeTable, BlockCount):
             self._evict("cxl", -(-short // self.num_layers))
         fit = min(len(nodes), self.free_blocks["cxl"] // self.num_layers)
         self.free_blocks["cxl"] -= fit * self.num_layers
-        self.copied["offload_idle" if self._offloading_idle else "offload"] += fit * self.block_bytes * self.num_layers
+        self._copied("offload_idle" if self._offloading_idle else "offload", nodes[:fit])
         for node in nodes[:fit]:
             self.free_blocks["device"] += self.num_layers
             self._rehome(node, "cxl")
         for node in nodes:
             self._let_go(node.node_id)
         return nodes[fit:]
+
+    def _copied(self, why: str, nodes: list[CachedNode]) -> None:
+        nbytes = len(nodes) * self.num_layers * self.block_bytes
+        self.copied[why] += nbytes
+        if self.links is not None and nodes:
+            self.links.copied(why, nbytes, [node.node_id for node in nodes])
 
     def _rehome(self, node: CachedNode, tier: str) -> None:
         node.tier = tier

@@ -1,0 +1,77 @@
+"""The prefix cache's copies on one link each way (sim/cache_links.py, through sim/linked_engine.py),
+in closed form: copies queued on a link go back to back, so the second lands after the sum of their
+times; a turn whose prefetched node has not landed starts computing when it lands.
+
+One node is LAYERS blocks of BYTES: 2,000 bytes, 2 s out (1,000 B/s), 1 s in (2,000 B/s); a step
+computes 0.5 s whatever it holds."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.sim.engine import EngineSpec, SimEngine
+from kvmesh.sim.linked_engine import LinkedEngine
+from kvmesh.sim.request import SimRequest
+from kvmesh.sim.step_cost import StepCost
+
+BLOCK, LAYERS, BYTES = 4, 2, 1000
+NODE = LAYERS * BYTES
+SPEC = EngineSpec(block_size=BLOCK, num_layers=LAYERS, device_blocks=12, max_num_seqs=1, token_budget=64,
+                  cxl_blocks=8, block_bytes=BYTES, swap_out_bytes_per_s=1e3, swap_in_bytes_per_s=2e3,
+                  prefix_caching=True, cache_cxl=True, cache_high_water=0.5)
+COST = StepCost(a=0.5, b=0.0, c=0.0)
+
+
+def first_turn(engine: SimEngine) -> None:
+    """A 16-token prompt named abcd, served 0 to 0.5 s: 8 of 12 blocks in use, past the high-water
+    mark's 6, so the idle offload moves one node (d) out at 0.5 s, on the out link until 2.5 s."""
+    engine.add(SimRequest("a", 0.0, 16, 1, block_names=tuple("abcd")))
+    step = engine.schedule(0.0)
+    engine.complete(step, engine.seconds(step))
+    assert {name: node.tier for name, node in engine.blocks.cached.items()} == \
+        {"a": "device", "b": "device", "c": "device", "d": "cxl"}
+    assert engine.blocks.copied == {"offload_idle": NODE}
+
+
+def test_a_step_s_room_offload_queues_behind_the_idle_offload_on_the_out_link():
+    engine = LinkedEngine(SPEC, COST, {"cache_policy": "car"})
+    first_turn(engine)
+    engine.add(SimRequest("u", 1.0, 16, 1))   # 8 blocks: 6 free, one idle node evicted for the rest
+    step = engine.schedule(1.0)
+    assert engine.blocks.copied["offload"] == NODE
+    # Its room lands at 0.5 + 2 + 2 (the idle offload's copy, then its own), then it computes.
+    assert engine.seconds(step) == pytest.approx(4.5 - 1.0 + 0.5)
+
+    alone = SimEngine(SPEC, COST, {"cache_policy": "car"})   # each copy timed alone, under its step
+    first_turn(alone)
+    alone.add(SimRequest("u", 1.0, 16, 1))
+    assert alone.seconds(alone.schedule(1.0)) == pytest.approx(2.0 + 0.5)
+
+
+def test_a_turn_whose_prefetch_lands_late_starts_when_it_lands():
+    """At 1 s the prefetcher (nothing runs) brings d back for the waiting turn t, until 2 s; u, with
+    no history, runs first (CaR's class 1 before class 2; one sequence at a time). At 1.5 s t's turn
+    holds d, still in flight: it computes from 2 s."""
+    engine = LinkedEngine(SPEC, COST, {"cache_policy": "car", "prefill_admission": "car"})
+    first_turn(engine)
+    other, later = SimRequest("u", 0.9, 8, 1), SimRequest("t", 1.0, 17, 1, block_names=tuple("abcd"))
+    engine.add(other)
+    engine.add(later)
+    step = engine.schedule(1.0)
+    assert [request for request, _ in step.chunks] == [other]
+    assert engine.scheduler.reuse.prefetched == 1 and engine.blocks.copied["prefetch"] == NODE
+    assert engine.seconds(step) == pytest.approx(0.5)   # the prefetch runs under it, not waited for
+    engine.complete(step, 1.5)
+
+    step = engine.schedule(1.5)
+    assert [request for request, _ in step.chunks] == [later] and later.num_cached == 16
+    assert step.cache_load_s == 0.0   # nothing to reload: d is the device's, once landed
+    end = 1.5 + engine.seconds(step)
+    assert end == pytest.approx(1.0 + NODE / 2e3 + 0.5)
+    engine.complete(step, end)
+    assert later.token_times == [end]
+
+
+def test_the_links_carry_only_a_cxl_tier_s_copies():
+    with pytest.raises(ValueError, match="cache_cxl"):
+        LinkedEngine(EngineSpec(prefix_caching=True), COST)
