@@ -2,7 +2,11 @@
 out (device to cxl: a node evicted for a step's room, the idle offload past the high-water mark)
 and in (cxl to device: a prefetch, a reload at a turn). On each link the copies go first come,
 first served, each starting when the one before it has landed, as the copies of one CUDA stream
-or one copy thread do in the native engine; the two directions do not wait for each other.
+or one copy thread do in the native engine. A copy out never waits for the in link; a copy in starts
+only once the out link has copied what was queued before it: the device blocks it lands in may be
+those being copied out (the count does not say which), and the node it brings back may be one still
+on its way out. The native engine orders them so too (its reloads' stream waits for the compute
+stream, where the offloads are copied).
 
 A step waits before it computes for the room its offloads make and for any prefetched node one of
 its requests holds that has not landed (the prefetch copies a node whole, every layer, as the
@@ -50,10 +54,10 @@ class CacheLinks:
             for node in nodes:   # out again: whatever it waited for is moot
                 self.landing.pop(node, None)
         elif why == "prefetch":
-            landed = self.into.copy(self.now, nbytes)
+            landed = self.into.copy(max(self.now, self.out.free_at), nbytes)
             self.landing.update(dict.fromkeys(nodes, landed))
         else:
-            self.loaded_at = self.into.copy(self.now, nbytes)
+            self.loaded_at = self.into.copy(max(self.now, self.out.free_at), nbytes)
 
     def waits(self, held: Iterable[str]) -> tuple[float, float]:
         """For a step scheduled now whose requests hold the nodes `held`: how long it waits before it

@@ -1,6 +1,7 @@
 """The prefix cache's copies on one link each way (sim/cache_links.py, through sim/linked_engine.py),
 in closed form: copies queued on a link go back to back, so the second lands after the sum of their
-times; a turn whose prefetched node has not landed starts computing when it lands.
+times; a copy in starts once the out link has copied what was queued before it; a turn whose
+prefetched node has not landed starts computing when it lands.
 
 One node is LAYERS blocks of BYTES: 2,000 bytes, 2 s out (1,000 B/s), 1 s in (2,000 B/s); a step
 computes 0.5 s whatever it holds."""
@@ -49,25 +50,25 @@ def test_a_step_s_room_offload_queues_behind_the_idle_offload_on_the_out_link():
 
 
 def test_a_turn_whose_prefetch_lands_late_starts_when_it_lands():
-    """At 1 s the prefetcher (nothing runs) brings d back for the waiting turn t, until 2 s; u, with
-    no history, runs first (CaR's class 1 before class 2; one sequence at a time). At 1.5 s t's turn
-    holds d, still in flight: it computes from 2 s."""
+    """At 3 s (d is out since 2.5 s) the prefetcher, nothing running, brings d back for the waiting
+    turn t, until 4 s; u, with no history, runs first (CaR's class 1 before class 2; one sequence at
+    a time). At 3.5 s t's turn holds d, still in flight: it computes from 4 s."""
     engine = LinkedEngine(SPEC, COST, {"cache_policy": "car", "prefill_admission": "car"})
     first_turn(engine)
-    other, later = SimRequest("u", 0.9, 8, 1), SimRequest("t", 1.0, 17, 1, block_names=tuple("abcd"))
+    other, later = SimRequest("u", 2.9, 8, 1), SimRequest("t", 3.0, 17, 1, block_names=tuple("abcd"))
     engine.add(other)
     engine.add(later)
-    step = engine.schedule(1.0)
+    step = engine.schedule(3.0)
     assert [request for request, _ in step.chunks] == [other]
     assert engine.scheduler.reuse.prefetched == 1 and engine.blocks.copied["prefetch"] == NODE
     assert engine.seconds(step) == pytest.approx(0.5)   # the prefetch runs under it, not waited for
-    engine.complete(step, 1.5)
+    engine.complete(step, 3.5)
 
-    step = engine.schedule(1.5)
+    step = engine.schedule(3.5)
     assert [request for request, _ in step.chunks] == [later] and later.num_cached == 16
     assert step.cache_load_s == 0.0   # nothing to reload: d is the device's, once landed
-    end = 1.5 + engine.seconds(step)
-    assert end == pytest.approx(1.0 + NODE / 2e3 + 0.5)
+    end = 3.5 + engine.seconds(step)
+    assert end == pytest.approx(3.0 + NODE / 2e3 + 0.5)
     engine.complete(step, end)
     assert later.token_times == [end]
 
@@ -75,3 +76,15 @@ def test_a_turn_whose_prefetch_lands_late_starts_when_it_lands():
 def test_the_links_carry_only_a_cxl_tier_s_copies():
     with pytest.raises(ValueError, match="cache_cxl"):
         LinkedEngine(EngineSpec(prefix_caching=True), COST)
+
+
+def test_a_reload_starts_once_the_out_link_has_copied_what_was_queued_before_it():
+    """At 1 s a turn holding abcd reloads d (no prefetcher: FCFS), which the idle offload is still
+    copying out until 2.5 s: the reload runs 2.5 to 3.5 s, under the step's compute."""
+    engine = LinkedEngine(SPEC, COST, {"cache_policy": "car"})
+    first_turn(engine)
+    later = SimRequest("t", 1.0, 17, 1, block_names=tuple("abcd"))
+    engine.add(later)
+    step = engine.schedule(1.0)
+    assert later.num_cached == 16 and engine.blocks.copied["load"] == NODE
+    assert step.cache_offload_s == 0.0 and engine.seconds(step) == pytest.approx(2.5 + NODE / 2e3 - 1.0)
