@@ -51,23 +51,16 @@ def sim_engines(topology: str, states: dict[str, dict],
     """The simulated engines of `topology` as the real ones, serving `model`, are (`states`: engine id
     -> its GET /v1/state): engine id -> (role, spec, policies)."""
     layers = kv_geometry(model).num_layers
-    return {engine_id: (role, engine_spec(states[engine_id], layers, role), sim_policies(states[engine_id]))
+    return {engine_id: (role, engine_spec(states[engine_id], layers), sim_policies(states[engine_id]))
             for engine_id, role in Topology.parse(topology).roles().items()}
 
 
-def engine_spec(state: dict, num_layers: int, role: str = "both") -> EngineSpec:
-    """The simulated engine as the real one: device blocks and their size from its state, the model's
-    layers, the sequence limit and its role's token budget as the engines' configuration leaves them
-    (`kvmesh up` sets none of them: KVMESH_ENGINE_*, a KVMESH_CONFIG file, else EngineConfig's defaults,
-    read from this process's environment, which bench serve's clusters inherit)."""
-    from kvmesh.libs.controlplane.config import load_config
-    from kvmesh.services.engine.config import EngineConfig
-    from kvmesh.services.engine.defaults import token_budget
-
-    config = load_config(EngineConfig, "engine")
+def engine_spec(state: dict, num_layers: int) -> EngineSpec:
+    """The simulated engine as the real one is: its device blocks, their size, its sequence limit and
+    token budget, from its GET /v1/state; the model's layers."""
     return EngineSpec(block_size=int(state["block_size"]), num_layers=num_layers,
-                      device_blocks=int(state["total_blocks"]["device"]), max_num_seqs=config.max_num_seqs,
-                      token_budget=config.token_budget or token_budget(role))
+                      device_blocks=int(state["total_blocks"]["device"]), max_num_seqs=int(state["max_num_seqs"]),
+                      token_budget=int(state["token_budget"]))
 
 
 def kv_geometry(model: str) -> KVGeometry:

@@ -67,6 +67,8 @@ class EngineState(msgspec.Struct, kw_only=True):
     free_blocks: dict[str, int]
     total_blocks: dict[str, int]
     block_size: int  # tokens a KV block holds
+    max_num_seqs: int  # the most requests running at once
+    token_budget: int  # the most tokens a step computes
     waiting: int
     running: int
     swapped: int

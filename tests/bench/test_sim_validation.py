@@ -76,7 +76,8 @@ def test_the_replay_is_the_measured_loads_requests_and_arrivals():
 
 
 COLOCATED = {"engine-c0": ("both", SPEC, {})}
-STATE = {"total_blocks": {"device": 4096}, "block_size": 16, "policies": {}}
+STATE = {"total_blocks": {"device": 4096}, "block_size": 16, "max_num_seqs": 256, "token_budget": 2048,
+         "policies": {}}
 
 
 def measured(configuration: bench_sim.Configuration, rates=bench_sim.TINY.rates, state=STATE) -> bench_sim.Measured:
@@ -199,11 +200,13 @@ def test_each_variation_changes_one_assumption():
     assert step_time_ratio(TRUTH, run.load_steps[2]["engine-c0"]) == pytest.approx(1.2)
 
 
-def test_1p1d_is_a_prefill_and_a_decode_engine_each_with_its_roles_budget():
+def test_1p1d_is_a_prefill_and_a_decode_engine_each_with_the_limits_its_state_reports(monkeypatch):
+    monkeypatch.setenv("KVMESH_ENGINE_TOKEN_BUDGET", "64")  # this process's configuration: the engines' state wins
     run = measured(bench_sim.CONFIGURATIONS[1])
+    run.states["engine-p0"] = STATE | {"token_budget": 512, "max_num_seqs": 8}
     engines = sim_engines(run.configuration.topology, run.states, "tiny")
-    assert {e: (role, spec.token_budget) for e, (role, spec, _) in engines.items()} == \
-        {"engine-p0": ("prefill", 512), "engine-d0": ("decode", 2048)}
+    assert {e: (role, spec.token_budget, spec.max_num_seqs) for e, (role, spec, _) in engines.items()} == \
+        {"engine-p0": ("prefill", 512, 8), "engine-d0": ("decode", 2048, 256)}
     load = fake_load(4, 16)
     split = bench_sim.simulated(load, engines, dict.fromkeys(engines, TRUTH))
     assert split["unfinished"] == 0 and split["steps"]["engine-p0"] > 0 and split["steps"]["engine-d0"] > 0

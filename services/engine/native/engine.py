@@ -190,6 +190,7 @@ class Engine(EngineHandoff):
         view = self.blocks.pool_view()
         tbt = sorted(self._tbt)
         return EngineState(free_blocks=dict(view.free), total_blocks=dict(view.total), block_size=view.block_size,
+                           max_num_seqs=self.scheduler.max_num_seqs, token_budget=self.scheduler.token_budget,
                            waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
                            swapped=len(self.scheduler.swapped), pulling=len(self.scheduler.pulling),
                            held_kv=len(self.held), pushing=len(self.pushing),
