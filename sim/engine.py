@@ -11,11 +11,11 @@ bytes).
 
 With `prefix_caching` the count is prefix_count.py's: the prefix cache's nodes, evicted by the
 cache_policy hook, and with `cache_cxl` CaR's cxl tier of nodes and its Shuffled Window and
-prefetcher (policies/iteration/reuse.py, as the native engine runs them). A step then also waits
-for the nodes evicted to the cxl tier to make its room, and the copies into the device begun as it
-was scheduled (its requests' nodes reloaded at their turn, layer by layer under its compute, CaR
-III-C.1, and the prefetches, III-B.2) run on the copy engine while it computes: it lasts at least
-them. The asynchronous offload past the high-water mark (III-C.2) is not waited for.
+prefetcher (policies/iteration/reuse.py, as the native engine runs them). Without a cxl tier a step
+waits for the nodes evicted to make its room. With it the copies go over cache_links.py's links, one
+each way: a step waits for its room and for the prefetches of the nodes its requests hold that have
+not landed, and its reloads at their turn run layer by layer under its compute (CaR III-C.1); the
+asynchronous offload past the high-water mark (III-C.2) and a prefetch hold their link, not a step.
 
 For disaggregation (sim/cluster.py moves the KV): a request with `hold_kv` keeps its blocks when it
 ends, until `release_held`; one with `kv_elsewhere` is given blocks for that KV when admitted,
@@ -37,6 +37,7 @@ from kvmesh.policies.step_shape import chunk_shape
 from kvmesh.policies.views import PoolView, blocks_for
 
 from .block_count import BlockCount
+from .cache_links import CacheLinks
 from .layer_count import LayerCount
 from .prefix_count import PrefixCount
 from .request import SimRequest
@@ -142,6 +143,8 @@ class SimEngine:
         if spec.prefix_caching:
             self.blocks = PrefixCount(spec.block_size, spec.num_layers, tiers, self.policies.cache_policy,
                                       spec.block_bytes, spec.cache_cxl, spec.cache_high_water)
+            if spec.cache_cxl:
+                self.blocks.links = CacheLinks(spec.swap_out_bytes_per_s, spec.swap_in_bytes_per_s)
         else:
             self.blocks = LayerCount(spec.block_size, spec.num_layers, tiers, spec.prefill_cost, spec.offload_cost) \
                 if spec.layered else BlockCount(spec.block_size, spec.num_layers, tiers)
@@ -210,6 +213,8 @@ class SimEngine:
     # -- one iteration ----------------------------------------------------------------------------
 
     def schedule(self, now: float) -> Step:
+        if isinstance(self.blocks, PrefixCount) and self.blocks.links is not None:
+            self.blocks.links.at(now)
         moved = self.blocks.moved.copy()
         cache_copied = self.blocks.copied.copy() if isinstance(self.blocks, PrefixCount) else None
         swapped = len(self.scheduler.swapped)
@@ -233,9 +238,14 @@ class SimEngine:
     def _cache_copies(self, step: Step, before) -> None:
         """The prefix cache's copies this step waits for (the module's docstring); a step that computes
         nothing makes its reloads at once, as the native engine's flush_loads."""
-        copied = self.blocks.copied - before
-        step.cache_offload_s = copied["offload"] / self.spec.swap_out_bytes_per_s
-        step.cache_load_s = (copied["load"] + copied["prefetch"]) / self.spec.swap_in_bytes_per_s
+        if self.blocks.links is not None:   # CaR's cxl tier: its copies on cache_links.py's links
+            links = self.blocks.links
+            held = [node for request, _ in step.chunks for node in request.cached_nodes] if links.landing else []
+            step.cache_offload_s, step.cache_load_s = links.waits(held)
+        else:
+            copied = self.blocks.copied - before
+            step.cache_offload_s = copied["offload"] / self.spec.swap_out_bytes_per_s
+            step.cache_load_s = (copied["load"] + copied["prefetch"]) / self.spec.swap_in_bytes_per_s
         if not step.chunks:
             self.blocks.loads_done()
 
@@ -269,6 +279,8 @@ class SimEngine:
                 self.finish(request, done)
                 ended.append(request)
         if isinstance(self.blocks, PrefixCount):
+            if self.blocks.links is not None:
+                self.blocks.links.at(done)   # the idle offload is queued at the step's end
             self.blocks.loads_done()
             self.blocks.offload_idle()  # CaR III-C.2: idle nodes out to the cxl tier past the high-water mark
         return ended

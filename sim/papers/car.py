@@ -9,7 +9,7 @@ Series, each one engine with vLLM's scheduler shape (whole prompts a step up to 
 - lru: the prefix cache on the device only, LRU eviction;
 - car: CaR, its cxl tier of nodes (as large as every conversation's KV: the paper's 10 TB of CXL), score
   eviction, the Shuffled Window of 8 and the prefetcher, reloads pipelined layer by layer; its copies
-  to and from the cxl tier on one link each way (sim/linked_engine.py), a turn waiting for a prefetch
+  to and from the cxl tier on one link each way (sim/cache_links.py), a turn waiting for a prefetch
   still in flight.
 
 The workload (the paper gives none; sim/conversations.py): conversations start at RATE / TURNS a second,
@@ -37,7 +37,6 @@ import numpy as np
 
 from ..conversations import Conversations, conversations, turn
 from ..engine import SimEngine
-from ..linked_engine import LinkedEngine
 from ..hardware import Deployment
 from ..link import KVGeometry
 from ..metrics import summarise
@@ -135,7 +134,7 @@ def workload(point: CarPoint) -> list:
 def simulate(point: CarPoint, cost: StepCost, geometry: KVGeometry) -> Outcome:
     """One engine with the point's policies over its conversations; the sweep's figures and CaR's."""
     requests = workload(point)
-    engine = (LinkedEngine if point.spec.cache_cxl else SimEngine)(point.spec, cost, dict(point.policies))
+    engine = SimEngine(point.spec, cost, dict(point.policies))
     start = time.perf_counter()
     sim_seconds = simulate_engine(engine, requests)
     return Outcome(point, summarise(requests, sim_seconds, time.perf_counter() - start) | sweep.figures(requests) |

@@ -1,4 +1,4 @@
-"""The prefix cache's copies on one link each way (sim/cache_links.py, through sim/linked_engine.py),
+"""The prefix cache's copies on one link each way (sim/cache_links.py, as SimEngine times a cxl tier's),
 in closed form: copies queued on a link go back to back, so the second lands after the sum of their
 times; a copy in starts once the out link has copied what was queued before it; a turn whose
 prefetched node has not landed starts computing when it lands.
@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.sim.engine import EngineSpec, SimEngine
-from kvmesh.sim.linked_engine import LinkedEngine
 from kvmesh.sim.request import SimRequest
 from kvmesh.sim.step_cost import StepCost
 
@@ -35,7 +34,7 @@ def first_turn(engine: SimEngine) -> None:
 
 
 def test_a_step_s_room_offload_queues_behind_the_idle_offload_on_the_out_link():
-    engine = LinkedEngine(SPEC, COST, {"cache_policy": "car"})
+    engine = SimEngine(SPEC, COST, {"cache_policy": "car"})
     first_turn(engine)
     engine.add(SimRequest("u", 1.0, 16, 1))   # 8 blocks: 6 free, one idle node evicted for the rest
     step = engine.schedule(1.0)
@@ -43,17 +42,12 @@ def test_a_step_s_room_offload_queues_behind_the_idle_offload_on_the_out_link():
     # Its room lands at 0.5 + 2 + 2 (the idle offload's copy, then its own), then it computes.
     assert engine.seconds(step) == pytest.approx(4.5 - 1.0 + 0.5)
 
-    alone = SimEngine(SPEC, COST, {"cache_policy": "car"})   # each copy timed alone, under its step
-    first_turn(alone)
-    alone.add(SimRequest("u", 1.0, 16, 1))
-    assert alone.seconds(alone.schedule(1.0)) == pytest.approx(2.0 + 0.5)
-
 
 def test_a_turn_whose_prefetch_lands_late_starts_when_it_lands():
     """At 3 s (d is out since 2.5 s) the prefetcher, nothing running, brings d back for the waiting
     turn t, until 4 s; u, with no history, runs first (CaR's class 1 before class 2; one sequence at
     a time). At 3.5 s t's turn holds d, still in flight: it computes from 4 s."""
-    engine = LinkedEngine(SPEC, COST, {"cache_policy": "car", "prefill_admission": "car"})
+    engine = SimEngine(SPEC, COST, {"cache_policy": "car", "prefill_admission": "car"})
     first_turn(engine)
     other, later = SimRequest("u", 2.9, 8, 1), SimRequest("t", 3.0, 17, 1, block_names=tuple("abcd"))
     engine.add(other)
@@ -73,15 +67,10 @@ def test_a_turn_whose_prefetch_lands_late_starts_when_it_lands():
     assert later.token_times == [end]
 
 
-def test_the_links_carry_only_a_cxl_tier_s_copies():
-    with pytest.raises(ValueError, match="cache_cxl"):
-        LinkedEngine(EngineSpec(prefix_caching=True), COST)
-
-
 def test_a_reload_starts_once_the_out_link_has_copied_what_was_queued_before_it():
     """At 1 s a turn holding abcd reloads d (no prefetcher: FCFS), which the idle offload is still
     copying out until 2.5 s: the reload runs 2.5 to 3.5 s, under the step's compute."""
-    engine = LinkedEngine(SPEC, COST, {"cache_policy": "car"})
+    engine = SimEngine(SPEC, COST, {"cache_policy": "car"})
     first_turn(engine)
     later = SimRequest("t", 1.0, 17, 1, block_names=tuple("abcd"))
     engine.add(later)
