@@ -247,7 +247,7 @@ def apply(engine, run: DecodeRun, through: int, ended: int) -> list[SimRequest]:
     requests it ended."""
     done = []
     for number, (request, start, stop, _) in list(run.members.items()):
-        _take(engine, run, request, start, stop, through)
+        _take(engine, run, request, start, stop, through, stop <= ended)
         if stop <= ended:
             done.append(_end(engine, run, number))
     while run._stops and run._stops[0][0] <= ended:
@@ -272,7 +272,7 @@ def report(engine, run: DecodeRun, through: int, ended: int) -> tuple[list[SimRe
     done = []
     for number in sorted(numbers):  # in the order they came, as `apply` ends them
         request, start, stop, _ = run.members[number]
-        _take(engine, run, request, start, stop, through)
+        _take(engine, run, request, start, stop, through, True)
         done.append(_end(engine, run, number))
     unapplied, size = run._unapplied, run.block_size
     later = bisect_left(unapplied, (through,))
@@ -282,9 +282,10 @@ def report(engine, run: DecodeRun, through: int, ended: int) -> tuple[list[SimRe
         len(engine.running) + later
 
 
-def _take(engine, run: DecodeRun, request: SimRequest, start: int, stop: int, through: int) -> None:
+def _take(engine, run: DecodeRun, request: SimRequest, start: int, stop: int, through: int, ending: bool) -> None:
     """Give one request of the run its tokens, KV and blocks of the steps from those applied up to
-    `through` (admitting it at its start if it joined)."""
+    `through` (admitting it at its start if it joined). One `ending` (`_end` next) takes no blocks for
+    its last tokens: it gives back every block it holds as it ends, so the free count comes out the same."""
     first = run.applied if run.applied < stop else stop
     first = start if first < start else first
     last = through if through < stop else stop
@@ -299,7 +300,12 @@ def _take(engine, run: DecodeRun, request: SimRequest, start: int, stop: int, th
         request.scheduled_at = run.ends[start - 1] if request.scheduled_at is None else request.scheduled_at
         tokens += request.prompt_len - 1
     request.num_computed += tokens
-    request.token_times.extend(run.ends[first:last])
+    if request.token_times:
+        request.token_times.extend(run.ends[first:last])
+    else:  # its first tokens (one that joined): the slice is its list, copied once rather than twice
+        request.token_times = run.ends[first:last]
+    if ending:
+        return
     blocks = blocks_for(request.num_computed, engine.spec.block_size)
     if blocks > request.blocks_per_layer:
         run._held += blocks - request.blocks_per_layer
