@@ -389,12 +389,12 @@ class Cluster:
 
     def _view(self, engine_id: str) -> EngineView:
         member = self.members[engine_id]
-        engine, report = member.engine, member.report
-        load = EngineLoad(free_device_blocks=max(0, report.free_device_blocks - member.routed_blocks),
-                          total_device_blocks=report.total_device_blocks,
-                          waiting=report.waiting + member.routed, running=report.running)
-        return EngineView(id=engine_id, role=member.role, model=MODEL, load=load, block_size=engine.spec.block_size,
-                          kv_layout=(engine.spec.block_size, engine.spec.num_layers))
+        spec, report = member.engine.spec, member.report
+        load = EngineLoad(max(0, report.free_device_blocks - member.routed_blocks), report.total_device_blocks,
+                          report.waiting + member.routed, report.running)
+        # Positionally, no prefix cached (0, None): built at every route, where keywords cost it a third more.
+        return EngineView(engine_id, member.role, MODEL, load, spec.block_size, 0, None,
+                          (spec.block_size, spec.num_layers))
 
     def _report(self, now: float) -> None:
         """The engines' heartbeats, every `heartbeat_s` from 0, all at once: each new report replaces

@@ -29,11 +29,12 @@ class EngineTable(Sequence[EngineView]):
         self._source, self._version = self, getattr(self, "_version", 0) + 1
         self._views = list(views)
         self._slots = {view.id: i for i, view in enumerate(self._views)}
+        self._keys = {view.id: load_key(view) for view in self._views}  # each engine's, as its view has it now
         self._models = {view.model for view in self._views}
         self._layouts = {view.kv_layout for view in self._views}
         self._heaps: dict[str, list[tuple[int, int, int, str]]] = {}
         for view in self._views:
-            self._heaps.setdefault(view.role, []).append(load_key(view))
+            self._heaps.setdefault(view.role, []).append(self._keys[view.id])
         for heap in self._heaps.values():
             heapq.heapify(heap)
 
@@ -41,10 +42,11 @@ class EngineTable(Sequence[EngineView]):
         """A new view of an engine in the table (its id, role, model and layout as before)."""
         self._views[self._slots[view.id]] = view
         self._version += 1
+        key = self._keys[view.id] = load_key(view)
         heap = self._heaps[view.role]
-        heapq.heappush(heap, load_key(view))  # its older key goes when it comes up
+        heapq.heappush(heap, key)  # its older key goes when it comes up
         if len(heap) > 2 * len(self._views) + 64:  # older keys below the top never come up: drop them
-            heap[:] = [load_key(v) for v in self._views if v.role == view.role]
+            heap[:] = [self._keys[v.id] for v in self._views if v.role == view.role]
             heapq.heapify(heap)
 
     def snapshot(self) -> EngineTable:
@@ -68,9 +70,8 @@ class EngineTable(Sequence[EngineView]):
         heap = self._heaps.get(role)
         while heap:
             key = heap[0]
-            view = self._views[self._slots[key[3]]]
-            if load_key(view) == key:
-                return view
+            if self._keys[key[3]] is key:
+                return self._views[self._slots[key[3]]]
             heapq.heappop(heap)  # an engine's load before its last update
         return None
 
