@@ -8,8 +8,9 @@ Each step, before admission, while the `car` admission policy is on:
   device, how many after them in the cxl tier: its priority class);
 - the window is topped up to its size (fill_window), and each request entering it adds
   WINDOW_SCORE to the nodes it will reuse;
-- for the window's requests with nodes in the cxl tier, fetch(t) decides whether to start loading
-  them now: when the soonest running request is predicted to finish within the load time.
+- after admission, for the window's requests still waiting with nodes in the cxl tier, fetch(t)
+  decides whether to start loading them now: when the soonest running request is predicted to
+  finish within the load time.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ class Reuse:
         self.blocks, self.params, self.bandwidth = blocks, params, bandwidth
         self.prefetched = 0   # nodes the prefetcher brought back, all time
 
-    def before_admission(self, waiting: list, running: list, now: float, tpop_s: float) -> None:
-        """Look the waiting requests' prefixes up, top the window up, prefetch."""
+    def before_admission(self, waiting: list, now: float) -> None:
+        """Look the waiting requests' prefixes up, top the window up."""
         prefixes = {request.request_id: self.blocks.cached_prefix(request) for request in waiting}
         for request in waiting:
             request.cache_hits = _hits(prefixes[request.request_id])
@@ -61,15 +62,24 @@ class Reuse:
             if request.request_id in entering:
                 request.window_since = now
                 self.blocks.add_score(request, prefixes[request.request_id], WINDOW_SCORE)
+
+    def after_admission(self, waiting: list, running: list, now: float, tpop_s: float) -> None:
+        """Prefetch for the window's requests still waiting once the step has admitted its own. One
+        admitted in this step reloads its cxl-tier nodes at its turn, layer by layer under its
+        compute (III-C.1): a prefetch copies whole nodes, so begun in the same step it would only
+        hold the turn up until every layer has landed."""
         if not self.blocks.cache_cxl:
             return
         running_views = [r.view() for r in running]
         for request in waiting:
-            if request.window_since is None or not request.cache_hits[1]:
+            if request.window_since is None:
                 continue
-            size = sum(self.blocks.node_bytes(node) for node in prefixes[request.request_id][request.cache_hits[0]:])
+            prefix = self.blocks.cached_prefix(request)   # afresh: admission or a prefetch may have moved nodes
+            request.cache_hits = _hits(prefix)
+            if not request.cache_hits[1]:
+                continue
+            size = sum(self.blocks.node_bytes(node) for node in prefix[request.cache_hits[0]:])
             if fetch(running_views, now, tpop_s, size, self.bandwidth):
-                prefix = self.blocks.cached_prefix(request)   # afresh: an earlier prefetch may have moved nodes
                 self.prefetched += self.blocks.reload(prefix, spare_only=True)
                 request.cache_hits = _hits(prefix)   # reloaded nodes changed tier in place
 

@@ -152,9 +152,12 @@ class Scheduler:
         if len(plan.preempted) == planned:  # nobody lost their place for want of blocks
             if not planned:  # room the plan made is for its waiting requests, not for the swapped ones
                 budget = self._resume_swapped(plan, budget)
-            if self.reuse is not None and self.waiting and self.policies.names["prefill_admission"] == "car":
-                self.reuse.before_admission(list(self.waiting), self.running, now, self._tpop_s())
+            window = self.reuse is not None and self.waiting and self.policies.names["prefill_admission"] == "car"
+            if window:
+                self.reuse.before_admission(list(self.waiting), now)
             self._admit_waiting(plan, budget, now, grants, retain)
+            if window and self.waiting:
+                self.reuse.after_admission(list(self.waiting), self.running, now, self._tpop_s())
         if not stage_first:
             self._stage_running(plan, reserved, budget)
         if self.restores_decodes and not plan.chunks and not plan.preempted:
