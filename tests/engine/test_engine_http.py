@@ -243,13 +243,12 @@ async def test_shutdown_ends_open_streams_with_abort(tiny_checkpoint: Path, tmp_
     child = start_engine(tmp_path, tiny_checkpoint)
     try:
         async with ServiceClient(child.url, token=TOKEN) as client:
-            async def consume() -> list[Frame]:
-                return await generate(client, prompt_token_ids=[5, 6, 7], max_tokens=2000, ignore_eos=True)
-
-            task = asyncio.create_task(consume())
-            await asyncio.sleep(0.5)
-            child.process.terminate()
-            frames = await asyncio.wait_for(task, 10)
+            frames: list[Frame] = []
+            async for frame in client.frames("/v1/generate", {"prompt_token_ids": [5, 6, 7], "max_tokens": 2000,
+                                                              "ignore_eos": True}, Frame):
+                if not frames:
+                    child.process.terminate()   # the stream is open: its first frame is here
+                frames.append(frame)
         assert frames[-1].finish_reason == "abort"
         assert child.process.wait(10) == 0
     finally:
