@@ -195,13 +195,16 @@ async def test_layer_offload_switches_on_at_run_time_and_keeps_greedy_output(cli
     assert [f.token_ids for f in after] == [f.token_ids for f in before]
 
 
-async def test_state_says_how_many_tokens_a_block_holds(tiny_checkpoint: Path, tmp_path: Path):
-    """The blocks /v1/state counts are the engine's configured size (bench sim prices its KV in them)."""
-    child = start_engine(tmp_path, tiny_checkpoint, KVMESH_ENGINE_BLOCK_SIZE="32")
+async def test_state_says_how_many_tokens_a_block_holds_and_the_engine_s_limits(tiny_checkpoint: Path, tmp_path: Path):
+    """The blocks /v1/state counts are the engine's configured size, and it says its sequence limit
+    and token budget (bench sim prices its KV in those blocks and runs its simulated engines so)."""
+    child = start_engine(tmp_path, tiny_checkpoint, KVMESH_ENGINE_BLOCK_SIZE="32", KVMESH_ENGINE_MAX_NUM_SEQS="7",
+                         KVMESH_ENGINE_TOKEN_BUDGET="96")
     try:
         async with ServiceClient(child.url, token=TOKEN) as client:
             state = await client.call("GET", "/v1/state", into=EngineState)
         assert state.block_size == 32 and state.total_blocks["device"] > 0
+        assert (state.max_num_seqs, state.token_budget) == (7, 96)
     finally:
         child.stop()
 

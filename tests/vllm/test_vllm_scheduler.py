@@ -78,6 +78,7 @@ async def test_vllm_preempts_in_the_order_the_policy_gives(squeezed):
     state = await wait_until_idle(squeezed)
     assert state["total_blocks"] == {"device": POOL_BLOCKS - 1}   # vLLM keeps one as its null block
     assert state["block_size"] == 32
+    assert (state["max_num_seqs"], state["token_budget"]) == (64, 2048)   # kvmesh's defaults for a colocated engine
     block = {"kv_allocation": "block_at_a_time"}
     preempted, counts, _ = await run_two(squeezed, "latest", {**block, "preemption_order": "latest_arrival_first"})
     assert counts == [200, 200] and preempted and set(preempted) == {"latest-second"}

@@ -116,7 +116,7 @@ def observe(engine, counters: Counters) -> None:
                                      **({"cxl": table.capacity} if table is not None else {})},
         total_blocks={"device": pool.num_gpu_blocks - 1,   # less vLLM's null block
                       **({"cxl": table.capacity} if table is not None else {})},
-        block_size=scheduler.block_size, max_num_seqs=scheduler.max_num_running_reqs,
+        block_size=scheduler.block_size, max_num_seqs=scheduler.max_num_active_reqs,
         token_budget=scheduler.max_num_scheduled_tokens,
         waiting=len(scheduler.waiting), running=len(scheduler.running), swapped=0,
         pulling=connector.pulling if connector is not None else 0,
