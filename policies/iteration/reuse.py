@@ -3,7 +3,7 @@ will reuse, and the prefetcher that brings their cxl-tier nodes back to the devi
 they are needed. The decisions are policies/prefill_admission/car.py and policies/cache/; this applies
 them, over the native engine's BlockManager or the simulator's count of blocks (sim/prefix_count.py).
 
-Each step, before admission, while the `car` admission policy is on:
+Each step, while the `car` admission policy is on, before admission:
 - every waiting request's prefix is looked up (how many of its leading blocks are cached on the
   device, how many after them in the cxl tier: its priority class);
 - the window is topped up to its size (fill_window), and each request entering it adds
