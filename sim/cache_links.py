@@ -43,7 +43,8 @@ class CacheLinks:
     def at(self, now: float) -> None:
         """The clock: copies from here on are queued at `now` (a step's schedule, or its end)."""
         self.now = self.room_at = self.loaded_at = now
-        self.landing = {node: at for node, at in self.landing.items() if at > now}
+        if self.landing:
+            self.landing = {node: at for node, at in self.landing.items() if at > now}
 
     def copied(self, why: str, nbytes: int, nodes: Iterable[str]) -> None:
         """A copy made now, by why (prefix_count.py's `copied` keys), of `nodes`."""

@@ -11,11 +11,11 @@ bytes).
 
 With `prefix_caching` the count is prefix_count.py's: the prefix cache's nodes, evicted by the
 cache_policy hook, and with `cache_cxl` CaR's cxl tier of nodes and its Shuffled Window and
-prefetcher (policies/iteration/reuse.py, as the native engine runs them). Without a cxl tier a step
-waits for the nodes evicted to make its room. With it the copies go over cache_links.py's links, one
-each way: a step waits for its room and for the prefetches of the nodes its requests hold that have
-not landed, and its reloads at their turn run layer by layer under its compute (CaR III-C.1); the
-asynchronous offload past the high-water mark (III-C.2) and a prefetch hold their link, not a step.
+prefetcher (policies/iteration/reuse.py, as the native engine runs them). Its copies go over
+cache_links.py's links, one each way: a step waits for its room and for the prefetches of the nodes
+its requests hold that have not landed, and its reloads at their turn run layer by layer under its
+compute (CaR III-C.1); the asynchronous offload past the high-water mark (III-C.2) and a prefetch
+hold their link, not a step. Without a cxl tier an evicted node is dropped: nothing is copied.
 
 For disaggregation (sim/cluster.py moves the KV): a request with `hold_kv` keeps its blocks when it
 ends, until `release_held`; one with `kv_elsewhere` is given blocks for that KV when admitted,
@@ -140,11 +140,12 @@ class SimEngine:
         self.names = names
         self.policies = Policies(names)
         tiers = {"device": spec.device_blocks} | ({"cxl": spec.cxl_blocks} if spec.cxl_blocks else {})
+        # The prefix cache's copies to and from its cxl tier, timed on one link each way; None: it has none.
+        self.links = CacheLinks(spec.swap_out_bytes_per_s, spec.swap_in_bytes_per_s) if spec.cache_cxl else None
         if spec.prefix_caching:
             self.blocks = PrefixCount(spec.block_size, spec.num_layers, tiers, self.policies.cache_policy,
                                       spec.block_bytes, spec.cache_cxl, spec.cache_high_water)
-            if spec.cache_cxl:
-                self.blocks.links = CacheLinks(spec.swap_out_bytes_per_s, spec.swap_in_bytes_per_s)
+            self.blocks.links = self.links
         else:
             self.blocks = LayerCount(spec.block_size, spec.num_layers, tiers, spec.prefill_cost, spec.offload_cost) \
                 if spec.layered else BlockCount(spec.block_size, spec.num_layers, tiers)
@@ -213,10 +214,9 @@ class SimEngine:
     # -- one iteration ----------------------------------------------------------------------------
 
     def schedule(self, now: float) -> Step:
-        if isinstance(self.blocks, PrefixCount) and self.blocks.links is not None:
-            self.blocks.links.at(now)
+        if self.links is not None:
+            self.links.at(now)
         moved = self.blocks.moved.copy()
-        cache_copied = self.blocks.copied.copy() if isinstance(self.blocks, PrefixCount) else None
         swapped = len(self.scheduler.swapped)
         plan = self.scheduler.schedule(now)
         step = Step(pulls=list(plan.pulls), preempted=[(r.request_id, how) for r, how in plan.preempted])
@@ -231,21 +231,16 @@ class SimEngine:
                                                copied["device"] / self.spec.swap_in_bytes_per_s) + \
             swaps_out * self.spec.swap_out_fixed_s + swaps_in * self.spec.swap_in_fixed_s
         if isinstance(self.blocks, PrefixCount):
-            self._cache_copies(step, cache_copied)
+            self._cache_copies(step)
         self.preemptions += [(now, request_id, strategy) for request_id, strategy in step.preempted]
         return step
 
-    def _cache_copies(self, step: Step, before) -> None:
+    def _cache_copies(self, step: Step) -> None:
         """The prefix cache's copies this step waits for (the module's docstring); a step that computes
         nothing makes its reloads at once, as the native engine's flush_loads."""
-        if self.blocks.links is not None:   # CaR's cxl tier: its copies on cache_links.py's links
-            links = self.blocks.links
-            held = [node for request, _ in step.chunks for node in request.cached_nodes] if links.landing else []
-            step.cache_offload_s, step.cache_load_s = links.waits(held)
-        else:
-            copied = self.blocks.copied - before
-            step.cache_offload_s = copied["offload"] / self.spec.swap_out_bytes_per_s
-            step.cache_load_s = (copied["load"] + copied["prefetch"]) / self.spec.swap_in_bytes_per_s
+        if self.links is not None:
+            held = [node for request, _ in step.chunks for node in request.cached_nodes] if self.links.landing else []
+            step.cache_offload_s, step.cache_load_s = self.links.waits(held)
         if not step.chunks:
             self.blocks.loads_done()
 
@@ -278,9 +273,9 @@ class SimEngine:
             if request.num_generated >= request.max_tokens:
                 self.finish(request, done)
                 ended.append(request)
+        if self.links is not None:
+            self.links.at(done)   # the idle offload is queued at the step's end
         if isinstance(self.blocks, PrefixCount):
-            if self.blocks.links is not None:
-                self.blocks.links.at(done)   # the idle offload is queued at the step's end
             self.blocks.loads_done()
             self.blocks.offload_idle()  # CaR III-C.2: idle nodes out to the cxl tier past the high-water mark
         return ended

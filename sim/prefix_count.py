@@ -8,11 +8,12 @@ idle when it ends; room comes from idle nodes in the cache policy's order, and w
 
 A node is one block a layer; here it names no block, it is counted: a request holding `h` nodes
 and `b` blocks a layer owns `b - h` of them, the nodes' are the cache's. Every copy between tiers
-is counted in bytes by why it was made (`copied`), for the engine to time (sim/engine.py): "offload"
+is counted in bytes by why it was made (`copied`, for the reports): "offload"
 (a device node evicted to make room, on the step's path), "offload_idle" (CaR III-C.2's asynchronous
 offload past the high-water mark), "load" (a hit's nodes brought back at its turn, layer by layer
 inside its step, III-C.1) and "prefetch" (III-B.2, ahead of its turn, under the steps before it).
-With `links` set (cache_links.py) each copy is also queued on its direction's link, to be timed there."""
+Each is also queued on its direction's link (`links`, cache_links.py, which the engine sets), where
+the engine times it."""
 
 from __future__ import annotations
 
