@@ -114,7 +114,8 @@ OPTIONAL_MARGIN = 4 * 2**30
 TARGETS = {"p90_e2el_ratio_vllm_vs_kvmesh_min_to_capacity": 1.2, "capacity_ratio_kvmesh_vs_vllm": 1.2}
 DRAIN_S = 240.0                        # a run's requests get num_prompts / rate + this long to finish
 START_TIMEOUT_S = 900.0                # vLLM compiles its model at start (about 2 min on a busy machine)
-KVMESH_SERVICES = ("KVMETA", "PREDICTOR", "SCHEDULER", "ADMISSION", "ENGINE")
+# 0: the launcher binds each a port at once; engines bind their own, from a free base port up
+KVMESH_SERVICES = ("KVMETA", "PREDICTOR", "SCHEDULER", "ADMISSION")
 PLOT = Path("bench-results/peer.png")
 LOGS = Path("bench-results/peer-logs")
 
@@ -212,7 +213,8 @@ class KvmeshCluster:
     def __init__(self, setup: Setup, run_dir: Path, logs: Path):
         self.setup, self.run_dir, self.logs = setup, run_dir, logs
         self.argv = [str(KVMESH), "up", "--run-dir", str(run_dir), "--exit-with-parent", *setup.args]
-        self.env = {**{f"KVMESH_{name}_PORT": str(free_port()) for name in KVMESH_SERVICES},
+        self.env = {**{f"KVMESH_{name}_PORT": "0" for name in KVMESH_SERVICES},
+                    "KVMESH_ENGINE_PORT": str(free_port()),
                     "KVMESH_ENGINE_DEVICE_BYTES": str(KV_BYTES // setup.engines), "KVMESH_LOG_LEVEL": "WARNING",
                     "HF_HUB_OFFLINE": "1"}
         self.log = logs / f"{setup.key}-up.log"

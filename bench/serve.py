@@ -57,7 +57,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 SEED = 7
-SERVICES = ("kvmeta", "scheduler", "predictor", "admission", "engine")  # each gets a free port
+# 0: the launcher binds each a port at once (kvmesh status says which); a port picked here and bound
+# later can be taken meanwhile. Engines bind their own, from a free base port up.
+SERVICES = ("kvmeta", "scheduler", "predictor", "admission")
 START_TIMEOUT_S = 240.0
 BREAKDOWN_PLOT = Path("bench-results/serve_breakdown.png")
 LATENCY_PLOT = Path("bench-results/serve_latency.png")
@@ -114,7 +116,8 @@ class LocalCluster:
         self.url, self.api_key = "", ""
 
     def __enter__(self) -> LocalCluster:
-        env = {**os.environ, **{f"KVMESH_{s.upper()}_PORT": str(free_port()) for s in SERVICES},
+        env = {**os.environ, **{f"KVMESH_{s.upper()}_PORT": "0" for s in SERVICES},
+               "KVMESH_ENGINE_PORT": str(free_port()),
                "KVMESH_ENGINE_TORCH_THREADS": "1", "KVMESH_LOG_LEVEL": "WARNING", "KVMESH_ENGINE_MODEL": MODEL,
                "KVMESH_ADMISSION_REQUESTS_PER_S": "100000", "KVMESH_ADMISSION_BURST": "100000", **self.setup.env}
         self.run_dir.mkdir(parents=True, exist_ok=True)
