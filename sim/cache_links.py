@@ -8,11 +8,14 @@ those being copied out (the count does not say which), and the node it brings ba
 on its way out. The native engine orders them so too (its reloads' stream waits for the compute
 stream, where the offloads are copied).
 
-A step waits before it computes for the room its offloads make and for any prefetched node one of
-its requests holds that has not landed (the prefetch copies a node whole, every layer, as the
-native engine's `_move` does, so no layer can start before it lands); its own reloads run layer by
-layer under its compute (CaR III-C.1). The idle offload and a prefetch are waited for by no step:
-they hold their link, so what is queued behind them starts later."""
+A step waits before it computes for the room its offloads make; the copies in begun with it, its
+own reloads (layer by layer, CaR III-C.1) and its prefetches (III-B.2), run under its compute, and
+it ends once they have landed: the native engine copies both on its side copier inside the step's
+model run and settles them before the step ends (layer_staging.py's LayerLoads), though no
+attention of the step reads a prefetched node. A step that computes nothing copies them at once
+there (flush_loads) and takes no time here, so a later step holding a prefetched node that has not
+landed waits for it before it computes. The idle offload is waited for by no step: it holds its
+link, so what is queued behind it starts later."""
 
 from __future__ import annotations
 
@@ -54,14 +57,14 @@ class CacheLinks:
                 self.room_at = max(self.room_at, landed)
             for node in nodes:   # out again: whatever it waited for is moot
                 self.landing.pop(node, None)
-        elif why == "prefetch":
-            landed = self.into.copy(max(self.now, self.out.free_at), nbytes)
-            self.landing.update(dict.fromkeys(nodes, landed))
         else:
             self.loaded_at = self.into.copy(max(self.now, self.out.free_at), nbytes)
+            if why == "prefetch":
+                self.landing.update(dict.fromkeys(nodes, self.loaded_at))
 
     def waits(self, held: Iterable[str]) -> tuple[float, float]:
         """For a step scheduled now whose requests hold the nodes `held`: how long it waits before it
-        computes (its room, its prefetches still in flight), and how long its reloads run after that."""
+        computes (its room, prefetched nodes still in flight), and how long the copies in begun with
+        it (reloads, prefetches) run after that."""
         ready = max([self.room_at, *(self.landing.get(node, self.now) for node in held)])
         return ready - self.now, max(0.0, self.loaded_at - ready)

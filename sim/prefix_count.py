@@ -11,7 +11,7 @@ and `b` blocks a layer owns `b - h` of them, the nodes' are the cache's. Every c
 is counted in bytes by why it was made (`copied`, for the reports): "offload"
 (a device node evicted to make room, on the step's path), "offload_idle" (CaR III-C.2's asynchronous
 offload past the high-water mark), "load" (a hit's nodes brought back at its turn, layer by layer
-inside its step, III-C.1) and "prefetch" (III-B.2, ahead of its turn, under the steps before it).
+inside its step, III-C.1) and "prefetch" (III-B.2, ahead of its turn, under the step it begins with).
 Each is also queued on its direction's link (`links`, cache_links.py, which the engine sets), where
 the engine times it."""
 

@@ -36,6 +36,7 @@ class CachedPrefixes(Protocol):
 
     cached: dict[str, CachedNode]
     cache_cxl: bool
+    layerwise_reload: bool
 
     def cached_prefix(self, request) -> list[CachedNode]: ...
 
@@ -66,8 +67,9 @@ class Reuse:
     def after_admission(self, waiting: list, running: list, now: float, tpop_s: float) -> None:
         """Prefetch for the window's requests still waiting once the step has admitted its own. One
         admitted in this step reloads its cxl-tier nodes at its turn, layer by layer under its
-        compute (III-C.1): a prefetch copies whole nodes, so begun in the same step it would only
-        hold the turn up until every layer has landed."""
+        compute, each layer's copy before its attention (III-C.1); a prefetch is copied under the
+        step it begins with (`layerwise_reload`) but waited for by none of its attention, so it is
+        only for requests that step does not run."""
         if not self.blocks.cache_cxl:
             return
         running_views = [r.view() for r in running]
@@ -80,7 +82,7 @@ class Reuse:
                 continue
             size = sum(self.blocks.node_bytes(node) for node in prefix[request.cache_hits[0]:])
             if fetch(running_views, now, tpop_s, size, self.bandwidth):
-                self.prefetched += self.blocks.reload(prefix, spare_only=True)
+                self.prefetched += self.blocks.reload(prefix, spare_only=True, layerwise=self.blocks.layerwise_reload)
                 request.cache_hits = _hits(prefix)   # reloaded nodes changed tier in place
 
     def admitted(self, request) -> None:

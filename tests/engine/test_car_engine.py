@@ -110,6 +110,49 @@ def test_the_prefetcher_brings_a_window_request_s_nodes_back_before_its_turn(tin
     assert_all_blocks_free(engine)
 
 
+@pytest.mark.parametrize("thread", [False, True])
+def test_a_prefetch_is_copied_under_the_next_step_not_in_the_scheduler_s_pass(tiny_checkpoint, thread):
+    """The prefetcher gives a waiting turn's cxl nodes their device blocks in the scheduler's pass
+    and leaves the copy to the model's run that follows (inline, or on the copy thread), which no
+    layer's attention waits for: no request of that step holds them. Once the step is done they
+    hold their KV, and the turn answers as recomputing would."""
+    first, message = turns(1, seed=9, length=64)[0], turns(1, seed=11)[0]
+    expected = run_all(engine_for(tiny_checkpoint, prefix_caching=False), [first + message], GREEDY)[0].output_ids
+    engine = engine_for(tiny_checkpoint, policies=CAR, prefix_cache_cxl=True, max_num_seqs=1,
+                        layer_copy_thread=thread)
+    blocks = engine.blocks
+    run_all(engine, [first], GREEDY)
+    nodes = list(blocks.cached.values())
+    left = [block for node in nodes for block in node.blocks]
+    blocks._evict("device", len(nodes))                        # the conversation's 4 nodes to the cxl tier
+    blocks.device.tensor[left] = float("nan")                  # the device blocks they left hold nothing of theirs
+    kv = {n.node_id: digest(blocks.pools["cxl"].tensor[n.blocks]) for n in nodes}
+    busy = engine.add("busy", turns(1, seed=10)[0], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    engine.step()
+    follow_up = engine.add("next", first + message, GREEDY)
+    engine.scheduler.iteration_s.clear()   # nothing measured of when busy ends: fetch(t) loads at once
+    at_the_model = []
+    run = engine.runner.run
+
+    def observed(chunks, *args, **kwargs):   # the state the scheduler's pass left, as the model starts
+        at_the_model.extend((n.tier, n.node_id in blocks.evictable,
+                             digest(blocks.device.tensor[n.blocks]) == kv[n.node_id]) for n in nodes)
+        return run(chunks, *args, **kwargs)
+
+    engine.runner.run = observed
+    engine.step()
+    engine.runner.run = run
+    assert engine.scheduler.reuse.prefetched == len(nodes) and follow_up.num_computed == 0
+    assert at_the_model == [("device", False, False)] * len(nodes)   # on the device, pinned, not copied yet
+    assert all(n.tier == "device" and n.node_id in blocks.evictable for n in nodes)   # landed, let go
+    assert {n.node_id: digest(blocks.device.tensor[n.blocks]) for n in nodes} == kv
+    while engine.scheduler.has_work():
+        engine.step()
+    assert busy.finished and follow_up.output_ids == expected and follow_up.num_cached == 64
+    assert engine.state().prefix_cache_hit_blocks["device"] >= len(nodes)
+    assert_all_blocks_free(engine)
+
+
 def test_prefix_cache_cxl_without_a_cxl_tier_is_a_config_error(tiny_checkpoint):
     with pytest.raises(ConfigError, match="prefix_cache_cxl"):
         engine_for(tiny_checkpoint, prefix_cache_cxl=True, cxl_blocks=0, cxl_bytes=0)
@@ -152,16 +195,18 @@ def test_a_prefetch_uses_only_room_no_live_request_will_reuse(tiny_checkpoint):
     assert_all_blocks_free(engine)
 
 
-def test_reloads_left_pending_by_a_step_that_runs_nothing_are_copied_then(tiny_checkpoint):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_reloads_left_pending_by_a_step_that_runs_nothing_are_copied_then(tiny_checkpoint, prefetch):
     engine = engine_for(tiny_checkpoint, prefix_cache_cxl=True)
     blocks = engine.blocks
     run_all(engine, turns(1, seed=15, length=64), GREEDY)
     nodes = list(blocks.cached.values())
     before = {n.node_id: digest(blocks.device.tensor[n.blocks]) for n in nodes}
     blocks._evict("device", len(nodes))
-    assert blocks.reload(nodes, layerwise=True) == len(nodes)   # as a request whose admission then fell through
+    # as a request whose admission then fell through, or the prefetcher's
+    assert blocks.reload(nodes, spare_only=prefetch, layerwise=True) == len(nodes)
     assert all(n.tier == "device" and n.node_id not in blocks.evictable for n in nodes)   # pinned while pending
     engine.step()                                               # nothing to run: the copies are made now
-    assert blocks.pending_loads == [] and all(n.node_id in blocks.evictable for n in nodes)
+    assert blocks.layer_loads() is None and all(n.node_id in blocks.evictable for n in nodes)
     assert {n.node_id: digest(blocks.device.tensor[n.blocks]) for n in nodes} == before
     assert_all_blocks_free(engine)

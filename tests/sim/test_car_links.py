@@ -1,7 +1,8 @@
 """The prefix cache's copies on one link each way (sim/cache_links.py, as SimEngine times a cxl tier's),
 in closed form: copies queued on a link go back to back, so the second lands after the sum of their
-times; a copy in starts once the out link has copied what was queued before it; a turn whose
-prefetched node has not landed starts computing when it lands.
+times; a copy in starts once the out link has copied what was queued before it; a step lasts at
+least the prefetch begun with it; a turn whose prefetched node has not landed starts computing when
+it lands.
 
 One node is LAYERS blocks of BYTES: 2,000 bytes, 2 s out (1,000 B/s), 1 s in (2,000 B/s); a step
 computes 0.5 s whatever it holds."""
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvmesh.sim.cache_links import CacheLinks
 from kvmesh.sim.engine import EngineSpec, SimEngine
 from kvmesh.sim.request import SimRequest
 from kvmesh.sim.step_cost import StepCost
@@ -43,10 +45,11 @@ def test_a_step_s_room_offload_queues_behind_the_idle_offload_on_the_out_link():
     assert engine.seconds(step) == pytest.approx(4.5 - 1.0 + 0.5)
 
 
-def test_a_turn_whose_prefetch_lands_late_starts_when_it_lands():
+def test_a_prefetch_runs_under_the_step_it_begins_with_which_ends_once_it_lands():
     """At 3 s (d is out since 2.5 s) the prefetcher, nothing running, brings d back for the waiting
     turn t, until 4 s; u, with no history, runs first (CaR's class 1 before class 2; one sequence at
-    a time). At 3.5 s t's turn holds d, still in flight: it computes from 4 s."""
+    a time). u's step computes 0.5 s with the prefetch under it, and ends when it lands, as the
+    native engine's step settles its copies before it ends; t's turn then finds d on the device."""
     engine = SimEngine(SPEC, COST, {"cache_policy": "car", "prefill_admission": "car"})
     first_turn(engine)
     other, later = SimRequest("u", 2.9, 8, 1), SimRequest("t", 3.0, 17, 1, block_names=tuple("abcd"))
@@ -55,16 +58,28 @@ def test_a_turn_whose_prefetch_lands_late_starts_when_it_lands():
     step = engine.schedule(3.0)
     assert [request for request, _ in step.chunks] == [other]
     assert engine.scheduler.reuse.prefetched == 1 and engine.blocks.copied["prefetch"] == NODE
-    assert engine.seconds(step) == pytest.approx(0.5)   # the prefetch runs under it, not waited for
-    engine.complete(step, 3.5)
-
-    step = engine.schedule(3.5)
-    assert [request for request, _ in step.chunks] == [later] and later.num_cached == 16
-    assert step.cache_load_s == 0.0   # nothing to reload: d is the device's, once landed
-    end = 3.5 + engine.seconds(step)
-    assert end == pytest.approx(3.0 + NODE / 2e3 + 0.5)
+    assert step.cache_offload_s == 0.0 and engine.seconds(step) == pytest.approx(NODE / 2e3)
+    end = 3.0 + engine.seconds(step)
     engine.complete(step, end)
-    assert later.token_times == [end]
+
+    step = engine.schedule(end)
+    assert [request for request, _ in step.chunks] == [later] and later.num_cached == 16
+    assert step.cache_offload_s == step.cache_load_s == 0.0   # nothing to reload, nothing in flight
+    engine.complete(step, end + engine.seconds(step))
+    assert later.token_times == [pytest.approx(3.0 + NODE / 2e3 + 0.5)]
+
+
+def test_a_turn_holding_a_node_prefetched_by_a_step_that_computed_nothing_waits_for_it():
+    """A step that computes nothing takes no time here (the native engine copies its prefetches at
+    once, flush_loads): a later step holding the node waits before it computes until it lands."""
+    links = CacheLinks(out_bytes_per_s=1e3, in_bytes_per_s=2e3)
+    links.at(3.0)
+    links.copied("prefetch", NODE, ["d"])
+    links.at(3.0)   # the step that prefetched computed nothing
+    assert links.waits(["d"]) == (pytest.approx(NODE / 2e3), 0.0)
+    assert links.waits(["a"]) == (0.0, 0.0)
+    links.at(3.0 + NODE / 2e3)
+    assert links.waits(["d"]) == (0.0, 0.0) and links.landing == {}
 
 
 def test_a_reload_starts_once_the_out_link_has_copied_what_was_queued_before_it():

@@ -78,9 +78,11 @@ class BlockManager(BlockAccounting, PrefixCache, CacheTiers, BlockGrowth, BlockS
         # CaR III-C.1: with `layerwise_reload` (an engine whose runner loads layer by layer), a reload
         # at a request's turn gives the nodes their device blocks now and copies into them inside the
         # next step, each layer before its attention; until then a node stays pinned, with its cxl
-        # blocks, in `pending_loads`.
+        # blocks, in `pending_loads`. A prefetch (III-B.2) likewise, in `pending_prefetches`: copied
+        # under the next step's compute, which no attention waits for.
         self.layerwise_reload = False
         self.pending_loads: list[tuple[CachedNode, list[int]]] = []
+        self.pending_prefetches: list[tuple[CachedNode, list[int]]] = []
         self.swap_curves: SwapCurves | None = None  # profiled at start (swap_profile.py), for the policies
         self.prefill_cost: PrefillCost | None = None  # profiled at start (layer_profile.py), for LayerKV
         self.offload_cost: OffloadCost | None = None

@@ -15,13 +15,15 @@ from kvmesh.policies.cache.replacement import UNCLAIMED_SCORE, victims
 from kvmesh.policies.cache.sparsify import kept_slots
 
 from .kv_pool import KVPool
+from .layer_staging import Copy, NodeLoads
 
 
 class CacheTiers(NodeTable):
     """Reads `policies` (the cache policy), `cache_cxl`, `high_water`, `keep_tokens`, `pools`,
     `num_layers`, `block_size` and `copy`; writes the nodes (tier, blocks, score, sparsified),
     `cached`, `evictable`, `_idle`, `_named`, the pools' blocks and masks, `moved_nodes`,
-    `moved_bytes`, `pending_loads` and `cache_changes`. Pins and lets go of nodes through NodeTable."""
+    `moved_bytes`, `pending_loads`, `pending_prefetches` and `cache_changes`. Pins and lets go of
+    nodes through NodeTable."""
 
     def offload_idle(self) -> int:
         """CaR III-C.2: with more than `high_water` of the device tier in use, move idle nodes no live
@@ -133,41 +135,51 @@ class CacheTiers(NodeTable):
         changes, self.cache_changes = self.cache_changes or {}, {}
         return [n for n in changes.values() if n is not None], [i for i, n in changes.items() if n is None]
 
-    def _defer(self, nodes: list[CachedNode], fresh: list[int]) -> None:
+    def _defer(self, nodes: list[CachedNode], fresh: list[int], prefetch: bool = False) -> None:
         """Give pinned cxl nodes their device blocks `fresh` now, the copy into them left to the step
-        (layer_loads); each stays pinned, its cxl blocks kept, until loads_done."""
+        (layer_loads; with `prefetch`, among the copies no attention waits for); each stays pinned,
+        its cxl blocks kept, until loads_done."""
         cxl = self.pools["cxl"]
+        pending = self.pending_prefetches if prefetch else self.pending_loads
         for i, node in enumerate(nodes):
             blocks = fresh[i * self.num_layers:(i + 1) * self.num_layers]
-            self.pending_loads.append((node, node.blocks))
+            pending.append((node, node.blocks))
             self.moved_bytes["device"] += self._kv_bytes(cxl, node.blocks)
             if self.device.valid is not None:   # masks now: the step's attention reads them from its start
                 self.device.take_masks(cxl, node.blocks, blocks)
             self._rehome(node, self.device, blocks)
             self._pin(node)
 
-    def layer_loads(self) -> list[tuple[KVPool, list[int], KVPool, list[int]]] | None:
-        """The pending reloads as one copy a layer (cxl pool and blocks, device pool and blocks);
-        None when there are none."""
-        if not self.pending_loads:
+    def layer_loads(self) -> NodeLoads | None:
+        """The pending reloads and prefetches, each as one copy a layer; None when there are none."""
+        if not self.pending_loads and not self.pending_prefetches:
             return None
+        return NodeLoads(self._by_layer(self.pending_loads), self._by_layer(self.pending_prefetches))
+
+    def _by_layer(self, pending: list[tuple[CachedNode, list[int]]]) -> list[Copy]:
+        """One copy a layer (cxl pool and blocks, device pool and blocks) of `pending`'s nodes; none
+        when it is empty."""
+        if not pending:
+            return []
         cxl = self.pools["cxl"]
-        return [(cxl, [sources[layer] for _, sources in self.pending_loads], self.device,
-                 [node.blocks[layer] for node, _ in self.pending_loads]) for layer in range(self.num_layers)]
+        return [(cxl, [sources[layer] for _, sources in pending], self.device,
+                 [node.blocks[layer] for node, _ in pending]) for layer in range(self.num_layers)]
 
     def loads_done(self) -> None:
-        """The step copied every pending reload: free their cxl blocks and unpin the nodes."""
-        for node, sources in self.pending_loads:
+        """The step copied every pending reload and prefetch: free their cxl blocks and unpin the nodes."""
+        for node, sources in [*self.pending_loads, *self.pending_prefetches]:
             for block in sources:
                 self._named["cxl"].discard(block)
                 self.pools["cxl"].release(block)
             self._let_go(node.node_id)
-        self.pending_loads = []
+        self.pending_loads, self.pending_prefetches = [], []
 
     def flush_loads(self) -> None:
-        """Copy every pending reload now (a step that runs no model), then as loads_done."""
-        for copy in self.layer_loads() or []:
-            self.copy(*copy)
+        """Copy every pending reload and prefetch now (a step that runs no model), then as loads_done."""
+        loads = self.layer_loads()
+        if loads is not None:
+            for copy in [*loads.reloads, *loads.prefetches]:
+                self.copy(*copy)
         self.loads_done()
 
     def _drop_node(self, node: CachedNode) -> None:

@@ -161,18 +161,35 @@ class StagedStep:
         self._loads, self._writes = {}, []
 
 
+@dataclass(frozen=True)
+class NodeLoads:
+    """A step's copies of prefix-cache nodes from the cxl tier into the device pool, one a layer:
+    `reloads`, the nodes of requests the step runs (their turn, III-C.1), and `prefetches`, the nodes
+    the prefetcher gave device blocks for requests still waiting (III-B.2), which no attention of
+    the step reads. Either may be empty."""
+
+    reloads: list[Copy]
+    prefetches: list[Copy]
+
+
 class LayerLoads:
     """CaR III-C.1: a step's reloads of prefix-cache nodes, layer by layer, each layer's copy done
     before that layer's attention. On a GPU (or a copy thread) every layer's copy starts with the
     step, in layer order, and a layer waits only for its own: later layers load while earlier ones
-    compute. Inline on a CPU, each layer copies right before its attention."""
+    compute. Inline on a CPU, each layer copies right before its attention. The step's prefetches
+    (III-B.2) go after the reloads on the same copier, waited for by no attention, only by `finish`:
+    under the step's compute on a GPU or a copy thread, after it inline."""
 
-    def __init__(self, side: SideCopies, copies: list[Copy]):
-        self.side, self.copies = side, copies
+    def __init__(self, side: SideCopies, loads: NodeLoads):
+        self.side, self.copies, self.prefetches = side, loads.reloads, loads.prefetches
         eager = side.stream is not None or side.worker is not None
-        self._handles = [side.start([copy]) for copy in copies] if eager else [None] * len(copies)
+        self._handles = [side.start([copy]) if eager else None for copy in self.copies]
+        self._prefetching = side.start(self.prefetches) if eager and self.prefetches else None
 
     def wrap(self, attention: Callable) -> Callable:
+        if not self.copies:
+            return attention
+
         def loaded(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if self._handles[layer] is None:
                 self._handles[layer] = self.side.start([self.copies[layer]])
@@ -181,9 +198,12 @@ class LayerLoads:
         return loaded
 
     def finish(self) -> None:
-        """Wait for every layer's copy (those of layers the step never reached are started now)."""
+        """Wait for every layer's copy (those of layers the step never reached, and the prefetches
+        inline, are started now)."""
         for layer, handle in enumerate(self._handles):
             self.side.settle(handle if handle is not None else self.side.start([self.copies[layer]]))
+        if self.prefetches:
+            self.side.settle(self._prefetching if self._prefetching is not None else self.side.start(self.prefetches))
 
 
 class LayerStaging:

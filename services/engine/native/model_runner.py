@@ -20,7 +20,7 @@ from kvmesh.policies.iteration import ScheduledChunk
 from .attention import StepAttention
 from .attention.fused import padded_rows
 from .kv_pool import KVPool
-from .layer_staging import Copy, LayerLoads, LayerStaging, SideCopies
+from .layer_staging import LayerLoads, LayerStaging, NodeLoads, SideCopies
 from .request import Request
 from .token_scores import ScoreProbe
 
@@ -32,7 +32,7 @@ class ModelRunner:
         self.model, self.pool, self.num_layers = model, pool, num_layers
         self.probe = probe  # CaR III-D: scores the tokens that observation queries attend to
         self.staging = staging  # LayerKV: where layers whose KV is in the cxl tier are computed
-        self.reload_side = reload_side  # CaR: what copies reloaded prefix-cache nodes in, layer by layer
+        self.reload_side = reload_side  # CaR: what copies reloaded and prefetched prefix-cache nodes in
         self.block_size = pool.shape.block_size
         self.scale = head_dim ** -0.5
         self.device = pool.tensor.device
@@ -40,11 +40,12 @@ class ModelRunner:
         self._tables: tuple[list[np.ndarray], np.ndarray] = ([], np.zeros(0))  # last step's rows and tables
 
     @torch.inference_mode()
-    def run(self, chunks: Sequence[ScheduledChunk], reloads: list[Copy] | None = None,
+    def run(self, chunks: Sequence[ScheduledChunk], loads: NodeLoads | None = None,
             staging: tuple[list[int], list[int]] = ([], []),
             after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Compute every chunk; logits [n, vocab] (float32) of the chunks that sample, in order.
-        `reloads`: one copy a layer into the device pool, each made before that layer's attention;
+        `loads`: the prefix-cache nodes copied into the device pool (its reloads each layer before
+        that layer's attention, its prefetches under the step);
         `staging`: the device blocks lent for the step's staging area, its two halves (LayerKV);
         `after_layer`: called with each layer's index once its KV is written (push mode)."""
         requests = [c.request for c in chunks]
@@ -78,8 +79,8 @@ class ModelRunner:
         around = []   # the copies each layer's attention waits for, and their ends
         if staged is not None:
             attention, around = staged.wrap(attention), [staged]
-        if reloads is not None:
-            loading = LayerLoads(self.reload_side, reloads)
+        if loads is not None:
+            loading = LayerLoads(self.reload_side, loads)
             attention, around = loading.wrap(attention), [loading, *around]
         # A prompt's rows take the dense weights however few the step computes (a prefix-cache hit
         # leaves a short tail), so its KV and first token do not depend on what was cached.

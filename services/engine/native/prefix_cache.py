@@ -41,7 +41,8 @@ class PrefixCache(NodeTable):
         attach_prefix calls it at a request's turn (`layerwise`: the copies wait for the step, see
         pending_loads); the prefetcher ahead of it, `spare_only`: then the room comes only from free
         blocks and idle nodes no live request will use (UNCLAIMED_SCORE), so one window request's
-        prefetch never pushes out another's."""
+        prefetch never pushes out another's (and with `layerwise` the step copies them under its
+        compute, waited for by no attention: pending_prefetches)."""
         cold = [n for n in nodes if n.tier != "device"]
         if not cold:
             return 0
@@ -55,7 +56,7 @@ class PrefixCache(NodeTable):
             cold = cold[:fit]
             fresh = self._take(fit * self.num_layers, max_score=max_score)
             if layerwise:
-                self._defer(cold, fresh)
+                self._defer(cold, fresh, prefetch=spare_only)
             else:
                 self._move(cold, self.device, fresh)
         finally:
