@@ -49,9 +49,16 @@ def wait_for(predicate, timeout: float = 30.0):
 SERVICES = ["redis", "kvmeta", "predictor", "scheduler", "engine-p0", "engine-d0", "admission"]
 
 
+def ports() -> dict[str, str]:
+    """0 for the services whose sockets the launcher binds itself (at once: a port picked here and
+    bound later can be taken meanwhile by another test's process); engines bind their own, from a
+    free base port up."""
+    return {**{f"KVMESH_{name}_PORT": "0" for name in ("KVMETA", "PREDICTOR", "SCHEDULER", "ADMISSION")},
+            "KVMESH_ENGINE_PORT": str(free_port())}
+
+
 def launch(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    env = {**os.environ, "KVMESH_ENGINE_TORCH_THREADS": "1", **(env or {}),
-           **{f"KVMESH_{name}_PORT": str(free_port()) for name in ("KVMETA", "PREDICTOR", "SCHEDULER", "ADMISSION", "ENGINE")}}
+    env = {**os.environ, "KVMESH_ENGINE_TORCH_THREADS": "1", **(env or {}), **ports()}
     return subprocess.Popen([sys.executable, "-m", "kvmesh", "up", "--run-dir", str(run_dir), "--exit-with-parent", *args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -298,8 +305,7 @@ def test_taken_port_is_a_clear_error(tmp_path: Path):
 def test_exit_with_parent_stops_the_cluster_when_its_starter_dies(tmp_path: Path):
     """A test or benchmark killed midway (a timeout's SIGKILL) leaves no cluster running behind it."""
     run_dir = tmp_path / "run"
-    env = {**os.environ, "KVMESH_ENGINE_TORCH_THREADS": "1",
-           **{f"KVMESH_{name}_PORT": str(free_port()) for name in ("KVMETA", "PREDICTOR", "SCHEDULER", "ADMISSION", "ENGINE")}}
+    env = {**os.environ, "KVMESH_ENGINE_TORCH_THREADS": "1", **ports()}
     up = [sys.executable, "-m", "kvmesh", "up", "--run-dir", str(run_dir), "--colocated", "--model", "tiny",
           "--exit-with-parent"]
     starter = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
