@@ -21,7 +21,8 @@ def trace_phases(frame: Frame, engine_id: str, role: str) -> None:
     usage = frame.usage
     common = {"kvmesh.request_id": frame.request_id, "kvmesh.engine": engine_id,
               "kvmesh.prompt_tokens": usage.prompt_tokens if usage else 0,
-              "kvmesh.cached_tokens": usage.cached_tokens if usage else 0}
+              "kvmesh.cached_tokens": usage.cached_tokens if usage else 0,
+              "kvmesh.completion_tokens": usage.completion_tokens if usage else 0}  # this engine's, of the request
     error = f"finished with {frame.finish_reason}" if frame.finish_reason in ("abort", "error") else None
     end = timings.finished or timings.arrival
     if timings.transfer is not None:  # decode role, pulled

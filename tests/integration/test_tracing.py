@@ -102,7 +102,13 @@ async def test_a_request_is_one_trace_across_every_service(traced):
     assert transfer["kvmesh.bytes"] > 0 and 0 < transfer["kvmesh.reads_posted"] <= transfer["kvmesh.pieces"]
     assert transfer["kvmesh.backend"] == "tcp" and transfer["kvmesh.gbps"] > 0
     facts = root["attributes"]
-    assert facts["kvmesh.completion_tokens"] == 6 and facts["kvmesh.finish_reason"] == "length"
+    # each hop's count of the 6 tokens, so that a token lost on the way says where
+    made = {name: one(spans, name)["attributes"]["kvmesh.completion_tokens"]
+            for name in ("prefill.compute", "decode.compute")}
+    counts = {"engines": made, "relayed": facts["kvmesh.completion_tokens"], "answered": reply.usage.completion_tokens,
+              "finish": (facts["kvmesh.finish_reason"], reply.choices[0].finish_reason)}
+    assert made == {"prefill.compute": 1, "decode.compute": 5} and counts["relayed"] == counts["answered"] == 6, counts
+    assert facts["kvmesh.finish_reason"] == "length"
     assert facts["kvmesh.transfer_mode"] == "pull" and facts["kvmesh.prefill_engine"] == "engine-p0"
     assert len(facts["kvmesh.tbt_ms"]) == 5 and 0 < facts["kvmesh.ttft_ms"] <= facts["kvmesh.e2e_ms"]
     assert all(s["status"] != "ERROR" for s in spans)
