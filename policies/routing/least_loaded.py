@@ -4,6 +4,7 @@ the fewest running requests (then the smallest id, so a pick is always reproduci
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 from .roles import choose
 from .table import EngineTable, load_key
@@ -28,8 +29,15 @@ def _from_table(table: EngineTable) -> RouteDecision | None:
     one KV layout: every prefill engine pairs with every decode engine)."""
     prefill, decode = table.least("prefill"), table.least("decode")
     if prefill is not None and decode is not None:
-        return RouteDecision(prefill=prefill.id, decode=decode.id, cached_blocks=prefill.cached_blocks)
+        return _decision(prefill.id, decode.id, None, prefill.cached_blocks)
     engine = table.least("both")
     if engine is None:  # a pair's surviving side
         engine = min((e for e in (prefill, decode) if e is not None), key=load_key, default=None)
-    return None if engine is None else RouteDecision(engine=engine.id, cached_blocks=engine.cached_blocks)
+    return None if engine is None else _decision(None, None, engine.id, engine.cached_blocks)
+
+
+@lru_cache(maxsize=4096)
+def _decision(prefill: str | None, decode: str | None, engine: str | None, cached_blocks: int) -> RouteDecision:
+    """A decision is frozen: one serves every route that makes it (the table answers for every route
+    of a simulated cluster, where building it was a tenth of the route)."""
+    return RouteDecision(prefill, decode, engine, cached_blocks)

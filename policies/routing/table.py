@@ -30,8 +30,9 @@ class EngineTable(Sequence[EngineView]):
         self._views = list(views)
         self._slots = {view.id: i for i, view in enumerate(self._views)}
         self._keys = {view.id: load_key(view) for view in self._views}  # each engine's, as its view has it now
-        self._models = {view.model for view in self._views}
-        self._layouts = {view.kv_layout for view in self._views}
+        # The one model every engine serves when they share one KV layout (else none): what `indexes` asks.
+        models = {view.model for view in self._views}
+        self._indexed = models if len(models) == 1 and len({view.kv_layout for view in self._views}) == 1 else set()
         self._heaps: dict[str, list[tuple[int, int, int, str]]] = {}
         for view in self._views:
             self._heaps.setdefault(view.role, []).append(self._keys[view.id])
@@ -61,7 +62,7 @@ class EngineTable(Sequence[EngineView]):
 
     def indexes(self, query: RouteQuery) -> bool:
         """Whether `least` answers for this query as a scan of the engines would."""
-        return not query.exclude and self._models == {query.model} and len(self._layouts) == 1
+        return not query.exclude and query.model in self._indexed
 
     def least(self, role: str) -> EngineView | None:
         """The least loaded engine of `role` (by load_key), or None without one."""
