@@ -43,7 +43,7 @@ from kvmesh.policies.views import blocks_for
 from . import decode_run
 from .decode_run import DecodeRun
 from .engine import EngineSpec, SimEngine, Step
-from .events import EventQueue
+from .events import EventQueue, collector_paused
 from .link import KVGeometry, LinkSpec, pull, push
 from .prefix_count import PrefixCount
 from .request import SimRequest
@@ -104,6 +104,7 @@ class Cluster:
         self.routing = routing
         self.route = registry.resolve(routing)
         self.routing_state = RoutingState()
+        self.queries: dict[int, RouteQuery] = {}  # by prompt length: a query is frozen, one serves every arrival
         self.link, self.geometry = link, geometry
         self.links: dict[str, SharedLink] = {}  # prefill engine -> its link
         self.handoffs: dict[str, Handoff] = {}
@@ -113,6 +114,10 @@ class Cluster:
         an engine can never hold stays unfinished (its finished_at None). `routed`, if given, is
         called with each request once it is routed and handed to its engine (bench sim_scale times
         the arrival window with it)."""
+        with collector_paused():
+            return self._play(requests, routed)
+
+    def _play(self, requests: Iterable[SimRequest], routed: Callable[[SimRequest], None] | None) -> float:
         self.events = events = EventQueue()
         self.reported_at = None
         events.schedule_all(ARRIVAL, ((request.arrival, request) for request in requests))
@@ -143,8 +148,10 @@ class Cluster:
 
     def _arrive(self, request: SimRequest) -> list[str]:
         """Route it, as the scheduler does, and hand it (or its prefill part) to its engine."""
-        decision, self.routing_state = self.route(RouteQuery(MODEL, request.prompt_len),
-                                                  self._cached(request, self._views(request.arrival)),
+        query = self.queries.get(request.prompt_len)
+        if query is None:
+            query = self.queries[request.prompt_len] = RouteQuery(MODEL, request.prompt_len)
+        decision, self.routing_state = self.route(query, self._cached(request, self._views(request.arrival)),
                                                   self.routing_state)
         if decision is None:
             raise RuntimeError(f"routing policy {self.routing!r} found no engine for {request.request_id}")
@@ -387,11 +394,11 @@ class Cluster:
                                    cached_device_blocks=sum(node.tier == "device" for node in nodes))
         return views
 
-    def _view(self, engine_id: str) -> EngineView:
-        member = self.members[engine_id]
+    @staticmethod
+    def _view(engine_id: str, member: Member) -> EngineView:
         spec, report = member.engine.spec, member.report
         load = EngineLoad(max(0, report.free_device_blocks - member.routed_blocks), report.total_device_blocks,
-                          report.waiting + member.routed, report.running)
+                          report.waiting + member.routed, report.running) if member.routed else report
         # Positionally, no prefix cached (0, None): built at every route, where keywords cost it a third more.
         return EngineView(engine_id, member.role, MODEL, load, spec.block_size, 0, None,
                           (spec.block_size, spec.num_layers))
@@ -399,6 +406,7 @@ class Cluster:
     def _report(self, now: float) -> None:
         """The engines' heartbeats, every `heartbeat_s` from 0, all at once: each new report replaces
         an engine's last and the routes counted since it."""
+        views = []
         for engine_id, member in self.members.items():
             engine, run = member.engine, member.run
             if run is None:
@@ -409,7 +417,8 @@ class Cluster:
                 self._ended(ended, engine_id)
             member.report = EngineLoad(free, engine.spec.device_blocks, waiting, running)
             member.routed = member.routed_blocks = 0
-        self.table.reset(self._view(engine_id) for engine_id in self.members)
+            views.append(self._view(engine_id, member))
+        self.table.reset(views)
         self.reported_at = now - (now % self.heartbeat_s if self.heartbeat_s > 0 else 0.0)
 
     def _routed(self, engine_id: str, prompt_tokens: int) -> None:
@@ -417,7 +426,7 @@ class Cluster:
         spec = member.engine.spec
         member.routed += 1
         member.routed_blocks += blocks_for(prompt_tokens, spec.block_size) * spec.num_layers
-        self.table.update(self._view(engine_id))
+        self.table.update(self._view(engine_id, member))
 
 
 def build(topology: Topology, spec: EngineSpec, cost: StepCost, policies: Mapping[str, str] | None = None,

@@ -1,8 +1,10 @@
 """The event core: time order, ties in scheduling order, a clock that only moves forward."""
 
+import gc
+
 import pytest
 
-from kvmesh.sim.events import EventQueue
+from kvmesh.sim.events import EventQueue, collector_paused
 
 
 def test_events_come_out_in_time_order_and_ties_in_scheduling_order():
@@ -39,3 +41,30 @@ def test_events_scheduled_all_at_once_interleave_with_the_others_by_time_then_sc
                     (2.0, "arrival", "c"), (2.0, "after c", None)]
     with pytest.raises(ValueError):
         events.schedule_all("late", [(1.5, None)])
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_collector_is_off_in_a_paused_block_and_as_it_was_after_with_what_it_made_in_the_oldest_generation(
+        enabled):
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+            made = [[i] for i in range(5000)]
+        assert gc.isenabled() == enabled
+        assert gc.get_count()[0] < 5000 and gc.get_freeze_count() == 0
+        assert all(gc.is_tracked(item) for item in made)  # still the collector's to read, in a full collection
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+def test_a_paused_block_leaves_objects_someone_else_froze_frozen():
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with collector_paused():
+            [[i] for i in range(100)]
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
