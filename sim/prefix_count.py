@@ -46,7 +46,7 @@ class PrefixCount(NodeTable, BlockCount):
         self.cached: dict[str, CachedNode] = {}
         self.evictable: dict[str, CachedNode] = {}
         self._idle = {tier: EvictionQueue(cache_policy) for tier in totals}
-        self.pending_loads: list[CachedNode] = []  # reloaded at a turn: pinned, cxl blocks kept, until loads_done
+        self.pending_loads: list[CachedNode] = []  # reloaded or prefetched: pinned, cxl blocks kept, until loads_done
         self.hit_tokens = 0
         self.lookup_blocks = 0
         self.hit_blocks: Counter = Counter()   # found, by the tier they were found in
@@ -157,6 +157,8 @@ class PrefixCount(NodeTable, BlockCount):
         if not cold:
             return 0
         max_score = UNCLAIMED_SCORE if spare_only else None
+        if spare_only and self.free_blocks["device"] < self.num_layers and not self._unclaimed_idle(nodes):
+            return 0   # as PrefixCache.reload: no room spare, no pins to undo
         for node in nodes:
             self._pin(node)
         spare = self.free("device") if max_score is None else self.free_blocks["device"] + self.num_layers * sum(
@@ -175,8 +177,15 @@ class PrefixCount(NodeTable, BlockCount):
             self._let_go(node.node_id)
         return len(cold)
 
+    def _unclaimed_idle(self, nodes: Sequence[CachedNode]) -> bool:
+        """As PrefixCache._unclaimed_idle: an idle device node scored at most UNCLAIMED_SCORE, not among `nodes`."""
+        own = {node.node_id for node in nodes}
+        return any(n.tier == "device" and n.score <= UNCLAIMED_SCORE and n.node_id not in own
+                   for n in self.evictable.values())
+
     def loads_done(self) -> None:
-        """The step has copied every reload of its turn: their cxl blocks are free, the nodes let go."""
+        """The step has copied every reload and prefetch begun with it: their cxl blocks are free, the
+        nodes let go."""
         for node in self.pending_loads:
             self.free_blocks["cxl"] += self.num_layers
             self._let_go(node.node_id)

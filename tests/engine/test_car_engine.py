@@ -188,6 +188,7 @@ def test_a_prefetch_uses_only_room_no_live_request_will_reuse(tiny_checkpoint):
     for node in wanted:
         node.score = 1                                      # as if a window request will reuse them
     assert blocks.reload(cold, spare_only=True) == 1        # the free block only
+    assert blocks.reload(cold, spare_only=True) == 0        # then none: the idle nodes left are claimed or its own
     assert all(n.tier == "device" for n in wanted)
     assert blocks.reload(cold) == 3                         # at the request's turn: whatever room it takes
     for node in wanted:

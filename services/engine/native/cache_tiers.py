@@ -89,6 +89,8 @@ class CacheTiers(NodeTable):
 
     def _kv_bytes(self, pool: KVPool, blocks: list[int]) -> int:
         """The bytes of KV `blocks` of `pool` hold: whole blocks, but only the kept slots of sparsified ones."""
+        if not pool.sparse:   # the prefetcher asks it of every waiting turn's cxl nodes each step
+            return len(blocks) * pool.shape.bytes
         tokens = sum(pool.sparse.get(block, self.block_size) for block in blocks)
         return tokens * (pool.shape.bytes // self.block_size)
 
