@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 
 from kvmesh.policies.routing import registry
 from kvmesh.policies.routing.table import EngineTable
-from kvmesh.policies.routing.views import EngineLoad, EngineView, RouteQuery, RoutingState
+from kvmesh.policies.routing.views import EngineLoad, EngineView, RouteQuery, RoutingState, build_load, build_view
 from kvmesh.policies.views import blocks_for
 
 from . import decode_run
@@ -397,10 +397,10 @@ class Cluster:
     @staticmethod
     def _view(engine_id: str, member: Member) -> EngineView:
         spec, report = member.engine.spec, member.report
-        load = EngineLoad(max(0, report.free_device_blocks - member.routed_blocks), report.total_device_blocks,
+        load = build_load(max(0, report.free_device_blocks - member.routed_blocks), report.total_device_blocks,
                           report.waiting + member.routed, report.running) if member.routed else report
-        # Positionally, no prefix cached (0, None): built at every route, where keywords cost it a third more.
-        return EngineView(engine_id, member.role, MODEL, load, spec.block_size, 0, None,
+        # No prefix cached (0, None); built at every route, slot by slot (views.slot_builder).
+        return build_view(engine_id, member.role, MODEL, load, spec.block_size, 0, None,
                           (spec.block_size, spec.num_layers))
 
     def _report(self, now: float) -> None:
@@ -415,7 +415,7 @@ class Cluster:
                 steps = run.in_progress(self.events.now)
                 ended, free, waiting, running = decode_run.report(engine, run, steps, steps - 1)
                 self._ended(ended, engine_id)
-            member.report = EngineLoad(free, engine.spec.device_blocks, waiting, running)
+            member.report = build_load(free, engine.spec.device_blocks, waiting, running)
             member.routed = member.routed_blocks = 0
             views.append(self._view(engine_id, member))
         self.table.reset(views)
