@@ -178,6 +178,7 @@ class DecodeRun:
         if j >= self.limit or scheduler.policies.prefill_admission is not fcfs or request.hold_kv or \
                 request.awaits_kv or not engine.fits(request) or not scheduler.chunked_prefill:
             return False
+        self._restart(j)  # costed again from step j whether it joins or not (the next read, if not)
         decodes, (prompts, pairs, joining) = self._decodes(j), self.prefills.get(j, (0, 0, 0))
         prompt, stop = request.prompt_len, j + request.max_tokens
         blocks = blocks_for(prompt + min(self.limit, stop) - j - 1, spec.block_size) * spec.num_layers
@@ -186,7 +187,6 @@ class DecodeRun:
             return False
         scheduler.add(request)  # it fits: engine.add's check, made above
         self.slack -= blocks
-        self._restart(j)
         base = prompt - j  # its first decode, at j + 1, reads the prompt and its first token
         self.add(request, j, stop, base)
         self.entering.append((j + 1, base))  # after those before it: none joins at an earlier step
@@ -196,9 +196,15 @@ class DecodeRun:
         return True
 
     def _decodes(self, j: int) -> int:
-        """The requests decoding at step `j`, as `extend` counts them, without costing it (a join costs
-        the steps from its own on again)."""
-        return self._planned + bisect_left(self.entering, (j + 1,)) - bisect_left(self.leaving, (j + 1,))
+        """The requests decoding at step `j`, the next to cost, as `extend` counts them, without costing
+        it (a join costs the steps from its own on again): the batch before it, with those that enter
+        and leave at it (a step's worth of the lists at most, not a search of them)."""
+        entering, leaving, entered, gone = self.entering, self.leaving, self._entered, self._gone
+        while entered < len(entering) and entering[entered][0] <= j:
+            entered += 1
+        while leaving[gone][0] <= j:
+            gone += 1
+        return self._planned + entered - gone
 
     def _restart(self, steps: int) -> None:
         """Forget the steps costed from `steps` on, to cost them again: the batch goes back to what it
