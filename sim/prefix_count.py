@@ -157,12 +157,12 @@ class PrefixCount(NodeTable, BlockCount):
         if not cold:
             return 0
         max_score = UNCLAIMED_SCORE if spare_only else None
-        if spare_only and self.free_blocks["device"] < self.num_layers and not self._unclaimed_idle(nodes):
+        if spare_only and self.free_blocks["device"] < self.num_layers and not self.idle_device_nodes(max_score, nodes):
             return 0   # as PrefixCache.reload: no room spare, no pins to undo
         for node in nodes:
             self._pin(node)
-        spare = self.free("device") if max_score is None else self.free_blocks["device"] + self.num_layers * sum(
-            n.tier == "device" and n.score <= max_score for n in self.evictable.values())
+        spare = self.free("device") if max_score is None else (
+            self.free_blocks["device"] + self.num_layers * self.idle_device_nodes(max_score))
         cold = cold[:min(len(cold), spare // self.num_layers)]
         self._take(len(cold) * self.num_layers, "device", max_score)
         self._copied("prefetch" if spare_only else "load", cold)
@@ -176,12 +176,6 @@ class PrefixCount(NodeTable, BlockCount):
         for node in nodes:
             self._let_go(node.node_id)
         return len(cold)
-
-    def _unclaimed_idle(self, nodes: Sequence[CachedNode]) -> bool:
-        """As PrefixCache._unclaimed_idle: an idle device node scored at most UNCLAIMED_SCORE, not among `nodes`."""
-        own = {node.node_id for node in nodes}
-        return any(n.tier == "device" and n.score <= UNCLAIMED_SCORE and n.node_id not in own
-                   for n in self.evictable.values())
 
     def loads_done(self) -> None:
         """The step has copied every reload and prefetch begun with it: their cxl blocks are free, the

@@ -34,6 +34,13 @@ class NodeTable:
     evictable: dict[str, CachedNode]
     _idle: dict[str, EvictionQueue]
 
+    def idle_device_nodes(self, max_score: float, excluding: Iterable[CachedNode] = ()) -> int:
+        """Idle device nodes scored at most `max_score`, not among `excluding`: the room a prefetch
+        (max_score UNCLAIMED_SCORE) may take from the cache without pushing out a node someone will use."""
+        own = {node.node_id for node in excluding}
+        return sum(n.tier == "device" and n.score <= max_score and n.node_id not in own
+                   for n in self.evictable.values())
+
     def add_score(self, request, nodes: Iterable[CachedNode], amount: int) -> None:
         """Add to the nodes' scores on the request's behalf (CaR III-B.3: it entered the window,
         or was sent to run); forget_scores takes it all back when the request ends."""

@@ -8,6 +8,7 @@ import pytest
 
 from kvmesh.policies.cache import car, lru
 from kvmesh.policies.cache.node_table import PrefixHit
+from kvmesh.policies.cache.replacement import UNCLAIMED_SCORE
 from kvmesh.sim.engine import EngineSpec, SimEngine
 from kvmesh.sim.prefix_count import PrefixCount
 from kvmesh.sim.request import SimRequest
@@ -154,3 +155,18 @@ def test_the_engine_runs_the_cache_policy_hook_only_with_the_prefix_cache():
         EngineSpec(cxl_blocks=8, block_bytes=BYTES, cache_cxl=True)
     engine = SimEngine(EngineSpec(prefix_caching=True), StepCost(a=0.1, b=0.0, c=0.0), {"cache_policy": "car"})
     assert engine.blocks._idle["device"].rank is car
+
+
+def test_idle_device_nodes_count_what_a_prefetch_may_take():
+    """NodeTable.idle_device_nodes: idle device nodes scored at most the bound, others' not counted."""
+    blocks = count()
+    served(blocks, turn("t0", "abc", 12), now=1.0)   # three idle device nodes, unclaimed
+    a, b, c = (blocks.cached[name] for name in "abc")
+    assert blocks.idle_device_nodes(UNCLAIMED_SCORE) == 3
+    assert blocks.idle_device_nodes(UNCLAIMED_SCORE, excluding=[a, c]) == 1
+    waiting = turn("t1", "ab", 9)
+    blocks.add_score(waiting, [a], 5)                # claimed by a waiting turn: a prefetch may not take it
+    assert blocks.idle_device_nodes(UNCLAIMED_SCORE) == 2 and blocks.idle_device_nodes(5) == 3
+    held = turn("t2", "a", 5)
+    blocks.attach_prefix(held, now=2.0)              # held: no longer idle
+    assert blocks.idle_device_nodes(5) == 2 and b.refs == 0

@@ -47,13 +47,13 @@ class PrefixCache(NodeTable):
         if not cold:
             return 0
         max_score = UNCLAIMED_SCORE if spare_only else None
-        if spare_only and self.device.free_count < self.num_layers and not self._unclaimed_idle(nodes):
+        if spare_only and self.device.free_count < self.num_layers and not self.idle_device_nodes(max_score, nodes):
             return 0   # no room spare (most of the prefetcher's tries): no pins to undo, no re-ranking
         for node in nodes:   # pinned: the room made for them must not come from them
             self._pin(node)
         try:
-            spare = self.free("device") if max_score is None else self.device.free_count + self.num_layers * sum(
-                n.tier == "device" and n.score <= max_score for n in self.evictable.values())
+            spare = self.free("device") if max_score is None else (
+                self.device.free_count + self.num_layers * self.idle_device_nodes(max_score))
             fit = min(len(cold), spare // self.num_layers)
             cold = cold[:fit]
             fresh = self._take(fit * self.num_layers, max_score=max_score)
@@ -65,12 +65,6 @@ class PrefixCache(NodeTable):
             for node in nodes:
                 self._let_go(node.node_id)
         return len(cold)
-
-    def _unclaimed_idle(self, nodes: Sequence[CachedNode]) -> bool:
-        """Whether an idle device node no live request will use (UNCLAIMED_SCORE), not among `nodes`, is there."""
-        own = {node.node_id for node in nodes}
-        return any(n.tier == "device" and n.score <= UNCLAIMED_SCORE and n.node_id not in own
-                   for n in self.evictable.values())
 
     def commit(self, request: Request, now: float) -> None:
         """Offer the request's blocks that became full to the prefix cache. A block whose content
