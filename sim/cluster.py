@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 
 from kvmesh.policies.routing import registry
 from kvmesh.policies.routing.table import EngineTable
-from kvmesh.policies.routing.views import EngineLoad, EngineView, RouteQuery, RoutingState, build_load, build_view
+from kvmesh.policies.routing.views import EngineLoad, EngineView, RouteQuery, RoutingState
 from kvmesh.policies.views import blocks_for
 
 from . import decode_run
@@ -50,6 +50,7 @@ from .request import SimRequest
 from .shared_link import SharedLink
 from .step_cost import StepCost
 from .topology import Topology
+from .view_builders import build_load, build_view
 
 ARRIVAL, STEP_DONE, RUN_DONE, PULL_DONE, PUSH_DONE = "arrival", "step_done", "run_done", "pull_done", "push_done"
 TRANSFER_MODES = ("pull", "push")
@@ -399,7 +400,7 @@ class Cluster:
         spec, report = member.engine.spec, member.report
         load = build_load(max(0, report.free_device_blocks - member.routed_blocks), report.total_device_blocks,
                           report.waiting + member.routed, report.running) if member.routed else report
-        # No prefix cached (0, None); built at every route, slot by slot (views.slot_builder).
+        # No prefix cached (0, None); built at every route, slot by slot (view_builders.py).
         return build_view(engine_id, member.role, MODEL, load, spec.block_size, 0, None,
                           (spec.block_size, spec.num_layers))
 

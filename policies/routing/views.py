@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,21 +38,6 @@ class EngineView:
     def cached_cxl_blocks(self) -> int:
         """Of the cached blocks, those in the cxl tier: a reload away."""
         return 0 if self.cached_device_blocks is None else self.cached_blocks - self.cached_device_blocks
-
-
-def slot_builder(cls: type) -> Callable:
-    """A function that makes the frozen slots dataclass `cls` from all its fields, positionally: the
-    object `cls(...)` makes, each slot set through its own descriptor rather than object.__setattr__
-    (the frozen __init__'s way, which checks the type's bases for every field), at about half the cost.
-    Generated as dataclasses generates an __init__. For callers that build one at every route."""
-    names = [f.name for f in fields(cls)]
-    scope = {"new": object.__new__, "cls": cls} | {f"set_{name}": getattr(cls, name).__set__ for name in names}
-    body = "".join(f"    set_{name}(made, {name})\n" for name in names)
-    exec(f"def build({', '.join(names)}):\n    made = new(cls)\n{body}    return made\n", scope)
-    return scope["build"]
-
-
-build_load, build_view = slot_builder(EngineLoad), slot_builder(EngineView)
 
 
 @dataclass(frozen=True, slots=True)

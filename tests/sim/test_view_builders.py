@@ -1,4 +1,4 @@
-"""The views' slot builders (policies/routing/views.py) make the object the dataclass makes: equal,
+"""The views' slot builders (sim/view_builders.py) make the object the dataclass makes: equal,
 frozen, hashable alike, from all its fields in order, and no other count of them."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from kvmesh.policies.routing.views import EngineLoad, EngineView, RouteDecision, build_load, build_view, slot_builder
+from kvmesh.policies.routing.views import EngineLoad, EngineView, RouteDecision
+from kvmesh.sim.view_builders import build_load, build_view, slot_builder
 
 
 def test_a_built_view_is_the_view_its_dataclass_makes_and_as_frozen():
