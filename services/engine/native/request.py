@@ -33,7 +33,7 @@ class LayerBlocks:
     blocks: list[int] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(eq=False)  # one request is itself: the scheduler finds it in its queues by identity, as SimRequest
 class Request:
     request_id: str
     prompt_ids: list[int]
