@@ -13,9 +13,11 @@ With `prefix_caching` the count is prefix_count.py's: the prefix cache's nodes, 
 cache_policy hook, and with `cache_cxl` CaR's cxl tier of nodes and its Shuffled Window and
 prefetcher (policies/iteration/reuse.py, as the native engine runs them). Its copies go over
 cache_links.py's links, one each way: a step waits for its room and for the prefetches of the nodes
-its requests hold that have not landed, and its reloads at their turn run layer by layer under its
-compute (CaR III-C.1); the asynchronous offload past the high-water mark (III-C.2) and a prefetch
-hold their link, not a step. Without a cxl tier an evicted node is dropped: nothing is copied.
+its requests hold that have not landed; the copies in begun with it, its reloads at their turn
+(layer by layer, CaR III-C.1) and its prefetches (III-B.2), run under its compute, and it ends once
+they have landed, as the native engine settles them; the asynchronous offload past the high-water
+mark (III-C.2) holds its link, not a step. Without a cxl tier an evicted node is dropped: nothing is
+copied.
 
 For disaggregation (sim/cluster.py moves the KV): a request with `hold_kv` keeps its blocks when it
 ends, until `release_held`; one with `kv_elsewhere` is given blocks for that KV when admitted,
